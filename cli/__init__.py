@@ -1,0 +1,1 @@
+"""sess command-line interface."""

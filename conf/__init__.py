@@ -1,0 +1,1 @@
+"""sess Hydra configuration groups."""

@@ -1,0 +1,1 @@
+"""sess engine and SDK."""

@@ -1,0 +1,1 @@
+"""sess client-side loops."""
