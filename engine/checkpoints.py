@@ -1,0 +1,151 @@
+"""Checkpoints on disk: PEFT adapters, optimizer state and merged models, all safetensors + JSON.
+
+A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
+``<home>/checkpoints/<session>/<kind>/<name>/``. Kinds:
+
+- ``weights``: a PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``) for sampling;
+- ``merged``: a transformers model directory with the adapter folded in (the adapter it came from
+  is kept under ``adapter/``, so the engine can sample from it cheaply);
+- ``state``: the adapter plus AdamW moments (``optimizer.safetensors``) and ``state.json``.
+
+Every directory is written through :func:`sess.engine.paths.atomic_dir`; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .paths import atomic_dir
+from .types import InvalidRequest, NotFound
+
+KINDS = ("weights", "merged", "state")
+_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    session: str
+    kind: str
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"sess://{self.session}/{self.kind}/{self.name}"
+
+    def directory(self, home: Path) -> Path:
+        return home / "checkpoints" / self.session / self.kind / self.name
+
+
+def check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _PART.match(value) or ".." in value:
+        raise InvalidRequest(
+            f"{what}: {value!r} is not a valid name (letters, digits, '.', '_', '-'; at most 128; no '..')"
+        )
+    return value
+
+
+def parse_path(path: str, *, field: str = "path") -> CheckpointRef:
+    """Parse ``sess://session/kind/name``; anything else (``..``, extra parts, other schemes) is refused."""
+    if not isinstance(path, str) or not path.startswith("sess://"):
+        raise InvalidRequest(
+            f"{field}: expected a sess://<session>/<kind>/<name> checkpoint path, got {path!r}"
+        )
+    parts = path[len("sess://") :].split("/")
+    if len(parts) != 3 or any(p in ("", ".", "..") for p in parts) or parts[1] not in KINDS:
+        raise InvalidRequest(f"{field}: {path!r} is not sess://<session>/<{'|'.join(KINDS)}>/<name>")
+    for part in (parts[0], parts[2]):
+        check_name(part, field)
+    return CheckpointRef(*parts)
+
+
+def write_adapter(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
+    """Write a PEFT-format adapter into an existing (temp) directory."""
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def read_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    if not (directory / "adapter_model.safetensors").exists():
+        raise NotFound(f"checkpoint {directory.name}: adapter files are missing")
+    state = load_file(str(directory / "adapter_model.safetensors"))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return state, config
+
+
+def save_weights(ref: CheckpointRef, home: Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        write_adapter(tmp, state, config)
+    return target
+
+
+def save_state(
+    ref: CheckpointRef,
+    home: Path,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict,
+    optimizer_tensors: dict[str, torch.Tensor],
+    meta: dict,
+) -> Path:
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        write_adapter(tmp, adapter_state, adapter_config)
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_tensors.items()}
+        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return target
+
+
+def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor], dict]:
+    if not (directory / "state.json").exists():
+        raise InvalidRequest(f"path: {directory.name} is not a state checkpoint (save it with save_state)")
+    adapter_state, adapter_config = read_adapter(directory)
+    optimizer = load_file(str(directory / "optimizer.safetensors"))
+    meta = json.loads((directory / "state.json").read_text())
+    return adapter_state, adapter_config, optimizer, meta
+
+
+def save_merged(
+    ref: CheckpointRef,
+    home: Path,
+    model_config,
+    merged_state: dict[str, torch.Tensor],
+    base_dir: Path,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict,
+) -> Path:
+    """A transformers directory: config.json, model.safetensors, tokenizer files, and adapter/."""
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        model_config.save_pretrained(tmp)
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in merged_state.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in TOKENIZER_FILES:
+            if (base_dir / name).exists():
+                shutil.copy2(base_dir / name, tmp / name)
+        (tmp / "adapter").mkdir()
+        write_adapter(tmp / "adapter", adapter_state, adapter_config)
+    return target
+
+
+def adapter_dir(ref: CheckpointRef, home: Path) -> Path:
+    """The directory holding the PEFT adapter of a checkpoint of any kind."""
+    directory = ref.directory(home)
+    if not directory.exists():
+        raise NotFound(f"checkpoint {ref.uri} not found")
+    return directory / "adapter" if ref.kind == "merged" else directory

@@ -1,0 +1,564 @@
+"""The model host: base models, per-session LoRA adapters with their AdamW state, and the ops.
+
+Every op is a method of :class:`Runtime` that takes plain data (wire dicts, ints, strings) and
+returns plain data, so the in-process transport, the HTTP server and torch.distributed ranks can all
+drive it the same way. The runtime is not thread-safe by design: one executor thread owns torch and
+calls it (see ``service.py``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoints as ckpt
+from .host import BaseHost
+from .losses import check_data, check_loss_fn, compute_loss
+from .models import ModelNotAvailable, list_models
+from .paths import sess_home
+from .sampler import sample as run_sampler
+from .types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    InvalidRequest,
+    NotFound,
+    SampleResponse,
+    SamplingParams,
+    SessError,
+    SessionStatus,
+    TensorData,
+    TrainingSessionSummary,
+    Usage,
+)
+
+LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on long batches
+
+
+@dataclass
+class Session:
+    name: str
+    owner: str
+    base_model: str
+    lora: dict
+    user_metadata: dict | None = None
+    status: SessionStatus = SessionStatus.Running
+    created: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.time)
+    step: int = 0
+    saves: int = 0
+    usage: Usage = field(default_factory=Usage)
+    optimizer: torch.optim.AdamW | None = None
+    params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return TrainingSessionSummary(
+            name=self.name,
+            base_model=self.base_model,
+            status=self.status,
+            created=self.created,
+            last_active=self.last_active,
+            step=self.step,
+            usage=self.usage,
+            user_metadata=self.user_metadata,
+            lora=self.lora,
+        ).to_wire()
+
+
+class Runtime:
+    def __init__(self, home: str | Path | None = None, device: str = "cpu"):
+        self.home = sess_home(home)
+        self.device = device
+        self.hosts: dict[str, BaseHost] = {}
+        self.sessions: dict[str, Session] = {}
+
+    # models ----------------------------------------------------------------------------------------
+    def host(self, base_model: str) -> BaseHost:
+        if not isinstance(base_model, str) or not base_model:
+            raise InvalidRequest(f"base_model: expected a model name, got {base_model!r}")
+        if base_model not in self.hosts:
+            try:
+                self.hosts[base_model] = BaseHost(base_model, self.home, self.device)
+            except ModelNotAvailable as exc:
+                raise NotFound(f"base_model: {exc}") from None
+        return self.hosts[base_model]
+
+    def list_base_models(self, owner: str) -> list[str]:
+        return sorted(set(list_models()) | set(self.hosts))
+
+    def tokenizer_files(self, owner: str, base_model: str) -> dict[str, str]:
+        path = self.host(base_model).path
+        return {n: (path / n).read_text() for n in ckpt.TOKENIZER_FILES if (path / n).exists()}
+
+    # sessions --------------------------------------------------------------------------------------
+    def session(self, owner: str, name: str, *, live: bool = True) -> Session:
+        session = self.sessions.get(name)
+        if session is None or session.owner != owner:
+            raise NotFound(f"session {name!r} not found")
+        if live and session.status != SessionStatus.Running:
+            raise InvalidRequest(
+                f"session {name!r} is {session.status.value}; resume it to continue", status=409
+            )
+        return session
+
+    def create_session(
+        self,
+        owner: str,
+        base_model: str,
+        *,
+        name: str | None = None,
+        rank: int = 32,
+        alpha: float = 64,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict | None = None,
+    ) -> dict:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 1024:
+            raise InvalidRequest(f"rank: expected an integer in 1..1024, got {rank!r}")
+        if not isinstance(alpha, int | float) or alpha <= 0:
+            raise InvalidRequest(f"alpha: expected a positive number, got {alpha!r}")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise InvalidRequest(f"seed: expected a non-negative integer, got {seed!r}")
+        if not (train_mlp or train_attn or train_unembed):
+            raise InvalidRequest("train_mlp, train_attn, train_unembed: at least one must be true")
+        name = ckpt.check_name(
+            name or f"{base_model.replace('/', '-')[:40]}-{secrets.token_hex(3)}", "training_session_name"
+        )
+        if name in self.sessions:
+            raise InvalidRequest(
+                f"training_session_name: a session named {name!r} already exists", status=409
+            )
+        host = self.host(base_model)
+        seed = secrets.randbits(31) if seed is None else seed
+        lora = {
+            "rank": rank,
+            "alpha": alpha,
+            "seed": seed,
+            "train_mlp": train_mlp,
+            "train_attn": train_attn,
+            "train_unembed": train_unembed,
+        }
+        host.add_adapter(name, host.lora_config(rank, alpha, train_attn, train_mlp, train_unembed), seed)
+        session = Session(
+            name=name, owner=owner, base_model=base_model, lora=lora, user_metadata=user_metadata
+        )
+        session.params = host.adapter_params(name)
+        session.optimizer = torch.optim.AdamW(list(session.params.values()), lr=1e-4, foreach=False)
+        self.sessions[name] = session
+        return session.summary()
+
+    def create_session_from_state(
+        self, owner: str, path: str, *, name: str | None = None, with_optimizer: bool
+    ) -> dict:
+        _, _, _, meta = ckpt.read_state(self._checkpoint_dir(owner, path))
+        lora = meta["lora"]
+        summary = self.create_session(owner, meta["base_model"], name=name, **lora)
+        try:
+            self.load_state(owner, summary["name"], path, with_optimizer=with_optimizer)
+        except BaseException:
+            self.delete_session(owner, summary["name"], stop_if_active=True)
+            raise
+        return self.sessions[summary["name"]].summary()
+
+    def stop_session(self, owner: str, name: str) -> dict:
+        session = self.session(owner, name, live=False)
+        if session.status == SessionStatus.Running:
+            self.hosts[session.base_model].remove_adapter(name)
+            session.optimizer, session.params = None, {}
+            session.status = SessionStatus.Stopped
+        return session.summary()
+
+    def delete_session(self, owner: str, name: str, *, stop_if_active: bool = False) -> dict:
+        session = self.session(owner, name, live=False)
+        if session.status == SessionStatus.Running:
+            if not stop_if_active:
+                raise InvalidRequest(
+                    f"session {name!r} is running; stop it first or pass stop_if_active=True", status=409
+                )
+            self.stop_session(owner, name)
+        del self.sessions[name]
+        return session.summary()
+
+    def list_sessions(
+        self,
+        owner: str,
+        name_contains: str | None = None,
+        status_equals: str | None = None,
+        max_results: int | None = None,
+    ) -> list[dict]:
+        found = [
+            s.summary()
+            for s in sorted(self.sessions.values(), key=lambda s: s.created)
+            if s.owner == owner
+            and (name_contains is None or name_contains in s.name)
+            and (status_equals is None or s.status.value == status_equals)
+        ]
+        return found[:max_results] if max_results else found
+
+    def get_usage(self, owner: str, name: str | None = None) -> dict:
+        if name is not None:
+            return self.session(owner, name, live=False).usage.to_wire()
+        total = Usage()
+        for session in self.sessions.values():
+            if session.owner == owner:
+                total = total.add(session.usage)
+        return total.to_wire()
+
+    def _account(self, session: Session, started: float, **counts: int) -> None:
+        session.usage = session.usage.add(
+            Usage(wall_time_s=time.perf_counter() - started, operations=1, **counts)
+        )
+        session.last_active = time.time()
+
+    # training ops ----------------------------------------------------------------------------------
+    def forward(
+        self,
+        owner: str,
+        session: str,
+        data: list[dict],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+    ) -> dict:
+        return self._forward(owner, session, data, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(
+        self,
+        owner: str,
+        session: str,
+        data: list[dict],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+    ) -> dict:
+        return self._forward(owner, session, data, loss_fn, loss_fn_config, backward=True)
+
+    def _forward(self, owner, session_name, data, loss_fn, loss_fn_config, *, backward: bool) -> dict:
+        started = time.perf_counter()
+        session = self.session(owner, session_name)
+        host = self.hosts[session.base_model]
+        loss_fn, config = check_loss_fn(loss_fn, loss_fn_config)
+        datums = _read_data(data)
+        check_data(datums, loss_fn, vocab_size=host.vocab_size)
+        inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
+        all_lps: list[torch.Tensor] = []
+        with host.activate(session.name) as model, torch.set_grad_enabled(backward):
+            for chunk in _chunks(datums, max(1, LOGITS_BUDGET // host.vocab_size)):
+                lps = _logprobs(
+                    model, [datums[i] for i in chunk], [inputs[i]["target_tokens"] for i in chunk]
+                )
+                if backward:
+                    loss, _ = compute_loss(loss_fn, config, lps, [inputs[i] for i in chunk])
+                    loss.backward()
+                all_lps += [lp.detach() for lp in lps]
+        with torch.no_grad():
+            _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
+        self._account(session, started, training_tokens=sum(d.model_input.length for d in datums))
+        outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics).to_wire()
+
+    def optim_step(self, owner: str, session: str, adam_params: dict | None = None) -> dict:
+        started = time.perf_counter()
+        session = self.session(owner, session)
+        try:
+            adam = AdamParams(**(adam_params or {}))
+        except TypeError as exc:
+            raise InvalidRequest(f"adam_params: {exc}") from None
+        adam.validate()
+        params = list(session.params.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if grads
+            else torch.tensor(0.0)
+        )
+        if not torch.isfinite(grad_norm):
+            session.optimizer.zero_grad(set_to_none=True)
+            raise InvalidRequest(
+                "gradients are not finite (NaN or inf); they were discarded and the weights left unchanged"
+            )
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+        for group in session.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        session.optimizer.step()
+        session.optimizer.zero_grad(set_to_none=True)
+        session.step += 1
+        self._account(session, started)
+        return {
+            "metrics": {
+                "grad_norm": float(grad_norm),
+                "learning_rate": adam.learning_rate,
+                "step": session.step,
+            }
+        }
+
+    # sampling --------------------------------------------------------------------------------------
+    def _sampling_target(self, owner: str, target: dict) -> tuple[BaseHost, str | None, Session | None]:
+        if target.get("session"):
+            session = self.session(owner, target["session"])
+            return self.hosts[session.base_model], session.name, session
+        if target.get("model_path"):
+            ref = ckpt.parse_path(target["model_path"], field="model_path")
+            session = self.session(owner, ref.session, live=False)
+            host = self.host(session.base_model)
+            if ref.uri in host.checkpoint_adapters:
+                return host, host.checkpoint_adapters[ref.uri], session
+            state, config = ckpt.read_adapter(ckpt.adapter_dir(ref, self.home))
+            return host, host.checkpoint_adapter(ref.uri, state, config), session
+        if target.get("base_model"):
+            return self.host(target["base_model"]), None, None
+        raise InvalidRequest("sampling client: give model_path or base_model")
+
+    def sample(
+        self,
+        owner: str,
+        target: dict,
+        prompt: list[int],
+        num_samples: int = 1,
+        sampling_params: dict | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int | None = None,
+    ) -> dict:
+        started = time.perf_counter()
+        host, adapter, session = self._sampling_target(owner, target)
+        try:
+            params = SamplingParams(**(sampling_params or {}))
+        except TypeError as exc:
+            raise InvalidRequest(f"sampling_params: {exc}") from None
+        params.validate()
+        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= 1024:
+            raise InvalidRequest(f"num_samples: expected an integer in 1..1024, got {num_samples!r}")
+        prompt = _check_prompt(prompt, host.vocab_size)
+        if len(prompt) + params.max_tokens > host.max_context:
+            raise InvalidRequest(
+                f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context of {host.max_context} tokens"
+            )
+        if topk_prompt_logprobs is not None and (
+            not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 1
+        ):
+            raise InvalidRequest(
+                f"topk_prompt_logprobs: expected a positive integer, got {topk_prompt_logprobs!r}"
+            )
+        response = SampleResponse(sequences=[])
+        with host.activate(adapter) as model:
+            if include_prompt_logprobs or topk_prompt_logprobs:
+                response.prompt_logprobs, response.topk_prompt_logprobs = _prompt_logprobs(
+                    model, prompt, topk_prompt_logprobs
+                )
+                if not include_prompt_logprobs:
+                    response.prompt_logprobs = None
+            response.sequences = run_sampler(
+                model, prompt, num_samples, params, eos_ids=host.eos_ids, decode=host.tokenizer.decode
+            )
+        if session is not None:
+            sampled = sum(len(s.tokens) for s in response.sequences)
+            self._account(session, started, prefill_tokens=len(prompt), sampled_tokens=sampled)
+        return response.to_wire()
+
+    def compute_logprobs(self, owner: str, target: dict, prompt: list[int]) -> dict:
+        started = time.perf_counter()
+        host, adapter, session = self._sampling_target(owner, target)
+        prompt = _check_prompt(prompt, host.vocab_size)
+        with host.activate(adapter) as model:
+            logprobs, _ = _prompt_logprobs(model, prompt, None)
+        if session is not None:
+            self._account(session, started, prefill_tokens=len(prompt))
+        return {"logprobs": logprobs}
+
+    # checkpoints -----------------------------------------------------------------------------------
+    def _checkpoint_dir(self, owner: str, path: str) -> Path:
+        ref = ckpt.parse_path(path)
+        self.session(owner, ref.session, live=False)  # another key's checkpoint is not found
+        directory = ref.directory(self.home)
+        if not directory.exists():
+            raise NotFound(f"checkpoint {ref.uri} not found")
+        return directory
+
+    def checkpoint_files(self, owner: str, path: str) -> list[tuple[str, Path]]:
+        directory = self._checkpoint_dir(owner, path)
+        return [(str(f.relative_to(directory)), f) for f in sorted(directory.rglob("*")) if f.is_file()]
+
+    def list_checkpoints(self, owner: str, session: str) -> list[dict]:
+        self.session(owner, session, live=False)
+        root = self.home / "checkpoints" / session
+        found = []
+        for directory in sorted(root.glob("*/*")) if root.exists() else []:
+            if directory.is_dir() and not directory.name.startswith("."):
+                uri = ckpt.CheckpointRef(session, directory.parent.name, directory.name).uri
+                found.append(
+                    {"path": uri, "kind": directory.parent.name, "created": directory.stat().st_mtime}
+                )
+        return sorted(found, key=lambda c: c["created"])
+
+    def _ref(self, session: Session, kind: str, name: str | None) -> ckpt.CheckpointRef:
+        session.saves += 1
+        name = ckpt.check_name(name, "name") if name else f"step{session.step:06d}-{session.saves:03d}"
+        return ckpt.CheckpointRef(session.name, kind, name)
+
+    def save_weights(self, owner: str, session: str, name: str | None = None, merge: bool = False) -> dict:
+        started = time.perf_counter()
+        session = self.session(owner, session)
+        host = self.hosts[session.base_model]
+        ref = self._ref(session, "merged" if merge else "weights", name)
+        state, config = host.get_state(session.name), host.adapter_config(session.name)
+        if merge:
+            merged, untie = host.merged_state(session.name)
+            model_config = host.peft.get_base_model().config
+            if untie:
+                model_config = replace_config(model_config, tie_word_embeddings=False)
+            ckpt.save_merged(ref, self.home, model_config, merged, host.path, state, config)
+        else:
+            ckpt.save_weights(ref, self.home, state, config)
+        host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
+        self._account(session, started)
+        return {"path": ref.uri}
+
+    def save_state(self, owner: str, session: str, name: str | None = None) -> dict:
+        started = time.perf_counter()
+        session = self.session(owner, session)
+        host = self.hosts[session.base_model]
+        ref = self._ref(session, "state", name)
+        moments, steps = {}, {}
+        for key, param in _canonical(session.params, session.name).items():
+            state = session.optimizer.state.get(param, {})
+            if state:
+                moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = (
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                )
+                steps[key] = float(state["step"])
+        meta = {
+            "base_model": session.base_model,
+            "lora": session.lora,
+            "step": session.step,
+            "param_steps": steps,
+            "format": 1,
+        }
+        ckpt.save_state(
+            ref, self.home, host.get_state(session.name), host.adapter_config(session.name), moments, meta
+        )
+        self._account(session, started)
+        return {"path": ref.uri}
+
+    def load_state(self, owner: str, session: str, path: str, with_optimizer: bool = False) -> dict:
+        session = self.session(owner, session)
+        host = self.hosts[session.base_model]
+        adapter_state, _, moments, meta = ckpt.read_state(self._checkpoint_dir(owner, path))
+        if meta["base_model"] != session.base_model or meta["lora"]["rank"] != session.lora["rank"]:
+            raise InvalidRequest(
+                f"path: {path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
+                f"this session is {session.base_model} rank {session.lora['rank']}"
+            )
+        try:
+            host.set_state(session.name, adapter_state)
+        except ValueError as exc:
+            raise InvalidRequest(f"path: {exc}") from None
+        session.optimizer = torch.optim.AdamW(list(session.params.values()), lr=1e-4, foreach=False)
+        if with_optimizer:
+            for key, param in _canonical(session.params, session.name).items():
+                if key in meta["param_steps"]:
+                    session.optimizer.state[param] = {
+                        "step": torch.tensor(meta["param_steps"][key]),
+                        "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
+                        "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
+                    }
+            session.step = int(meta["step"])
+        for param in session.params.values():
+            param.grad = None
+        return {"path": path}
+
+
+def replace_config(config, **changes):
+    config = type(config).from_dict(config.to_dict())
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def _canonical(params: dict[str, torch.nn.Parameter], adapter: str) -> dict[str, torch.nn.Parameter]:
+    """Parameter names without the adapter name, the same for any session of one layout."""
+    return {name.replace(f".{adapter}.", "."): p for name, p in params.items()}
+
+
+def _read_data(data) -> list[Datum]:
+    if not isinstance(data, list):
+        raise InvalidRequest("data: expected a list of datums")
+    datums = []
+    for i, wire in enumerate(data):
+        try:
+            datums.append(wire if isinstance(wire, Datum) else Datum.from_wire(wire))
+        except SessError as exc:
+            raise InvalidRequest(f"data[{i}]: {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"data[{i}]: malformed datum ({type(exc).__name__}: {exc})") from None
+    return datums
+
+
+def _check_prompt(prompt, vocab_size: int) -> list[int]:
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise InvalidRequest("prompt: expected a non-empty list of token ids")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return prompt
+
+
+def _chunks(datums: list[Datum], token_budget: int) -> list[list[int]]:
+    """Group datum indices so each padded micro-batch holds at most ``token_budget`` positions."""
+    chunks, current, width = [], [], 0
+    for i, datum in enumerate(datums):
+        wider = max(width, datum.model_input.length)
+        if current and wider * (len(current) + 1) > token_budget:
+            chunks.append(current)
+            current, wider = [], datum.model_input.length
+        current.append(i)
+        width = wider
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """log p(target_i | input_0..i) for each datum, right-padded into one batch."""
+    device = next(model.parameters()).device
+    lengths = [d.model_input.length for d in datums]
+    width = max(lengths)
+    ids = torch.zeros(len(datums), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(datums), width, dtype=torch.long, device=device)
+    tgt = torch.zeros(len(datums), width, dtype=torch.long, device=device)
+    for row, (datum, target) in enumerate(zip(datums, targets)):
+        ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints(), device=device)
+        mask[row, : lengths[row]] = 1
+        tgt[row, : lengths[row]] = target.to(device=device, dtype=torch.long)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return [lp[row, :n] for row, n in enumerate(lengths)]
+
+
+def _prompt_logprobs(model, prompt: list[int], topk: int | None):
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0].float()
+        logp = logits.log_softmax(-1)
+        chosen = logp[:-1].gather(-1, torch.tensor(prompt[1:], device=device)[:, None]).squeeze(-1)
+        logprobs = [None, *chosen.tolist()]
+        top = None
+        if topk:
+            values, indices = logp[:-1].topk(min(topk, logp.shape[-1]), dim=-1)
+            top = [None, *[list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]]
+        return logprobs, top

@@ -1,0 +1,84 @@
+"""Transports: how an SDK client reaches an engine, behind one small interface.
+
+``call`` runs a control op and returns its result; ``submit`` queues an op and returns its id at
+once; ``wait`` long-polls for that op's result. :class:`InProcessTransport` talks to an
+:class:`~sess.engine.service.Engine` living in this Python process (``ServiceClient("inproc")``);
+the HTTP transport talks to an engine server with the same four verbs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from .paths import sess_home
+from .service import Engine
+
+
+class Transport(Protocol):
+    def call(self, name: str, args: dict | None = None) -> Any: ...
+
+    def submit(
+        self,
+        name: str,
+        args: dict,
+        *,
+        session: str | None = None,
+        seq: int | None = None,
+        client_token: str | None = None,
+    ) -> str: ...
+
+    def wait(self, op_id: str, timeout: float) -> tuple[bool, Any]:
+        """(True, result) when the op finished, (False, None) while pending; raises its SessError."""
+        ...
+
+    def download(self, path: str, dest_dir: Path) -> Path: ...
+
+    def close(self) -> None: ...
+
+
+_engines: dict[Path, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(home: str | Path | None = None, device: str = "cpu") -> Engine:
+    """One in-process engine per home, shared by every in-process client of this Python process."""
+    key = sess_home(home).resolve()
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = Engine(home=key, device=device)
+        return _engines[key]
+
+
+class InProcessTransport:
+    def __init__(self, engine: Engine, owner: str = "local"):
+        self.engine = engine
+        self.owner = owner
+
+    def call(self, name: str, args: dict | None = None) -> Any:
+        return self.engine.call(self.owner, name, args)
+
+    def submit(self, name, args, *, session=None, seq=None, client_token=None) -> str:
+        return self.engine.submit(self.owner, name, args, session=session, seq=seq, client_token=client_token)
+
+    def wait(self, op_id: str, timeout: float) -> tuple[bool, Any]:
+        op = self.engine.wait(self.owner, op_id, timeout)
+        if op is None:
+            return False, None
+        if op.error is not None:
+            raise op.error
+        return True, op.result
+
+    def download(self, path: str, dest_dir: Path) -> Path:
+        files = self.call("checkpoint_files", {"path": path})
+        dest_dir = Path(dest_dir)
+        for relative, source in files:
+            target = dest_dir / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        return dest_dir
+
+    def close(self) -> None:
+        pass

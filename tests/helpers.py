@@ -1,0 +1,73 @@
+"""Test helpers: small batches, and a plain-torch reference copy of a session's model."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from peft import get_peft_model
+from peft.utils import set_peft_model_state_dict
+from sess.engine import Datum, ModelInput
+from sess.engine.models import load_model
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "Two plus three is five.",
+    "Paris is the capital of France.",
+    "12 + 30 = 42",
+    "A quick brown fox jumps.",
+    "Seven times six is 42.",
+]
+
+
+def ce_datum(tokens: list[int]) -> Datum:
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:]),
+            "weights": np.ones(len(tokens) - 1, np.float32),
+        },
+    )
+
+
+def reference_model(runtime, session: str):
+    """An independent copy of the session's base model + adapter, in plain peft/torch."""
+    state = runtime.sessions[session]
+    host = runtime.hosts[state.base_model]
+    base, _, _ = load_model(state.base_model, home=runtime.home)
+    config = copy.deepcopy(host.peft.peft_config[session])
+    model = get_peft_model(base, config)
+    set_peft_model_state_dict(model, host.get_state(session))
+    model.eval()
+    return model
+
+
+def reference_logprobs(model, datum: Datum) -> torch.Tensor:
+    ids = torch.tensor([datum.model_input.to_ints()])
+    logits = model(input_ids=ids).logits[0].float()
+    targets = datum.loss_fn_inputs["target_tokens"].to_torch().long()
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def engine_grads(runtime, session: str) -> dict[str, torch.Tensor]:
+    params = runtime.sessions[session].params
+    return {
+        n.replace(f".{session}.", ".default."): p.grad.clone()
+        for n, p in params.items()
+        if p.grad is not None
+    }
+
+
+def reference_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def clear_grads(runtime, session: str) -> None:
+    for p in runtime.sessions[session].params.values():
+        p.grad = None
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a)[:3], sorted(b)[:3])
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

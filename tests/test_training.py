@@ -1,0 +1,208 @@
+"""Training ops: SFT learns, every built-in loss matches a plain-torch reference, custom losses, pipelining."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    SENTENCES,
+    ce_datum,
+    clear_grads,
+    engine_grads,
+    max_diff,
+    reference_grads,
+    reference_logprobs,
+    reference_model,
+)
+from sess.engine import AdamParams, Datum, ModelInput
+
+
+@pytest.fixture()
+def tc(svc):
+    client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=0)
+    yield client
+    client.stop()
+
+
+def test_sft_loss_halves_within_30_steps(tc):
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES[:4]]
+    losses = []
+    for _ in range(30):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(AdamParams(learning_rate=1e-2))
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _rl_batch(tok, model, rng):
+    data = []
+    for text in SENTENCES[:3]:
+        d = ce_datum(tok.encode(text))
+        lp = reference_logprobs(model, d).detach().numpy()
+        n = d.model_input.length
+        data.append(
+            Datum(
+                d.model_input,
+                {
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    # sampler logprobs off by up to +-0.4 so some ratios leave every clip range
+                    "logprobs": (lp + rng.uniform(-0.4, 0.4, n)).astype(np.float32),
+                    "advantages": rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0], n).astype(np.float32),
+                },
+            )
+        )
+    return data
+
+
+def _reference_loss(
+    name: str, config: dict, lp: torch.Tensor, inputs: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    if name == "cross_entropy":
+        return -(lp * inputs["weights"]).sum()
+    adv, old = inputs["advantages"], inputs["logprobs"]
+    ratio = torch.exp(lp - old)
+    if name == "importance_sampling":
+        return -(ratio * adv).sum()
+    if name == "ppo":
+        lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv).sum()
+    if name == "cispo":
+        lo, hi = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0)
+        return -(torch.clamp(ratio, lo, hi).detach() * lp * adv).sum()
+    if name == "dro":
+        beta = config.get("beta", 0.05)
+        return -(lp * adv - 0.5 * beta * (lp - old) ** 2).sum()
+    raise AssertionError(name)
+
+
+LOSS_CASES = [
+    ("cross_entropy", None),
+    ("importance_sampling", None),
+    ("ppo", None),
+    ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}),
+    ("cispo", None),
+    ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    ("dro", None),
+    ("dro", {"beta": 2.0}),
+]
+
+
+def test_builtin_losses_match_plain_torch(tc, runtime):
+    tok = tc.get_tokenizer()
+    # one step first so LoRA B is non-zero and every adapter weight gets a gradient
+    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    model = reference_model(runtime, tc.name)
+    rng = np.random.default_rng(0)
+    losses = {}
+    for name, config in LOSS_CASES:
+        data = (
+            _rl_batch(tok, model, rng)
+            if name != "cross_entropy"
+            else [ce_datum(tok.encode(s)) for s in SENTENCES[:3]]
+        )
+        clear_grads(runtime, tc.name)
+        out = tc.forward_backward(data, name, loss_fn_config=config).result()
+        got = engine_grads(runtime, tc.name)
+
+        model.zero_grad(set_to_none=True)
+        total = sum(
+            _reference_loss(
+                name,
+                config or {},
+                reference_logprobs(model, d),
+                {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
+            )
+            for d in data
+        )
+        total.backward()
+        assert abs(out.metrics["loss:sum"] - total.item()) < 1e-5, (name, config)
+        assert max_diff(got, reference_grads(model)) < 1e-5, (name, config)
+        for d, o in zip(data, out.loss_fn_outputs):
+            assert len(o["logprobs"].tolist()) == d.model_input.length
+        losses[(name, str(config))] = out.metrics["loss:sum"]
+    clear_grads(runtime, tc.name)
+    # loss_fn_config is honoured: other clip bounds / beta give another loss on the same kind of batch
+    assert losses[("dro", "None")] != losses[("dro", str({"beta": 2.0}))]
+
+
+def test_forward_backward_custom_dpo_matches_direct(tc, runtime):
+    tok = tc.get_tokenizer()
+    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    pairs = [("Q: 2+2? A: 4", "Q: 2+2? A: 5"), ("The sky is blue.", "The sky is green.")]
+    data = [ce_datum(tok.encode(t)) for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected
+    ref_lp = [-1.0, -1.5, -2.0, -0.5]
+    beta = 0.1
+
+    def dpo(datums, logprobs):
+        seq = torch.stack([lp.sum() for lp in logprobs])
+        margin = beta * ((seq[0::2] - torch.tensor(ref_lp[0::2])) - (seq[1::2] - torch.tensor(ref_lp[1::2])))
+        loss = -torch.nn.functional.logsigmoid(margin).sum()
+        return loss, {"margin": float(margin.mean())}
+
+    clear_grads(runtime, tc.name)
+    out = tc.forward_backward_custom(data, dpo).result()
+    got = engine_grads(runtime, tc.name)
+
+    model = reference_model(runtime, tc.name)
+    loss, _ = dpo(data, [reference_logprobs(model, d) for d in data])
+    loss.backward()
+    assert abs(out.metrics["loss:sum"] - loss.item()) < 1e-5
+    assert "margin" in out.metrics
+    assert max_diff(got, reference_grads(model)) < 1e-5
+    clear_grads(runtime, tc.name)
+    # the session's sequence numbers moved on by two and it keeps training
+    assert tc.forward_backward(data[:1]).result().metrics["loss:sum"] > 0
+
+
+def test_custom_loss_error_keeps_session_usable(tc):
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode("hello there"))]
+
+    def broken(datums, logprobs):
+        raise ValueError("user loss failed")
+
+    with pytest.raises(ValueError, match="user loss failed"):
+        tc.forward_backward_custom(data, broken).result()
+    assert tc.forward_backward(data).result().metrics["loss:sum"] > 0
+
+
+def _weights(svc, tc, tmp_path, tag):
+    from safetensors.torch import load_file
+
+    path = tc.save_weights_for_sampler(name=tag).result().path
+    return load_file(str(svc.download_checkpoint(path, tmp_path / tag) / "adapter_model.safetensors"))
+
+
+def test_pipelined_ops_equal_waited_ops(svc, tmp_path):
+    tok = svc.get_tokenizer("tiny-llama")
+    batches = [[ce_datum(tok.encode(s)) for s in SENTENCES[i : i + 2]] for i in (0, 2)]
+    results = {}
+    for mode in ("waited", "pipelined"):
+        with svc.create_lora_training_client("tiny-llama", rank=4, seed=7) as tc:
+            futures = []
+            for batch in batches:
+                fb = tc.forward_backward(batch)
+                opt = tc.optim_step(AdamParams(learning_rate=5e-3))
+                if mode == "waited":
+                    fb.result(), opt.result()
+                futures += [fb, opt]
+            assert all(not isinstance(f.result(), Exception) for f in futures)
+            results[mode] = _weights(svc, tc, tmp_path, mode)
+    assert (
+        max(float((results["waited"][k] - results["pipelined"][k]).abs().max()) for k in results["waited"])
+        == 0.0
+    )
+
+
+def test_token_list_data_means_cross_entropy(tc):
+    tok = tc.get_tokenizer()
+    ids = tok.encode("Two plus three is five.")
+    a = tc.forward([ids]).result().metrics["loss:sum"]
+    b = tc.forward(ids).result().metrics["loss:sum"]
+    c = tc.forward([ce_datum(ids)]).result().metrics["loss:sum"]
+    assert a == b == c
+    assert tc.forward([ModelInput.from_ints(ids)]).result().metrics["loss:sum"] == a
