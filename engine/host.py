@@ -17,12 +17,14 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from transformers.utils import logging as hf_logging
 
 from .models import load_model, lora_targets
 
 
 class BaseHost:
     def __init__(self, name: str, home: Path, device: str, max_checkpoint_adapters: int = 8):
+        hf_logging.disable_progress_bar()  # the engine shows its own progress; shard bars are noise
         self.name = name
         self.model, self.tokenizer, self.path = load_model(name, home=home, device=device)
         self.model.requires_grad_(False)

@@ -45,6 +45,7 @@ class Session:
     owner: str
     base_model: str
     lora: dict
+    adapter: str = ""  # peft adapter name: engine-chosen, since session names may hold '.' or 'lora'
     user_metadata: dict | None = None
     status: SessionStatus = SessionStatus.Running
     created: float = field(default_factory=time.time)
@@ -75,6 +76,7 @@ class Runtime:
         self.device = device
         self.hosts: dict[str, BaseHost] = {}
         self.sessions: dict[str, Session] = {}
+        self._adapters = 0
 
     # models ----------------------------------------------------------------------------------------
     def host(self, base_model: str) -> BaseHost:
@@ -144,11 +146,11 @@ class Runtime:
             "train_attn": train_attn,
             "train_unembed": train_unembed,
         }
-        host.add_adapter(name, host.lora_config(rank, alpha, train_attn, train_mlp, train_unembed), seed)
-        session = Session(
-            name=name, owner=owner, base_model=base_model, lora=lora, user_metadata=user_metadata
-        )
-        session.params = host.adapter_params(name)
+        self._adapters += 1
+        adapter = f"session{self._adapters}"
+        host.add_adapter(adapter, host.lora_config(rank, alpha, train_attn, train_mlp, train_unembed), seed)
+        session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=user_metadata)
+        session.params = host.adapter_params(adapter)
         session.optimizer = torch.optim.AdamW(list(session.params.values()), lr=1e-4, foreach=False)
         self.sessions[name] = session
         return session.summary()
@@ -169,7 +171,7 @@ class Runtime:
     def stop_session(self, owner: str, name: str) -> dict:
         session = self.session(owner, name, live=False)
         if session.status == SessionStatus.Running:
-            self.hosts[session.base_model].remove_adapter(name)
+            self.hosts[session.base_model].remove_adapter(session.adapter)
             session.optimizer, session.params = None, {}
             session.status = SessionStatus.Stopped
         return session.summary()
@@ -246,7 +248,7 @@ class Runtime:
         check_data(datums, loss_fn, vocab_size=host.vocab_size)
         inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
         all_lps: list[torch.Tensor] = []
-        with host.activate(session.name) as model, torch.set_grad_enabled(backward):
+        with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
             for chunk in _chunks(datums, max(1, LOGITS_BUDGET // host.vocab_size)):
                 lps = _logprobs(
                     model, [datums[i] for i in chunk], [inputs[i]["target_tokens"] for i in chunk]
@@ -306,7 +308,7 @@ class Runtime:
     def _sampling_target(self, owner: str, target: dict) -> tuple[BaseHost, str | None, Session | None]:
         if target.get("session"):
             session = self.session(owner, target["session"])
-            return self.hosts[session.base_model], session.name, session
+            return self.hosts[session.base_model], session.adapter, session
         if target.get("model_path"):
             ref = ckpt.parse_path(target["model_path"], field="model_path")
             session = self.session(owner, ref.session, live=False)
@@ -411,9 +413,9 @@ class Runtime:
         session = self.session(owner, session)
         host = self.hosts[session.base_model]
         ref = self._ref(session, "merged" if merge else "weights", name)
-        state, config = host.get_state(session.name), host.adapter_config(session.name)
+        state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
         if merge:
-            merged, untie = host.merged_state(session.name)
+            merged, untie = host.merged_state(session.adapter)
             model_config = host.peft.get_base_model().config
             if untie:
                 model_config = replace_config(model_config, tie_word_embeddings=False)
@@ -430,7 +432,7 @@ class Runtime:
         host = self.hosts[session.base_model]
         ref = self._ref(session, "state", name)
         moments, steps = {}, {}
-        for key, param in _canonical(session.params, session.name).items():
+        for key, param in _canonical(session.params, session.adapter).items():
             state = session.optimizer.state.get(param, {})
             if state:
                 moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = (
@@ -446,7 +448,12 @@ class Runtime:
             "format": 1,
         }
         ckpt.save_state(
-            ref, self.home, host.get_state(session.name), host.adapter_config(session.name), moments, meta
+            ref,
+            self.home,
+            host.get_state(session.adapter),
+            host.adapter_config(session.adapter),
+            moments,
+            meta,
         )
         self._account(session, started)
         return {"path": ref.uri}
@@ -461,12 +468,12 @@ class Runtime:
                 f"this session is {session.base_model} rank {session.lora['rank']}"
             )
         try:
-            host.set_state(session.name, adapter_state)
+            host.set_state(session.adapter, adapter_state)
         except ValueError as exc:
             raise InvalidRequest(f"path: {exc}") from None
         session.optimizer = torch.optim.AdamW(list(session.params.values()), lr=1e-4, foreach=False)
         if with_optimizer:
-            for key, param in _canonical(session.params, session.name).items():
+            for key, param in _canonical(session.params, session.adapter).items():
                 if key in meta["param_steps"]:
                     session.optimizer.state[param] = {
                         "step": torch.tensor(meta["param_steps"][key]),

@@ -36,9 +36,9 @@ def reference_model(runtime, session: str):
     state = runtime.sessions[session]
     host = runtime.hosts[state.base_model]
     base, _, _ = load_model(state.base_model, home=runtime.home)
-    config = copy.deepcopy(host.peft.peft_config[session])
+    config = copy.deepcopy(host.peft.peft_config[state.adapter])
     model = get_peft_model(base, config)
-    set_peft_model_state_dict(model, host.get_state(session))
+    set_peft_model_state_dict(model, host.get_state(state.adapter))
     model.eval()
     return model
 
@@ -51,10 +51,10 @@ def reference_logprobs(model, datum: Datum) -> torch.Tensor:
 
 
 def engine_grads(runtime, session: str) -> dict[str, torch.Tensor]:
-    params = runtime.sessions[session].params
+    state = runtime.sessions[session]
     return {
-        n.replace(f".{session}.", ".default."): p.grad.clone()
-        for n, p in params.items()
+        n.replace(f".{state.adapter}.", ".default."): p.grad.clone()
+        for n, p in state.params.items()
         if p.grad is not None
     }
 

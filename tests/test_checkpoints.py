@@ -1,0 +1,123 @@
+"""Checkpoints: PEFT and merged files reload to the engine's numbers; state resumes exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import SENTENCES, ce_datum
+from peft import PeftModel
+from safetensors.torch import load_file
+from sess.engine import AdamParams
+from sess.engine.models import load_model
+from transformers import AutoModelForCausalLM
+
+
+def _train(tc, steps=2, lr=2e-2):
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES]
+    for _ in range(steps):
+        tc.forward_backward(data)
+        tc.optim_step(AdamParams(learning_rate=lr, weight_decay=0.01))
+    return data
+
+
+def _logprobs(model, datum):
+    ids = torch.tensor([datum.model_input.to_ints()])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    targets = datum.loss_fn_inputs["target_tokens"].to_torch().long()
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("base_model", ["tiny-llama", "tiny-qwen3"])
+def test_peft_and_merged_checkpoints_reload_to_engine_logprobs(svc, sess_home, tmp_path, base_model):
+    with svc.create_lora_training_client(base_model, rank=4, seed=2) as tc:
+        data = _train(tc)
+        engine = [o["logprobs"].to_torch() for o in tc.forward(data).result().loss_fn_outputs]
+        adapter_path = tc.save_weights_for_sampler().result().path
+        merged_path = tc.save_weights_for_sampler(merge_weights=True).result().path
+    assert adapter_path.startswith("sess://") and "/weights/" in adapter_path and "/merged/" in merged_path
+
+    adapter_dir = svc.download_checkpoint(adapter_path, tmp_path / "adapter")
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in adapter_dir.iterdir()}
+    base, _, _ = load_model(base_model, home=sess_home)
+    peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
+
+    merged_dir = svc.download_checkpoint(merged_path, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    for datum, expected in zip(data, engine):
+        assert (_logprobs(peft_model, datum) - expected).abs().max() < 1e-4
+        assert (_logprobs(merged, datum) - expected).abs().max() < 1e-4
+
+
+def test_state_resume_equals_uninterrupted(svc, tmp_path):
+    def final_weights(tc, tag):
+        path = tc.save_weights_for_sampler(name=tag).result().path
+        return load_file(str(svc.download_checkpoint(path, tmp_path / tag) / "adapter_model.safetensors"))
+
+    tok = svc.get_tokenizer("tiny-llama")
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES]
+    adam = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
+
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=9) as tc:
+        for _ in range(2):
+            tc.forward_backward(data)
+            tc.optim_step(adam)
+        state = tc.save_state(name="after-two").result().path
+        tc.forward_backward(data)
+        tc.optim_step(adam)
+        straight_loss = tc.forward(data).result().metrics["loss:sum"]
+        straight = final_weights(tc, "straight")
+        straight_step = svc.list_sessions(name_contains=tc.name)[0].step
+
+    resumed_tc = svc.create_training_client_from_state_with_optimizer(state)
+    with resumed_tc as tc:
+        tc.forward_backward(data)
+        assert tc.optim_step(adam).result().metrics["step"] == straight_step == 3
+        resumed_loss = tc.forward(data).result().metrics["loss:sum"]
+        resumed = final_weights(tc, "resumed")
+    assert abs(resumed_loss - straight_loss) < 1e-6
+    assert max(float((straight[k] - resumed[k]).abs().max()) for k in straight) < 1e-6
+
+    # weights only: same starting weights, but the optimizer starts fresh, so the step differs
+    with svc.create_training_client_from_state(state) as tc:
+        tc.forward_backward(data)
+        assert tc.optim_step(adam).result().metrics["step"] == 1
+        fresh = final_weights(tc, "fresh")
+    assert max(float((straight[k] - fresh[k]).abs().max()) for k in straight) > 1e-6
+
+    # load_state_with_optimizer into an existing session of the same layout continues the same way
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=123) as tc:
+        tc.load_state_with_optimizer(state).result()
+        tc.forward_backward(data)
+        tc.optim_step(adam).result()
+        assert abs(tc.forward(data).result().metrics["loss:sum"] - straight_loss) < 1e-6
+
+
+def test_state_checkpoint_files_are_safetensors_and_json(svc, tmp_path):
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=1) as tc:
+        _train(tc, steps=1)
+        path = tc.save_state().result().path
+    files = {p.name for p in svc.download_checkpoint(path, tmp_path / "s").iterdir()}
+    assert files == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "optimizer.safetensors",
+        "state.json",
+    }
+    meta = json.loads((tmp_path / "s" / "state.json").read_text())
+    assert meta["step"] == 1 and meta["base_model"] == "tiny-llama"
+    moments = load_file(str(tmp_path / "s" / "optimizer.safetensors"))
+    assert any(k.endswith(".exp_avg_sq") for k in moments)
+
+
+def test_checkpoint_listing_and_no_partial_directories(svc, sess_home):
+    with svc.create_lora_training_client("tiny-llama", rank=4) as tc:
+        tc.save_weights_for_sampler(name="one").result()
+        tc.save_state(name="two").result()
+        listed = svc.list_checkpoints(tc.name)
+    assert [c["path"] for c in listed] == [f"sess://{tc.name}/weights/one", f"sess://{tc.name}/state/two"]
+    leftovers = [p for p in (sess_home / "checkpoints" / tc.name).rglob(".*")]
+    assert leftovers == []

@@ -1,0 +1,163 @@
+"""Sampling: logprob parity with forward, seeds, stop conditions, truncation and concurrency."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import SENTENCES, ce_datum
+from sess.engine import AdamParams, Datum, ModelInput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def trained(svc):
+    """A session whose adapter has moved off its zero init, and a prompt."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=3)
+    tok = tc.get_tokenizer()
+    for _ in range(3):
+        tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy")
+        tc.optim_step(AdamParams(learning_rate=2e-2))
+    prompt = tok.encode("Question: what is 3 + 4? Answer:")
+    yield tc, prompt
+    tc.stop()
+
+
+def _forward_logprobs(tc, prompt, tokens):
+    full = prompt + tokens
+    datum = Datum(
+        ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}
+    )
+    return tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "live"])
+def test_sample_logprobs_equal_forward(trained, source):
+    tc, prompt = trained
+    sc = tc.save_weights_and_get_sampling_client() if source == "checkpoint" else tc.create_sampling_client()
+    result = sc.sample(
+        prompt, num_samples=4, sampling_params=SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+    ).result()
+    assert len(result.sequences) == 4
+    worst = 0.0
+    for seq in result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) > 0
+        expected = _forward_logprobs(tc, prompt, seq.tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(seq.logprobs, expected)))
+        computed = sc.compute_logprobs(prompt + seq.tokens).result()
+        assert computed[0] is None
+        worst = max(worst, max(abs(a - b) for a, b in zip(computed[len(prompt) :], expected)))
+    assert worst < 1e-4
+
+
+def test_prompt_logprobs_and_topk(trained):
+    tc, prompt = trained
+    sc = tc.create_sampling_client()
+    result = sc.sample(
+        prompt,
+        sampling_params=SamplingParams(max_tokens=2, seed=0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result()
+    expected = sc.compute_logprobs(prompt).result()
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
+    assert max(abs(a - b) for a, b in zip(result.prompt_logprobs[1:], expected[1:])) < 1e-5
+    top = result.topk_prompt_logprobs
+    assert top[0] is None and all(len(row) == 3 for row in top[1:])
+    assert all(row[0][1] >= row[1][1] >= row[2][1] for row in top[1:])
+    assert all(row[0][1] >= lp - 1e-6 for row, lp in zip(top[1:], result.prompt_logprobs[1:]))
+
+
+def test_seed_reproducibility(trained):
+    tc, prompt = trained
+    sc = tc.save_weights_and_get_sampling_client()
+    params = dict(max_tokens=16, temperature=1.0)
+    a = sc.sample(prompt, num_samples=3, sampling_params=SamplingParams(seed=5, **params)).result()
+    b = sc.sample(prompt, num_samples=3, sampling_params=SamplingParams(seed=5, **params)).result()
+    c = sc.sample(prompt, num_samples=3, sampling_params=SamplingParams(seed=6, **params)).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert [s.tokens for s in a.sequences] != [s.tokens for s in c.sequences]
+    # the rows of one request are different draws, not copies
+    assert len({tuple(s.tokens) for s in a.sequences}) > 1
+
+
+def test_same_session_seed_same_adapter_init(svc, tmp_path):
+    from safetensors.torch import load_file
+
+    def init_weights(seed, tag):
+        with svc.create_lora_training_client("tiny-llama", rank=4, seed=seed) as tc:
+            path = tc.save_weights_for_sampler().result().path
+            return load_file(str(svc.download_checkpoint(path, tmp_path / tag) / "adapter_model.safetensors"))
+
+    a, b, c = init_weights(1, "a"), init_weights(1, "b"), init_weights(2, "c")
+    assert all((a[k] == b[k]).all() for k in a)
+    assert any(not (a[k] == c[k]).all() for k in a if "lora_A" in k)
+
+
+def test_greedy_top_k_top_p_and_stops(trained):
+    tc, prompt = trained
+    sc = tc.create_sampling_client()
+    greedy = sc.sample(
+        prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=12, temperature=0)
+    ).result()
+    tokens = greedy.sequences[0].tokens
+    assert (
+        greedy.sequences[1].tokens == tokens
+        and greedy.sequences[0].stop_reason == "length"
+        and len(tokens) == 12
+    )
+    top1 = sc.sample(
+        prompt, sampling_params=SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=1)
+    ).result()
+    assert top1.sequences[0].tokens == tokens
+    nucleus = sc.sample(
+        prompt, sampling_params=SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=2)
+    ).result()
+    assert nucleus.sequences[0].tokens == tokens
+
+    stop_id = tokens[4]
+    by_id = (
+        sc.sample(prompt, sampling_params=SamplingParams(max_tokens=12, temperature=0, stop=[stop_id]))
+        .result()
+        .sequences[0]
+    )
+    assert by_id.stop_reason == "stop" and by_id.tokens == tokens[: tokens.index(stop_id) + 1]
+
+    tok = tc.get_tokenizer()
+    text = tok.decode(tokens[:6])
+    stop_text = text[-3:] if text[-3:].strip() else text[-4:]
+    by_text = (
+        sc.sample(prompt, sampling_params=SamplingParams(max_tokens=12, temperature=0, stop=stop_text))
+        .result()
+        .sequences[0]
+    )
+    assert by_text.stop_reason == "stop" and stop_text in tok.decode(by_text.tokens)
+    assert len(by_text.tokens) <= 6
+
+    eos = tok.eos_token_id
+    assert eos is not None
+    base = tc.service.create_sampling_client(base_model="tiny-llama")
+    out = base.sample(prompt, sampling_params=SamplingParams(max_tokens=5, temperature=0)).result()
+    assert len(out.sequences[0].tokens) <= 5
+
+
+def test_string_prompt_and_base_model_sampler(svc, trained):
+    tc, _ = trained
+    base = svc.create_sampling_client(base_model="tiny-llama")
+    out = base.sample("Hello", sampling_params=SamplingParams(max_tokens=4, seed=0)).result()
+    assert len(out.sequences[0].tokens) == 4
+    # the base sampler ignores every adapter: its logprobs differ from the trained session's
+    prompt = tc.get_tokenizer().encode("Seven times six is 42.")
+    assert (
+        base.compute_logprobs(prompt).result()
+        != tc.create_sampling_client().compute_logprobs(prompt).result()
+    )
+
+
+def test_sixteen_concurrent_samples(trained):
+    tc, prompt = trained
+    sc = tc.save_weights_and_get_sampling_client()
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in range(16)]
+    futures = [sc.sample(prompt, num_samples=2, sampling_params=p) for p in params]
+    concurrent = [f.result(timeout=120) for f in futures]
+    for p, got in zip(params, concurrent):
+        alone = sc.sample(prompt, num_samples=2, sampling_params=p).result()
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
+        assert [s.logprobs for s in got.sequences] == [s.logprobs for s in alone.sequences]
