@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from peft import get_peft_model
 from peft.utils import set_peft_model_state_dict
+
 from sess.engine import Datum, ModelInput
 from sess.engine.models import load_model
 

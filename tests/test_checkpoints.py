@@ -6,12 +6,14 @@ import json
 
 import pytest
 import torch
-from helpers import SENTENCES, ce_datum
 from peft import PeftModel
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
 from sess.engine import AdamParams
 from sess.engine.models import load_model
-from transformers import AutoModelForCausalLM
+
+from helpers import SENTENCES, ce_datum
 
 
 def _train(tc, steps=2, lr=2e-2):

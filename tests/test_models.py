@@ -9,6 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+
 from sess.engine import models
 from sess.engine.models import (
     CATALOG,

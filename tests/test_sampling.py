@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from helpers import SENTENCES, ce_datum
+
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams
+
+from helpers import SENTENCES, ce_datum
 
 
 @pytest.fixture(scope="module")

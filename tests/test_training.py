@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from sess.engine import AdamParams, Datum, ModelInput
+
 from helpers import (
     SENTENCES,
     ce_datum,
@@ -15,7 +18,6 @@ from helpers import (
     reference_logprobs,
     reference_model,
 )
-from sess.engine import AdamParams, Datum, ModelInput
 
 
 @pytest.fixture()

@@ -1,0 +1,170 @@
+"""Bad input gets an error that names the field (and datum index); the session keeps working."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sess.engine import (
+    AdamParams,
+    Datum,
+    InvalidRequest,
+    ModelInput,
+    NotFound,
+    SamplingParams,
+    ServiceClient,
+    SessError,
+)
+
+from helpers import ce_datum
+
+
+@pytest.fixture()
+def tc(svc):
+    client = svc.create_lora_training_client("tiny-llama", rank=4, seed=0)
+    yield client
+    client.stop()
+
+
+def _rl(tokens, **overrides):
+    n = len(tokens) - 1
+    inputs = {
+        "target_tokens": np.array(tokens[1:]),
+        "logprobs": np.zeros(n, np.float32),
+        "advantages": np.ones(n, np.float32),
+    }
+    inputs.update(overrides)
+    return Datum(ModelInput.from_ints(tokens[:-1]), {k: v for k, v in inputs.items() if v is not None})
+
+
+def _still_works(tc, tokens):
+    out = tc.forward_backward([ce_datum(tokens)]).result()
+    assert math.isfinite(out.metrics["loss:sum"])
+    assert tc.optim_step(AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1
+
+
+def test_client_side_checks_name_field_and_index(tc):
+    tok = tc.get_tokenizer()
+    good = tok.encode("one two three")
+    cases = [
+        ([_rl(good), _rl(good, advantages=None)], "ppo", r"data\[1\].*'advantages'"),
+        ([_rl(good, logprobs=np.zeros(2, np.float32))], "ppo", r"data\[0\].*'logprobs'.*length"),
+        (
+            [_rl(good, advantages=np.full(len(good) - 1, np.nan, np.float32))],
+            "importance_sampling",
+            r"data\[0\].*'advantages'.*NaN",
+        ),
+        ([ce_datum(good)], "not_a_loss", r"loss_fn.*not_a_loss"),
+        (
+            [
+                Datum(
+                    ModelInput.from_ints(good[:-1]),
+                    {"target_tokens": np.array(good[1:]), "weights": np.ones(len(good) - 1)},
+                )
+            ],
+            "ppo",
+            r"data\[0\].*'logprobs'",
+        ),
+    ]
+    for data, loss, pattern in cases:
+        with pytest.raises(InvalidRequest, match=pattern):
+            tc.forward_backward(data, loss)
+    with pytest.raises(InvalidRequest, match=r"loss_fn_config\.clip"):
+        tc.forward_backward([_rl(good)], "ppo", loss_fn_config={"clip": 0.1})
+    with pytest.raises(InvalidRequest, match="learning_rate"):
+        tc.optim_step(AdamParams(learning_rate=float("nan")))
+    sc = tc.create_sampling_client()
+    with pytest.raises(InvalidRequest, match="num_samples"):
+        sc.sample(good, num_samples=0)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        sc.sample(good, sampling_params=SamplingParams(temperature=-1.0))
+    _still_works(tc, good)
+
+
+def test_engine_side_checks_keep_session_alive(svc, tc):
+    tok = tc.get_tokenizer()
+    good = tok.encode("one two three")
+    vocab = len(tok)
+    with pytest.raises(InvalidRequest, match=r"data\[0\]\.model_input.*token id"):
+        tc.forward_backward([ce_datum([*good[:-1], vocab + 5, good[-1]])]).result()
+    bad_target = Datum(
+        ModelInput.from_ints(good[:-1]),
+        {"target_tokens": np.array([*good[1:-1], 10**6]), "weights": np.ones(len(good) - 1)},
+    )
+    with pytest.raises(InvalidRequest, match=r"data\[0\].*target_tokens.*outside the vocabulary"):
+        tc.forward(bad_target).result()
+    sc = tc.create_sampling_client()
+    with pytest.raises(InvalidRequest, match=r"prompt.*outside the vocabulary"):
+        sc.sample([vocab + 1]).result()
+    with pytest.raises(InvalidRequest, match=r"max_tokens.*context"):
+        sc.sample(good, sampling_params=SamplingParams(max_tokens=10**7)).result()
+    # the engine checks what a client would have: raw submissions that skip the SDK's checks
+    transport = svc.transport
+    raw = [
+        (
+            "forward_backward",
+            {"data": [_rl(good, advantages=None).to_wire()], "loss_fn": "ppo"},
+            r"data\[0\].*'advantages'",
+        ),
+        ("forward_backward", {"data": [ce_datum(good).to_wire()], "loss_fn": "nope"}, "loss_fn"),
+        ("forward_backward", {"data": [{"model_input": {}}]}, r"data\[0\]"),
+        ("optim_step", {"adam_params": {"learning_rate": -1}}, "learning_rate"),
+        ("optim_step", {"adam_params": {"lr": 1}}, "adam_params"),
+    ]
+    for name, args, pattern in raw:
+        seq = tc._seq = tc._seq + 1
+        op = transport.submit(name, args, session=tc.name, seq=seq, client_token=f"raw-{seq}")
+        with pytest.raises(SessError, match=pattern):
+            while not transport.wait(op, 5)[0]:
+                pass
+    nan_adv = _rl(good, advantages=np.full(len(good) - 1, np.nan, np.float32)).to_wire()
+    seq = tc._seq = tc._seq + 1
+    op = transport.submit("forward_backward", {"data": [nan_adv], "loss_fn": "ppo"}, session=tc.name, seq=seq)
+    with pytest.raises(InvalidRequest, match=r"data\[0\].*advantages.*NaN"):
+        transport.wait(op, 5)
+    sample_op = transport.submit("sample", {"target": {"session": tc.name}, "prompt": good, "num_samples": 0})
+    with pytest.raises(InvalidRequest, match="num_samples"):
+        transport.wait(sample_op, 5)
+    _still_works(tc, good)
+
+
+def test_unknown_model_and_checkpoint_paths(svc, sess_home, tc):
+    with pytest.raises(NotFound, match="base_model.*no-such-model"):
+        svc.create_lora_training_client("no-such-model")
+    with pytest.raises(InvalidRequest, match="rank"):
+        svc.create_lora_training_client("tiny-llama", rank=0)
+    state = tc.save_state(name="mine").result().path
+    for path, error, pattern in [
+        (f"sess://{tc.name}/state/../../x", InvalidRequest, r"path.*sess://"),
+        (f"sess://{tc.name}/../state", InvalidRequest, "path"),
+        ("/etc/passwd", InvalidRequest, "path.*sess://"),
+        (f"sess://{tc.name}/state/missing", NotFound, "not found"),
+        ("sess://someone-else/state/x", NotFound, "not found"),
+    ]:
+        with pytest.raises(error, match=pattern):
+            tc.load_state(path).result()
+    # another key's session and checkpoints do not exist for this key
+    other = ServiceClient("inproc", api_key="another-user", home=sess_home)
+    other_tc = other.create_lora_training_client("tiny-llama", rank=4, seed=0)
+    with pytest.raises(NotFound, match="not found"):
+        other_tc.load_state(state).result()
+    with pytest.raises(NotFound):
+        other.create_training_client_from_state(state)
+    with pytest.raises(NotFound):
+        other.download_checkpoint(state, sess_home / "stolen")
+    with pytest.raises(NotFound):
+        other.get_training_client(tc.name)
+    assert tc.name not in [s.name for s in other.list_sessions()]
+    other_tc.stop()
+    other.close()
+    _still_works(tc, tc.get_tokenizer().encode("still here"))
+
+
+def test_stopped_session_refuses_work_with_a_message(svc):
+    tc = svc.create_lora_training_client("tiny-llama", rank=4)
+    tc.stop()
+    with pytest.raises(InvalidRequest, match="Stopped"):
+        tc.forward([[1, 2, 3]]).result()
+    assert svc.list_sessions(name_contains=tc.name)[0].status.value == "Stopped"
