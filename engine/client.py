@@ -67,8 +67,12 @@ class ServiceClient:
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, home: str | os.PathLike | None = None
     ):
-        url = url or os.environ.get("SESS_ENGINE_URL") or "inproc"
+        url = url or os.environ.get("SESS_ENGINE_URL") or "local"
         api_key = api_key or os.environ.get("SESS_API_KEY")
+        if url == "local":  # the engine of SESS_HOME, started in the background if none runs
+            from .local import ensure_local_engine
+
+            url = ensure_local_engine(home)
         self.url = url
         if url == "inproc":
             self.transport: Transport = InProcessTransport(shared_engine(home), owner=api_key or "local")

@@ -24,10 +24,24 @@ def sess_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def svc(sess_home):
+def http_engine(sess_home):
+    """An engine server in its own process on the test home (``python -m sess.engine.server``)."""
+    from sess.engine.local import start_engine, stop_engine
+
+    info = start_engine(sess_home)
+    yield info
+    stop_engine(sess_home)
+
+
+@pytest.fixture(scope="session", params=["inproc", "http"])
+def svc(request, sess_home):
+    """The SDK over each transport: every test using it runs in-process and against a server."""
     from sess.engine import ServiceClient
 
-    client = ServiceClient("inproc", home=sess_home)
+    if request.param == "inproc":
+        client = ServiceClient("inproc", home=sess_home)
+    else:
+        client = ServiceClient(request.getfixturevalue("http_engine")["url"], home=sess_home)
     yield client
     client.close()
 
@@ -35,4 +49,6 @@ def svc(sess_home):
 @pytest.fixture(scope="session")
 def runtime(svc):
     """The in-process runtime behind ``svc``: lets tests read gradients the SDK does not expose."""
+    if not hasattr(svc.transport, "engine"):
+        pytest.skip("reads the in-process runtime; runs with the inproc transport")
     return svc.transport.engine.runtime
