@@ -1,0 +1,188 @@
+"""Run configuration: Hydra composes ``sess.conf``, then every group is checked against a dataclass schema.
+
+Hydra's compose API builds the config from ``config.yaml`` plus the command line's overrides; the
+result is merged into the schema of each group (engine, model, logger, the chosen loop's ``Config`` and
+the chosen data source's config), so an unknown key or a value of the wrong type is a
+:class:`ConfigError` that names the key (``loop.stpes``), whether the typo is on the command line or
+in a YAML file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(Exception):
+    """A config that does not compose or does not fit its schema; the message names the key."""
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "local"  # local | inprocess | remote
+    url: str | None = None
+    api_key: str | None = None
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    alpha: float = 64
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    base_model: str = "smollm2-135m"
+    arch: str = "llama"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    targets: list[str] = field(default_factory=list)  # what LoRA wraps (informational, for --dry-run)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "local"  # local | wandb
+    project: str = "sess"
+    entity: str | None = None
+    mode: str = "online"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoopConfig:
+    """What every loop shares; each loop module subclasses it as ``Config``."""
+
+    name: str = "?"
+    steps: int = 20
+    batch_size: int = 8  # prompts (RL) or examples (SFT, KTO) per step
+    learning_rate: float = 1e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 32  # sampling budget per completion (rollouts and greedy eval)
+    temperature: float = 1.0
+    eval_every: int = 10  # 0: evaluate at the start and the end only
+    save_every: int = 10  # 0: save state at the end only
+
+
+ENGINE_KINDS = ("local", "inprocess", "remote")
+LOGGERS = ("local", "wandb")
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Compose ``sess.conf/config.yaml`` with ``overrides`` (Hydra syntax: ``loop=sft loop.steps=2``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="sess.conf", version_base="1.3"):
+            cfg = hydra_compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    return validate(cfg)
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Merge each group into its schema; returns a resolved, read-only config."""
+    from .datasets import DATA_CONFIGS
+    from .registry import LOOPS
+
+    checked = {}
+    try:
+        top = dict(cfg)
+        known = {"engine", "model", "loop", "data", "logger", "seed", "runs_dir", "session", "keep_session"}
+        for key in top:
+            if key not in known:
+                raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(known))}")
+        loop_name = cfg.loop.get("name")
+        data_name = cfg.data.get("name")
+        if loop_name not in LOOPS:
+            raise ConfigError(f"loop.name: unknown loop {loop_name!r}; choose one of {', '.join(LOOPS)}")
+        if data_name not in DATA_CONFIGS:
+            raise ConfigError(
+                f"data.name: unknown data {data_name!r}; choose one of {', '.join(DATA_CONFIGS)}"
+            )
+        schemas = {
+            "engine": EngineConfig,
+            "model": ModelConfig,
+            "logger": LoggerConfig,
+            "loop": LOOPS[loop_name].Config,
+            "data": DATA_CONFIGS[data_name],
+        }
+        for group, schema in schemas.items():
+            checked[group] = _merge(group, schema, cfg[group])
+        for key in ("seed", "runs_dir", "session", "keep_session"):
+            checked[key] = cfg.get(key)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    out = OmegaConf.create(checked)
+    _check_values(out)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def _merge(group: str, schema: type, node: Any) -> DictConfig:
+    base = OmegaConf.structured(schema)
+    known = set(base.keys())
+    for key in node:
+        if key not in known:
+            raise ConfigError(
+                f"unknown config key '{group}.{key}' for {group} {node.get('name', '')!s}".rstrip()
+                + f"; known keys: {', '.join(sorted(known))}"
+            )
+    try:
+        merged = OmegaConf.merge(base, node)
+        OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        raise ConfigError(
+            f"{group}.{key}: {_one_line(exc)}" if key else f"{group}: {_one_line(exc)}"
+        ) from exc
+    return merged
+
+
+def _check_values(cfg: DictConfig) -> None:
+    if not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ConfigError(f"seed: expected a non-negative integer, got {cfg.seed!r}")
+    if cfg.engine.kind not in ENGINE_KINDS:
+        raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
+    if cfg.logger.name not in LOGGERS:
+        raise ConfigError(f"logger.name: expected one of {', '.join(LOGGERS)}, got {cfg.logger.name!r}")
+    loop = cfg.loop
+    for key in ("steps", "batch_size", "max_tokens"):
+        if loop[key] < 1:
+            raise ConfigError(f"loop.{key}: expected a positive integer, got {loop[key]}")
+    for key in ("eval_every", "save_every"):
+        if loop[key] < 0:
+            raise ConfigError(f"loop.{key}: expected 0 (off) or a positive integer, got {loop[key]}")
+    if loop.learning_rate <= 0:
+        raise ConfigError(f"loop.learning_rate: expected a positive number, got {loop.learning_rate}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra and OmegaConf spread a message over lines with 'full_key: ...' trailers; keep the gist."""
+    parts = []
+    while exc is not None:
+        for line in str(exc).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("full_key:", "object_type=", "reference_type=")):
+                if line not in parts:
+                    parts.append(line)
+        exc = exc.__cause__
+    return "; ".join(parts)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def load(path) -> DictConfig:
+    """A recorded ``config.yaml`` re-checked against today's schemas."""
+    return validate(OmegaConf.load(path))

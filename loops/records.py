@@ -1,0 +1,212 @@
+"""Run records: the ``runs/<timestamp>-<loop>-<model>/`` directory and the loggers that fill it.
+
+``config.yaml`` (resolved), ``overrides.yaml``, ``meta.json`` (versions, git commit, seed, engine,
+session, command line, status), ``metrics.jsonl`` (one row per train step or eval, keyed by ``step`` =
+steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step) and ``usage.json``.
+The local logger appends to ``metrics.jsonl`` and drives a rich progress line; ``logger=wandb`` also
+sends config and metrics to Weights & Biases (online or offline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECORD_FILES = (
+    "config.yaml",
+    "overrides.yaml",
+    "meta.json",
+    "metrics.jsonl",
+    "checkpoints.jsonl",
+    "usage.json",
+)
+
+
+def new_run_dir(runs_dir: str | Path, loop: str, model: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(runs_dir) / f"{stamp}-{loop}-{model.replace('/', '-')}"
+    path, n = base, 1
+    while path.exists():  # two runs in the same second
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def versions() -> dict[str, str]:
+    found = {"python": sys.version.split()[0]}
+    for dist in ("sess", "torch", "transformers", "peft", "hydra-core", "omegaconf"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+class RunRecord:
+    """One run directory. Rows are appended and flushed at once so a killed run keeps what it did."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, path: Path, config_yaml: str, overrides: list[str], meta: dict) -> RunRecord:
+        record = cls(path)
+        (path / "config.yaml").write_text(config_yaml)
+        (path / "overrides.yaml").write_text(yaml.safe_dump(list(overrides), default_flow_style=False))
+        for name in ("metrics.jsonl", "checkpoints.jsonl"):
+            (path / name).touch()
+        _write_json(path / "usage.json", {})
+        record.write_meta(
+            {
+                "created": datetime.now().isoformat(timespec="seconds"),
+                "status": "running",
+                "command": sys.argv,
+                "cwd": os.getcwd(),
+                "git_commit": git_commit(),
+                "versions": versions(),
+                **meta,
+            }
+        )
+        return record
+
+    @property
+    def meta(self) -> dict:
+        return json.loads((self.path / "meta.json").read_text())
+
+    def write_meta(self, meta: dict) -> None:
+        _write_json(self.path / "meta.json", meta)
+
+    def update_meta(self, **changes: Any) -> None:
+        self.write_meta({**self.meta, **changes})
+
+    def append(self, name: str, row: dict) -> None:
+        with (self.path / name).open("a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+            f.flush()
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.path / "metrics.jsonl")
+
+    def checkpoints(self) -> list[dict]:
+        return read_jsonl(self.path / "checkpoints.jsonl")
+
+    def last_state(self) -> dict | None:
+        states = [c for c in self.checkpoints() if c.get("kind") == "state"]
+        return states[-1] if states else None
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past ``step`` (work a killed run did after its last save; a resume redoes it)."""
+        for name in ("metrics.jsonl", "checkpoints.jsonl"):
+            rows = [r for r in read_jsonl(self.path / name) if r.get("step", 0) <= step]
+            (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def write_usage(self, usage: dict) -> None:
+        _write_json(self.path / "usage.json", usage)
+
+
+def list_runs(runs_dir: str | Path) -> list[dict]:
+    """Summaries of the run directories under ``runs_dir``, oldest first."""
+    root = Path(runs_dir)
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        meta_path = path / "meta.json"
+        if not meta_path.is_file():
+            continue
+        meta = json.loads(meta_path.read_text())
+        rows = read_jsonl(path / "metrics.jsonl")
+        train = [r for r in rows if r.get("kind") == "train"]
+        evals = [r for r in rows if r.get("kind") == "eval"]
+        found.append(
+            {
+                "run": path.name,
+                "path": str(path),
+                "loop": meta.get("loop"),
+                "model": meta.get("model"),
+                "status": meta.get("status"),
+                "step": train[-1]["step"] if train else 0,
+                "steps": meta.get("steps"),
+                "eval": evals[-1].get("eval/accuracy", evals[-1].get("eval/loss")) if evals else None,
+                "session": meta.get("session"),
+            }
+        )
+    return found
+
+
+class Logger:
+    """metrics.jsonl + an optional wandb run; the progress display lives in the runner."""
+
+    def __init__(self, record: RunRecord, cfg, config_dict: dict):
+        self.record = record
+        self.wandb = None
+        if cfg.name == "wandb":
+            self.wandb = _start_wandb(record, cfg, config_dict)
+
+    def log(self, row: dict) -> None:
+        row = {"time": round(time.time(), 3), **row}
+        self.record.append("metrics.jsonl", row)
+        if self.wandb is not None:
+            numbers = {
+                k: v for k, v in row.items() if isinstance(v, int | float) and k not in ("step", "time")
+            }
+            self.wandb.log(numbers, step=int(row["step"]))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _start_wandb(record: RunRecord, cfg, config_dict: dict):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("logger=wandb needs the wandb package: pip install 'sess[wandb]'") from None
+    mode = os.environ.get("WANDB_MODE") or cfg.mode
+    run = wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=record.path.name,
+        dir=str(record.path),
+        config=config_dict,
+        tags=list(cfg.tags),
+        mode=mode,
+        reinit="finish_previous",
+    )
+    record.update_meta(wandb={"id": run.id, "mode": mode, "dir": str(Path(run.dir).parent)})
+    return run
