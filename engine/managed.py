@@ -21,7 +21,7 @@ from . import checkpoints as ckpt
 from .registry import Registry
 from .runtime import Runtime, Session
 from .service import CONTROL_OPS, ORDERED_OPS, UNORDERED_OPS, Engine, Operation
-from .types import InvalidRequest, SessError, SessionStatus, Usage
+from .types import InvalidRequest, NotFound, SessError, SessionStatus, Usage
 
 log = logging.getLogger("sess.engine")
 RECORDED_CONTROL = {"create_session", "create_session_from_state", "stop_session", "delete_session"}
@@ -108,6 +108,14 @@ class ManagedEngine(Engine):
             raise op.error
         return op.result
 
+    def submit(self, owner: str, name: str, args: dict, *, session=None, seq=None, client_token=None) -> str:
+        # Another key's session must look absent, not busy: check before sequence ordering answers.
+        if name in ORDERED_OPS and isinstance(session, str):
+            found = self.runtime.sessions.get(session)
+            if found is None or found.owner != owner:
+                raise NotFound(f"session {session!r} not found")
+        return super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+
     def heartbeat(self, owner: str, sessions: list[str]) -> None:
         now = time.time()
         for name in sessions:
@@ -139,14 +147,14 @@ class ManagedEngine(Engine):
         return super()._dispatch(op)
 
     def _execute(self, op: Operation) -> None:
-        name = _session_of(op)
-        before = self._usage(name)
+        op.usage_before = self._usage(_session_of(op))  # synchronous ops: usage is the session's delta
+        super()._execute(op)
+
+    def _finished(self, op: Operation) -> None:
+        # sample requests finish later, from the decode loop, with their own counts in op.usage
+        self._wake(op.id)
         try:
-            super()._execute(op)
-        finally:
-            self._wake(op.id)
-        try:
-            self._record(op, name, before)
+            self._record(op, _session_of(op), getattr(op, "usage_before", None))
         except Exception:  # the registry must never take the executor down
             log.exception("registry: recording op %s failed", op.name)
 
@@ -170,7 +178,9 @@ class ManagedEngine(Engine):
                 ref = ckpt.parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
         counts = {}
-        if session is not None and before is not None:
+        if op.usage is not None:
+            counts = {k: v for k, v in op.usage.to_wire().items() if k not in ("wall_time_s", "operations")}
+        elif session is not None and before is not None:
             after = session.usage
             counts = {k: getattr(after, k) - getattr(before, k) for k in Usage.__dataclass_fields__}
         self.registry.record_operation(

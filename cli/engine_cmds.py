@@ -1,0 +1,108 @@
+"""``sess engine up|status|down|keys``: run and inspect the engine of an engine home."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+
+from sess.cli.main import app, fail
+
+engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys of the engine home.", no_args_is_help=True)
+engine_app.add_typer(keys_app, name="keys")
+app.add_typer(engine_app, name="engine")
+out = Console()
+
+HOME = typer.Option(None, "--home", help="Engine home (default $SESS_HOME or ~/.sess).")
+
+
+@engine_app.command("up")
+def up(
+    host: str = typer.Option("127.0.0.1", help="Address to bind; non-loopback needs API keys."),
+    port: int = typer.Option(0, help="Port (0: a free one, recorded in HOME/engine.json)."),
+    home: str = HOME,
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    detach: bool = typer.Option(False, "--detach", help="Start in the background and return."),
+    idle_timeout: float = typer.Option(
+        600.0, help="Seconds without heartbeats before a session is saved and stopped."
+    ),
+    max_sessions: int = typer.Option(8, help="Live sessions per API key."),
+) -> None:
+    """Start the engine server (in the foreground unless --detach)."""
+    from sess.engine.keys import KeyStore
+    from sess.engine.local import engine_info, start_engine
+    from sess.engine.paths import sess_home
+    from sess.engine.server import is_loopback, serve
+
+    home_path = sess_home(home)
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"--device: expected cpu or cuda, got {device!r}")
+    if not is_loopback(host) and not KeyStore(home_path).load():
+        fail(
+            f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
+        )
+    running = engine_info(home_path)
+    if running is not None:
+        out.print(f"engine already running at {running['url']} (pid {running['pid']})")
+        return
+    extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
+    if detach:
+        info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
+        out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
+        return
+    serve(home_path, host, port, device, idle_timeout, max_sessions)
+
+
+@engine_app.command("status")
+def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show whether the engine of the home is running, and where."""
+    from sess.engine.local import engine_info
+    from sess.engine.paths import sess_home
+
+    info = engine_info(sess_home(home))
+    if info is None:
+        if as_json:
+            print(json.dumps({"running": False}))
+            raise typer.Exit(1)
+        fail(f"no engine running for home {sess_home(home)} (start one: sess engine up --detach)")
+    if as_json:
+        print(json.dumps({"running": True, **info}))
+    else:
+        out.print(f"engine running at {info['url']} (pid {info['pid']}, home {sess_home(home)})")
+
+
+@engine_app.command("down")
+def down(home: str = HOME) -> None:
+    """Stop the engine of the home; live sessions become Interrupted (resume them with sess resume)."""
+    from sess.engine.local import stop_engine
+    from sess.engine.paths import sess_home
+
+    info = stop_engine(sess_home(home))
+    if info is None:
+        fail(f"no engine running for home {sess_home(home)}")
+    out.print(f"engine at {info['url']} stopped")
+
+
+@keys_app.command("add")
+def keys_add(
+    owner: str = typer.Option(None, help="Owner id the key acts as (default: a new one)."),
+    max_sessions: int = typer.Option(None, help="Live sessions for this key (default: the engine's)."),
+    home: str = HOME,
+) -> None:
+    """Create an API key and print it (a key sees only its owner's sessions and checkpoints)."""
+    from sess.engine.keys import KeyStore
+
+    entry = KeyStore(home).add(owner, max_sessions=max_sessions)
+    print(entry["key"])
+    Console(stderr=True).print(f"key for owner {entry['owner']!r} added to {KeyStore(home).path}")
+
+
+@keys_app.command("list")
+def keys_list(home: str = HOME) -> None:
+    """List key owners (keys shown shortened)."""
+    from sess.engine.keys import KeyStore
+
+    for entry in KeyStore(home).load().values():
+        out.print(f"{entry['key'][:10]}…  owner={entry['owner']}  max_sessions={entry.get('max_sessions')}")

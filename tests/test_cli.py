@@ -1,0 +1,132 @@
+"""CLI lifecycle: engine up/status/down, start, list, stop, resume, usage, checkpoints; usage numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from sess.cli.main import app
+from sess.engine import SamplingParams, ServiceClient
+from sess.engine.local import engine_info
+
+from helpers import SENTENCES, ce_datum
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def env(http_engine, sess_home):
+    return {"SESS_HOME": str(sess_home), "SESS_ENGINE_URL": http_engine["url"]}
+
+
+def sess(env, *args):
+    result = runner.invoke(app, list(args), env=env)
+    assert result.exit_code == 0, (args, result.output, result.exception)
+    return result.output
+
+
+def test_engine_up_status_down(tmp_path):
+    home = str(tmp_path / "home")
+    assert runner.invoke(app, ["engine", "status", "--home", home]).exit_code == 1
+    output = sess({}, "engine", "up", "--detach", "--home", home)
+    info = engine_info(home)
+    assert info is not None and info["url"] in output
+    assert info["url"] in sess({}, "engine", "status", "--home", home)
+    assert json.loads(sess({}, "engine", "status", "--home", home, "--json"))["pid"] == info["pid"]
+    assert "already running" in sess({}, "engine", "up", "--detach", "--home", home)
+    assert "stopped" in sess({}, "engine", "down", "--home", home)
+    assert engine_info(home) is None
+    down_again = runner.invoke(app, ["engine", "down", "--home", home])
+    assert down_again.exit_code == 1 and "no engine running" in down_again.output
+
+
+def test_public_host_without_keys_is_refused_and_keys_add(tmp_path):
+    home = str(tmp_path / "open")
+    result = runner.invoke(app, ["engine", "up", "--host", "0.0.0.0", "--home", home])
+    assert result.exit_code == 1 and "without API keys" in result.output
+    key = runner.invoke(app, ["engine", "keys", "add", "--owner", "alice", "--home", home]).stdout.strip()
+    assert key.startswith("sess-")
+    assert (tmp_path / "open" / "keys.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_start_list_stop_resume_checkpoints(env):
+    output = sess(env, "start", "model=tiny-llama", "lora.rank=4", "seed=3", "--name", "cli-one")
+    assert "cli-one" in output and "rank 4" in output
+    svc = ServiceClient(env["SESS_ENGINE_URL"], home=env["SESS_HOME"])
+    tc = svc.get_training_client("cli-one")
+    tc.forward_backward([ce_datum(tc.get_tokenizer().encode(SENTENCES[0]))])
+    tc.optim_step()
+    state = tc.save_state(name="s1").result().path
+    listed = sess(env, "list")
+    assert "cli-one" in listed and "tiny-llama" in listed and "Running" in listed
+    assert state in sess(env, "checkpoints", "cli-one")
+    assert "Stopped" in sess(env, "stop", "cli-one")
+    assert "cli-one-b" in sess(env, "resume", "cli-one", "--name", "cli-one-b")
+    assert svc.list_sessions(name_contains="cli-one-b")[0].step == 1
+    assert "cli-one-c" in sess(env, "resume", "cli-one", "--checkpoint", state, "--name", "cli-one-c")
+    bad = runner.invoke(app, ["start", "model=tiny-llama", "lora.rank=0"], env=env)
+    assert bad.exit_code != 0 and "rank" in str(bad.exception or bad.output)
+    for name in ("cli-one-b", "cli-one-c"):
+        svc.stop_session(name)
+    svc.close()
+
+
+def test_usage_counts_match_scripted_calls_and_cli(env):
+    svc = ServiceClient(env["SESS_ENGINE_URL"], home=env["SESS_HOME"])
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="usage-check")
+    tok = tc.get_tokenizer()
+    sc = tc.create_sampling_client()
+    prefill = sampled = training = 0
+    for text, n in [("one two", 3), ("three four five", 2)]:
+        prompt = tok.encode(text)
+        result = sc.sample(
+            prompt, num_samples=n, sampling_params=SamplingParams(max_tokens=6, seed=1)
+        ).result()
+        prefill += len(prompt)  # once per prompt, not per sample
+        sampled += sum(len(s.tokens) for s in result.sequences)
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES[:3]]
+    tc.forward(data).result()
+    tc.forward_backward(data).result()
+    training += 2 * sum(d.model_input.length for d in data)
+    logprob_prompt = tok.encode("six seven")
+    sc.compute_logprobs(logprob_prompt).result()
+    prefill += len(logprob_prompt)
+
+    usage = svc.get_usage("usage-check")
+    assert (usage.prefill_tokens, usage.sampled_tokens, usage.training_tokens) == (prefill, sampled, training)
+    report = json.loads(sess(env, "usage", "usage-check", "--json"))
+    assert report["usage"]["prefill_tokens"] == prefill and report["usage"]["training_tokens"] == training
+    ops = report["operations"]
+    assert ops["sample"]["count"] == 2 and ops["sample"]["sampled_tokens"] == sampled
+    assert ops["sample"]["prefill_tokens"] + ops["compute_logprobs"]["prefill_tokens"] == prefill
+    assert ops["forward"]["training_tokens"] == ops["forward_backward"]["training_tokens"] == training // 2
+    [row] = [s for s in json.loads(sess(env, "list", "--json")) if s["name"] == "usage-check"]
+    assert row["usage"]["sampled_tokens"] == sampled
+    table = sess(env, "list")
+    line = next(line for line in table.splitlines() if "usage-check" in line)
+    assert str(prefill + sampled + training) in line
+    assert "sample" in sess(env, "usage", "usage-check")
+    tc.stop()
+    svc.close()
+
+
+def test_errors_are_one_red_line_and_debug_shows_traceback(env):
+    code = "from sess.cli.main import main; main()"
+    full_env = {**os.environ, **env}
+    quiet = subprocess.run(
+        [sys.executable, "-c", code, "stop", "no-such-session"], env=full_env, capture_output=True, text=True
+    )
+    assert quiet.returncode == 1 and "no-such-session" in quiet.stderr and "Traceback" not in quiet.stderr
+    assert len(quiet.stderr.strip().splitlines()) == 1
+    loud = subprocess.run(
+        [sys.executable, "-c", code, "--debug", "stop", "no-such-session"],
+        env=full_env,
+        capture_output=True,
+        text=True,
+    )
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
