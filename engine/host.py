@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ class BaseHost:
         self.model.requires_grad_(False)
         self.peft: PeftModel | None = None
         self.checkpoint_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint uri -> adapter name
+        self.pinned: Callable[[], set[str]] = set  # adapters in use by running sample requests
         self.max_checkpoint_adapters = max_checkpoint_adapters
         config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -58,6 +59,7 @@ class BaseHost:
                 self.peft = get_peft_model(self.model, config, adapter_name=adapter)
             else:
                 self.peft.add_adapter(adapter, config)
+        self.peft.eval()  # new LoRA modules start in training mode; dropout is 0 but peft checks the flag
         self.peft.base_model_name_or_path = str(self.path)
 
     def remove_adapter(self, adapter: str) -> None:
@@ -117,9 +119,11 @@ class BaseHost:
         self.set_state(adapter, state)
         self.peft.base_model_name_or_path = str(self.path)
         self.checkpoint_adapters[uri] = adapter
-        while len(self.checkpoint_adapters) > self.max_checkpoint_adapters:
-            _, old = self.checkpoint_adapters.popitem(last=False)
-            self.remove_adapter(old)
+        pinned = self.pinned()
+        for old_uri in [u for u, a in self.checkpoint_adapters.items() if a not in pinned and a != adapter]:
+            if len(self.checkpoint_adapters) <= self.max_checkpoint_adapters:
+                break
+            self.remove_adapter(self.checkpoint_adapters.pop(old_uri))
         return adapter
 
     def forget_checkpoint(self, uri: str) -> None:
@@ -140,6 +144,16 @@ class BaseHost:
         if self.peft.active_adapter != adapter:
             self.peft.set_adapter(adapter)
         yield self.peft
+
+    @contextlib.contextmanager
+    def rows_model(self, adapters: list[str | None]) -> Iterator[tuple[torch.nn.Module, dict]]:
+        """The model and forward kwargs that run each row through its own adapter (None: base)."""
+        distinct = set(adapters)
+        if len(distinct) == 1:
+            with self.activate(adapters[0]) as model:
+                yield model, {}
+        else:  # peft's mixed-adapter batch: each LoRA layer applies each row's own weights
+            yield self.peft, {"adapter_names": ["__base__" if a is None else a for a in adapters]}
 
     # merged models ------------------------------------------------------------------------------
     def merged_state(self, adapter: str) -> tuple[dict[str, torch.Tensor], bool]:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import checkpoints as ckpt
+from .decoding import DecodeBatch, SampleJob, prompt_logprobs_from, supports_merging
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
 from .models import ModelNotAvailable, list_models
 from .paths import sess_home
-from .sampler import sample as run_sampler
+from .sampler import StopChecker
 from .types import (
     AdamParams,
     Datum,
@@ -76,6 +78,7 @@ class Runtime:
         self.device = device
         self.hosts: dict[str, BaseHost] = {}
         self.sessions: dict[str, Session] = {}
+        self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
 
     # models ----------------------------------------------------------------------------------------
@@ -171,6 +174,11 @@ class Runtime:
     def stop_session(self, owner: str, name: str) -> dict:
         session = self.session(owner, name, live=False)
         if session.status == SessionStatus.Running:
+            if session.base_model in self.batches:
+                stopped = InvalidRequest(
+                    f"session {name!r} was stopped while this request was sampling from it", status=409
+                )
+                self.batches[session.base_model].fail_adapter(session.adapter, stopped)
             self.hosts[session.base_model].remove_adapter(session.adapter)
             session.optimizer, session.params = None, {}
             session.status = SessionStatus.Stopped
@@ -321,16 +329,21 @@ class Runtime:
             return self.host(target["base_model"]), None, None
         raise InvalidRequest("sampling client: give model_path or base_model")
 
-    def sample(
+    def start_sample(
         self,
         owner: str,
+        on_done: Callable[[dict | None, BaseException | None, Usage], None],
         target: dict,
         prompt: list[int],
         num_samples: int = 1,
         sampling_params: dict | None = None,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int | None = None,
-    ) -> dict:
+    ) -> None:
+        """Check a sample request and add it to its base model's decode batch.
+
+        Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the
+        executor thread when the request's last row finishes (see :meth:`decode_step`)."""
         started = time.perf_counter()
         host, adapter, session = self._sampling_target(owner, target)
         try:
@@ -347,26 +360,79 @@ class Runtime:
                 f"exceeds the model's context of {host.max_context} tokens"
             )
         if topk_prompt_logprobs is not None and (
-            not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 1
+            not isinstance(topk_prompt_logprobs, int)
+            or isinstance(topk_prompt_logprobs, bool)
+            or topk_prompt_logprobs < 1
         ):
             raise InvalidRequest(
                 f"topk_prompt_logprobs: expected a positive integer, got {topk_prompt_logprobs!r}"
             )
-        response = SampleResponse(sequences=[])
-        with host.activate(adapter) as model:
-            if include_prompt_logprobs or topk_prompt_logprobs:
-                response.prompt_logprobs, response.topk_prompt_logprobs = _prompt_logprobs(
-                    model, prompt, topk_prompt_logprobs
-                )
-                if not include_prompt_logprobs:
-                    response.prompt_logprobs = None
-            response.sequences = run_sampler(
-                model, prompt, num_samples, params, eos_ids=host.eos_ids, decode=host.tokenizer.decode
-            )
-        if session is not None:
-            sampled = sum(len(s.tokens) for s in response.sequences)
-            self._account(session, started, prefill_tokens=len(prompt), sampled_tokens=sampled)
-        return response.to_wire()
+
+        def finished(sequences, error) -> None:
+            usage = Usage()
+            if error is None:
+                response = SampleResponse(sequences=sequences)
+                if job.prompt_result is not None:
+                    logprobs, top = job.prompt_result
+                    response.prompt_logprobs = logprobs if include_prompt_logprobs else None
+                    response.topk_prompt_logprobs = top
+                sampled = sum(len(s.tokens) for s in sequences)
+                usage = Usage(prefill_tokens=len(prompt), sampled_tokens=sampled)
+                if session is not None:
+                    self._account(session, started, prefill_tokens=len(prompt), sampled_tokens=sampled)
+                on_done(response.to_wire(), None, usage)
+            else:
+                on_done(None, error, usage)
+
+        job = SampleJob(
+            prompt=prompt,
+            num_samples=num_samples,
+            params=params,
+            adapter=adapter,
+            stopper=StopChecker(params.stop, host.eos_ids, host.tokenizer.decode),
+            on_done=finished,
+            prompt_logprobs=(topk_prompt_logprobs or -1)
+            if (include_prompt_logprobs or topk_prompt_logprobs)
+            else 0,
+        )
+        self._batch(host).submit(job)
+
+    def _batch(self, host: BaseHost) -> DecodeBatch:
+        if host.name not in self.batches:
+            merging = supports_merging(host.model)
+            layers = host.model.config.get_text_config(decoder=True).num_hidden_layers
+            self.batches[host.name] = DecodeBatch(host.rows_model, layers, merging)
+            host.pinned = self.batches[host.name].adapters_in_use
+        return self.batches[host.name]
+
+    @property
+    def decoding(self) -> bool:
+        return any(batch.active for batch in self.batches.values())
+
+    def decode_step(self) -> None:
+        """Admit waiting sample requests and decode one token for every running row."""
+        for batch in list(self.batches.values()):
+            if batch.active:
+                batch.step()
+
+    def fail_decoding(self, error: BaseException) -> None:
+        """End every running and waiting sample request with ``error`` (after a failed step)."""
+        for batch in self.batches.values():
+            for job in {id(j): j for j in batch.jobs + batch.waiting}.values():
+                job.on_done(None, error)
+            batch.waiting.clear()
+            batch._clear()
+
+    def sample(self, owner: str, **request) -> dict:
+        """Sample synchronously: :meth:`start_sample`, then decode until this request finishes."""
+        done: list = []
+        self.start_sample(owner, lambda result, error, usage: done.append((result, error)), **request)
+        while not done:
+            self.decode_step()
+        result, error = done[0]
+        if error is not None:
+            raise error
+        return result
 
     def compute_logprobs(self, owner: str, target: dict, prompt: list[int]) -> dict:
         started = time.perf_counter()
@@ -561,11 +627,4 @@ def _prompt_logprobs(model, prompt: list[int], topk: int | None):
     with torch.no_grad():
         device = next(model.parameters()).device
         logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0].float()
-        logp = logits.log_softmax(-1)
-        chosen = logp[:-1].gather(-1, torch.tensor(prompt[1:], device=device)[:, None]).squeeze(-1)
-        logprobs = [None, *chosen.tolist()]
-        top = None
-        if topk:
-            values, indices = logp[:-1].topk(min(topk, logp.shape[-1]), dim=-1)
-            top = [None, *[list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]]
-        return logprobs, top
+        return prompt_logprobs_from(logits, prompt, topk or 0)

@@ -1,9 +1,10 @@
-"""Batched autoregressive sampling with a KV cache.
+"""Token selection for batched sampling: per-row temperature / top-k / top-p and counter-based RNG.
 
-A request's prompt is prefilled once; its cache is then repeated for the ``num_samples`` rows that
-decode together. Every sampled token carries the model's own (temperature 1, untruncated)
-log-probability, so it equals what ``forward`` computes for the same tokens: temperature, top-k and
-top-p shape what is drawn, not what is reported, and on-policy importance ratios are exactly 1.
+Each row draws one uniform number per step from a hash of (its request's seed, its sample index,
+the step), so a seeded request samples the same tokens whichever other requests share its batch,
+with no per-row generator objects or Python work per row. A token is drawn by inverse CDF from the
+tempered, truncated distribution; the logprob reported is the model's own (temperature 1,
+untruncated), so it equals what ``forward`` computes for the same token.
 """
 
 from __future__ import annotations
@@ -12,34 +13,76 @@ import secrets
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
-from .types import SampledSequence, SamplingParams
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return generator
+_MASK64 = (1 << 64) - 1
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row of ``logits`` (rows, vocab) under temperature / top-k / top-p."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    scaled = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    probs = scaled.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on int64 tensors (wrapping arithmetic)."""
+    z = z + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def row_keys(seed: int | None, num_samples: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One RNG key per sample of a request; ``seed=None`` draws a fresh seed."""
+    seed = secrets.randbits(62) if seed is None else int(seed)
+    base = splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64, device=device))
+    return splitmix64(base + torch.arange(num_samples, dtype=torch.int64, device=device))
+
+
+def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) for each (key, step) pair, in float64."""
+    bits = _shift_right(splitmix64(keys ^ splitmix64(steps)), 11)  # 53 random bits
+    return bits.to(torch.float64) * (1.0 / (1 << 53))
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Pick one token per row of ``logits`` (rows, vocab). temperature 0 = greedy; top_k <= 0 = off."""
+    greedy = logits.argmax(dim=-1)
+    sampled_rows = temperature > 0
+    if not bool(sampled_rows.any()):
+        return greedy
+    scaled = logits / torch.where(sampled_rows, temperature, torch.ones_like(temperature))[:, None]
+    truncate = bool(((top_k > 0) | (top_p < 1.0)).any())
+    if truncate:
+        # Work in sorted order: top-k keeps the first k, top-p the shortest prefix reaching p.
+        scaled, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = scaled.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        position = torch.arange(probs.shape[-1], device=probs.device)
+        drop = (before >= top_p[:, None]) | ((top_k[:, None] > 0) & (position[None, :] >= top_k[:, None]))
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    else:
+        probs = scaled.softmax(dim=-1)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    pick = pick.clamp_(max=probs.shape[-1] - 1)
+    token = order.gather(-1, pick[:, None]).squeeze(-1) if truncate else pick
+    return torch.where(sampled_rows, token, greedy)
 
 
 class StopChecker:
@@ -47,66 +90,11 @@ class StopChecker:
 
     def __init__(self, stop: str | Sequence[str] | Sequence[int] | None, eos_ids: set[int], decode: Callable):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.stop_ids = set(eos_ids) | {s for s in stops if isinstance(s, int)}
+        self.stop_ids = sorted(set(eos_ids) | {s for s in stops if isinstance(s, int)})
         self.stop_strings = [s for s in stops if isinstance(s, str) and s]
         self.window = 2 * max((len(s) for s in self.stop_strings), default=0) + 4
         self.decode = decode
 
-    def done(self, tokens: list[int]) -> bool:
-        if tokens[-1] in self.stop_ids:
-            return True
-        if self.stop_strings:
-            tail = self.decode(tokens[-self.window :])
-            return any(s in tail for s in self.stop_strings)
-        return False
-
-
-@torch.no_grad()
-def sample(
-    model: torch.nn.Module,
-    prompt: list[int],
-    num_samples: int,
-    params: SamplingParams,
-    *,
-    eos_ids: set[int],
-    decode: Callable[[list[int]], str],
-) -> list[SampledSequence]:
-    """Sample ``num_samples`` continuations of ``prompt`` from ``model`` (already on its adapter)."""
-    device = next(model.parameters()).device
-    generator = make_generator(params.seed, device)
-    stopper = StopChecker(params.stop, eos_ids, decode)
-    cache = DynamicCache(config=getattr(model, "config", None))
-    input_ids = torch.tensor([prompt], device=device)
-    out = model(input_ids=input_ids, cache=cache, use_cache=True)
-    cache = out.cache
-    if num_samples > 1:
-        cache.batch_repeat_interleave(num_samples)
-    logits = out.logits[:, -1, :].float().expand(num_samples, -1)
-
-    tokens: list[list[int]] = [[] for _ in range(num_samples)]
-    logprobs: list[list[float]] = [[] for _ in range(num_samples)]
-    reasons = ["length"] * num_samples
-    alive = list(range(num_samples))  # row r of the live batch is sample alive[r]
-    for step in range(params.max_tokens):
-        chosen = next_tokens(logits, params, generator)
-        chosen_lp = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
-        keep = []
-        for row, sample_index in enumerate(alive):
-            tokens[sample_index].append(int(chosen[row]))
-            logprobs[sample_index].append(float(chosen_lp[row]))
-            if stopper.done(tokens[sample_index]):
-                reasons[sample_index] = "stop"
-            else:
-                keep.append(row)
-        if not keep or step == params.max_tokens - 1:
-            break
-        if len(keep) < len(alive):
-            cache.batch_select_indices(torch.tensor(keep, device=device))
-            chosen = chosen[keep]
-            alive = [alive[row] for row in keep]
-        out = model(input_ids=chosen[:, None], cache=cache, use_cache=True)
-        cache = out.cache
-        logits = out.logits[:, -1, :].float()
-    return [
-        SampledSequence(tokens=t, logprobs=lp, stop_reason=r) for t, lp, r in zip(tokens, logprobs, reasons)
-    ]
+    def hit_string(self, tokens: list[int]) -> bool:
+        tail = self.decode(tokens[-self.window :])
+        return any(s in tail for s in self.stop_strings)

@@ -64,6 +64,7 @@ class Operation:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: SessError | None = None
+    usage: Any = None  # the op's own token counts, when the runtime reports them (sample)
 
     def finish(self, result: Any = None, error: SessError | None = None) -> None:
         self.result, self.error = result, error
@@ -187,15 +188,56 @@ class Engine:
 
     # the executor ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        """Interleave ops with decode steps: new sample requests join the running batch, then one
+        other op runs, then every running row decodes one token; a training op waits one step at most."""
         while True:
             with self._cv:
-                while not self._ready and not self._closed:
+                while not self._ready and not self.runtime.decoding and not self._closed:
                     self._cv.wait(timeout=1.0)
                     self._expire_parked()
                 if self._closed:
                     return
-                op = self._ready.popleft()
-            self._execute(op)
+                samples = [op for op in self._ready if op.name == "sample"]
+                if samples:
+                    self._ready = deque(op for op in self._ready if op.name != "sample")
+                op = self._ready.popleft() if self._ready else None
+            for sample in samples:
+                self._start_sample(sample)
+            if op is not None:
+                self._execute(op)
+            if self.runtime.decoding:
+                try:
+                    self.runtime.decode_step()
+                except Exception as exc:  # a failed step ends the requests in it, never the executor
+                    log.error("decode step failed:\n%s", traceback.format_exc())
+                    self.runtime.fail_decoding(
+                        SessError(
+                            f"sampling failed inside the engine: {type(exc).__name__}: {exc}", status=500
+                        )
+                    )
+
+    def _start_sample(self, op: Operation) -> None:
+        def done(result, error, usage) -> None:
+            op.usage = usage
+            op.finish(result=result, error=error)
+            self._finished(op)
+
+        try:
+            args = dict(op.args)
+            inspect.signature(self.runtime.start_sample).bind(op.owner, done, **args)
+            self.runtime.start_sample(op.owner, done, **args)
+        except TypeError as exc:
+            op.finish(error=InvalidRequest(f"sample: {exc}"))
+            self._finished(op)
+        except SessError as exc:
+            op.finish(error=exc)
+            self._finished(op)
+        except Exception as exc:
+            log.error("op sample failed:\n%s", traceback.format_exc())
+            op.finish(
+                error=SessError(f"sample failed inside the engine: {type(exc).__name__}: {exc}", status=500)
+            )
+            self._finished(op)
 
     def _execute(self, op: Operation) -> None:
         try:
@@ -209,6 +251,10 @@ class Engine:
                     f"{op.name} failed inside the engine: {type(exc).__name__}: {exc}", status=500
                 )
             )
+        self._finished(op)
+
+    def _finished(self, op: Operation) -> None:
+        """Called on the executor thread once ``op`` has its result or error (a hook for subclasses)."""
 
     def _dispatch(self, op: Operation) -> Any:
         runtime, args = self.runtime, op.args

@@ -162,4 +162,6 @@ def test_sixteen_concurrent_samples(trained):
     for p, got in zip(params, concurrent):
         alone = sc.sample(prompt, num_samples=2, sampling_params=p).result()
         assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
-        assert [s.logprobs for s in got.sequences] == [s.logprobs for s in alone.sequences]
+        # rows decoded in a shared batch see the same weights; fp32 rounding may differ a little
+        for a, b in zip(got.sequences, alone.sequences):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
