@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from sess.cli.main import app, fail
 
@@ -23,7 +24,10 @@ def _guard(fn, *args, **kwargs):
     except Exception as exc:
         if os.environ.get("SESS_DEBUG"):
             raise
-        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        # One line, unwrapped whatever the terminal width (main.fail would wrap a long message).
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        Console(stderr=True, soft_wrap=True).print(Text.assemble(("error:", "red"), " ", message))
+        raise typer.Exit(1) from None
 
 
 @app.command(context_settings={"allow_extra_args": False})

@@ -137,6 +137,8 @@ def _merge(group: str, schema: type, node: Any) -> DictConfig:
                 f"unknown config key '{group}.{key}' for {group} {node.get('name', '')!s}".rstrip()
                 + f"; known keys: {', '.join(sorted(known))}"
             )
+        if OmegaConf.is_missing(node, key):  # merge() would silently keep the schema default
+            raise ConfigError(f"{group}.{key}: missing mandatory value; set it with {group}.{key}=...")
     try:
         merged = OmegaConf.merge(base, node)
         OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)

@@ -1,0 +1,105 @@
+"""Loop pieces and behaviours: data splits, rewards, rendering, KTO learning, wandb offline records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_run import TINY, _run
+
+from sess.loops import datasets, rewards
+from sess.loops.arithmetic import ArithmeticProblems
+from sess.loops.records import read_jsonl
+
+
+def test_arithmetic_splits_never_overlap_and_are_seeded():
+    gen = ArithmeticProblems(0, eval_size=64, min_value=1, max_value=9)
+    held = {p.question for p in gen.eval_problems}
+    train = [gen.train(k) for k in range(500)]
+    assert not held & {p.question for p in train}
+    assert [p.question for p in ArithmeticProblems(0, max_value=9).eval_problems[:5]] == [
+        p.question for p in gen.eval_problems[:5]
+    ]
+    assert ArithmeticProblems(1).train(0) != ArithmeticProblems(0).train(0)
+    for p in train[:50]:
+        a, op, b = p.solution.split(" ")[:3]
+        assert str(eval(f"{a}{op}{b}")) == p.answer  # noqa: S307 - our own generated arithmetic
+
+
+@pytest.mark.parametrize(
+    "text,truth,expected",
+    [
+        ("12 + 30 = 42. Answer: 42", "42", 1.0),
+        ("Answer: 41", "42", 0.0),
+        ("the answer is 1,234.", "1234", 1.0),
+        ("I think 3 then 42", "42", 1.0),
+        ("no idea", "42", -0.1),
+        ("Answer: 42.0", "42", 1.0),
+    ],
+)
+def test_reward_is_exact_final_answer_with_a_parse_penalty(text, truth, expected):
+    assert rewards.reward(text, truth, 0.1) == expected
+
+
+def test_file_orders_are_seeded_and_epoch_shuffled():
+    order = datasets._order(list(range(10)), seed=1)
+    first, again = [order(k) for k in range(20)], [datasets._order(list(range(10)), 1)(k) for k in range(20)]
+    assert first == again and sorted(first[:10]) == list(range(10)) and first[:10] != first[10:]
+    assert [datasets._order(list(range(5)), 1, shuffle=False)(k) for k in range(6)] == [0, 1, 2, 3, 4, 0]
+
+
+def test_sft_weights_only_assistant_tokens(svc):
+    from sess.loops import rendering
+
+    tok = svc.get_tokenizer("tiny-llama")
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Answer: 4"}]
+    tokens, weights = rendering.chat_tokens(tok, chat)
+    learnt = tok.decode([t for t, w in zip(tokens, weights) if w])
+    assert learnt == "Answer: 4<|im_end|>\n"
+    prompt = rendering.prompt_tokens(tok, chat[:1])
+    assert tokens[: len(prompt)] == prompt and not any(weights[: len(prompt)])
+
+
+def test_kto_raises_the_implied_reward_of_desirable_over_undesirable(sess_home, tmp_path):
+    lines = []
+    for i in range(24):
+        a, b = i % 7 + 1, i % 5 + 2
+        lines.append({"prompt": f"What is {a} + {b}?", "completion": f"Answer: {a + b}", "label": True})
+        lines.append(
+            {"prompt": f"What is {a} + {b}?", "completion": f"Answer: {a + b + 3} maybe", "label": False}
+        )
+    path = tmp_path / "feedback.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_dir = _run(
+        tmp_path / "runs",
+        "loop=kto",
+        "data=feedback_jsonl",
+        f"data.path={path}",
+        "data.eval_size=8",
+        "loop.steps=8",
+        "loop.batch_size=8",
+        "loop.learning_rate=3e-3",
+        "loop.beta=0.5",
+    )
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    before, after = evals[0]["eval/margin"], evals[-1]["eval/margin"]
+    assert before == pytest.approx(0.0, abs=1e-3)  # the policy starts as the reference
+    assert after > before + 1.0, evals
+    train = [r["margin"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train[-1] > train[0]
+
+
+def test_wandb_offline_keeps_config_and_metrics(sess_home, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = _run(tmp_path, "loop=sft", "loop.steps=2", "logger=wandb", "logger.project=sess-test")
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    (records,) = wandb_run.glob("run-*.wandb")  # what `wandb sync` uploads: config and history
+    blob = records.read_bytes()
+    assert b"tiny-llama" in blob and b"learning_rate" in blob  # the config
+    assert b"loss" in blob and b"eval/accuracy" in blob  # the metrics
+    assert json.loads((run_dir / "meta.json").read_text())["wandb"]["mode"] == "offline"
+
+
+assert TINY  # shared overrides come from test_run
