@@ -85,11 +85,26 @@ def runs(runs_dir: Path = typer.Option(Path("runs"), "--dir", help="Where run re
     if not found:
         out.print(f"no runs under {runs_dir}")
         return
-    table = Table("run", "loop", "model", "status", "step", "eval", "session")
-    for r in found:
-        step = f"{r['step']}/{r['steps']}" if r["steps"] else str(r["step"])
-        score = "" if r["eval"] is None else f"{r['eval']:.3f}"
-        table.add_row(r["run"], r["loop"], r["model"], r["status"], step, score, r["session"] or "")
+    header = ("run", "loop", "model", "status", "step", "eval", "session")
+    rows = [
+        (
+            r["run"],
+            r["loop"],
+            r["model"],
+            r["status"],
+            f"{r['step']}/{r['steps']}" if r["steps"] else str(r["step"]),
+            "" if r["eval"] is None else f"{r['eval']:.3f}",
+            r["session"] or "",
+        )
+        for r in found
+    ]
+    if not out.is_terminal:  # pipes and scripts get whole names, tab-separated
+        for row in [header, *rows]:
+            print("\t".join(map(str, row)))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*map(str, row))
     out.print(table)
 
 
