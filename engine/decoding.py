@@ -39,10 +39,10 @@ class SlotLayer(DynamicLayer):
         if needed <= capacity:
             return
         new = max(needed, 2 * capacity)
-        grow = lambda buf: torch.cat(
-            [buf, buf.new_zeros((*buf.shape[:2], new - capacity, buf.shape[3]))], dim=2
-        )  # noqa: E731
-        self.buf_k, self.buf_v = grow(self.buf_k), grow(self.buf_v)
+        self.buf_k, self.buf_v = (
+            _pad(self.buf_k, new, dim=2, left=False),
+            _pad(self.buf_v, new, dim=2, left=False),
+        )
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -75,10 +75,21 @@ class SlotLayer(DynamicLayer):
 
     def append_rows(self, other: SlotLayer) -> None:
         """Stack ``other``'s rows under these, left-padding the shorter side with zeros."""
-        a_k, a_v, b_k, b_v = self.keys, self.values, other.keys, other.values
-        width = max(a_k.shape[2], b_k.shape[2])
-        pad = lambda t: torch.cat([t.new_zeros((*t.shape[:2], width - t.shape[2], t.shape[3])), t], dim=2)  # noqa: E731
-        self._set(torch.cat([pad(a_k), pad(b_k)]), torch.cat([pad(a_v), pad(b_v)]))
+        width = max(self.length, other.length)
+        keys = torch.cat([_pad(self.keys, width, dim=2), _pad(other.keys, width, dim=2)])
+        values = torch.cat([_pad(self.values, width, dim=2), _pad(other.values, width, dim=2)])
+        self._set(keys, values)
+
+
+def _pad(t: torch.Tensor, width: int, *, dim: int, left: bool = True, fill: float = 0) -> torch.Tensor:
+    """``t`` padded with ``fill`` along ``dim`` to ``width`` (on the left by default)."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    zeros = t.new_full(shape, fill)
+    return torch.cat([zeros, t] if left else [t, zeros], dim=dim)
 
 
 class SlotCache(DynamicCache):
@@ -112,14 +123,38 @@ class SampleJob:
     on_done: Callable[[list[SampledSequence] | None, BaseException | None], None]
     prompt_logprobs: int = 0  # 0: none, -1: logprobs only, k > 0: also top-k
     prompt_result: tuple | None = None
-    tokens: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
+    results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
+
+    def finish_row(self, sample: int, tokens: list[int], logprobs: list[float], reason: str) -> None:
+        self.results[sample] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
+        self.rows_left -= 1
+        if self.rows_left == 0:
+            self.on_done(self.results, None)
+
+
+# Per-row tensors of the batch, kept in row order; rows are selected/concatenated together.
+ROW_TENSORS = (
+    "positions",
+    "last",
+    "keys",
+    "steps",
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_tokens",
+    "stop_ids",
+    "generated",
+    "generated_lp",
+)
 
 
 class DecodeBatch:
-    """The running batch of one base model; :meth:`join` adds a job, :meth:`step` decodes one token."""
+    """The running batch of one base model; :meth:`step` admits waiting jobs and decodes one token.
+
+    Per-step work is tensor ops over all rows; Python runs only for rows that finish and for rows
+    whose request has stop strings. ``generated`` holds each row's tokens right-aligned: a row that
+    joined ``steps[r]`` steps ago owns the last ``steps[r]`` columns."""
 
     def __init__(self, model_for: Callable, num_layers: int, merging: bool):
         self.model_for = model_for  # adapters of the rows -> context manager of (model, extra forward kwargs)
@@ -133,8 +168,10 @@ class DecodeBatch:
         self.jobs: list[SampleJob] = []  # per row
         self.sample_index: list[int] = []  # per row: which sample of its job
         self.adapters: list[str | None] = []  # per row
-        self.mask = self.positions = self.last = self.keys = self.steps = None
-        self.temperature = self.top_k = self.top_p = self.max_tokens = None
+        self.string_rows: list[int] = []  # rows whose request has stop strings
+        self.mask = None
+        for name in ROW_TENSORS:
+            setattr(self, name, None)
 
     @property
     def rows(self) -> int:
@@ -155,9 +192,9 @@ class DecodeBatch:
         for job in [j for j in self.waiting if j.adapter == adapter]:
             self.waiting.remove(job)
             job.on_done(None, error)
-        doomed = {id(j) for j in self.jobs if j.adapter == adapter}
+        doomed = {id(j): j for j in self.jobs if j.adapter == adapter}
         if doomed:
-            for job in {id(j): j for j in self.jobs if id(j) in doomed}.values():
+            for job in doomed.values():
                 job.on_done(None, error)
             self._keep([r for r, j in enumerate(self.jobs) if id(j) not in doomed])
 
@@ -175,58 +212,59 @@ class DecodeBatch:
 
     @torch.no_grad()
     def _join(self, job: SampleJob) -> None:
+        keep = 0 if job.prompt_logprobs else 1  # logits of the last position only, unless asked
         with self.model_for([job.adapter]) as (model, extra):
             device = next(model.parameters()).device
             cache = SlotCache(self.num_layers) if self.merging else DynamicCache(config=model.config)
-            out = model(
-                input_ids=torch.tensor([job.prompt], device=device), cache=cache, use_cache=True, **extra
-            )
+            ids = torch.tensor([job.prompt], device=device)
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
         logits = out.logits[0].float()
         if job.prompt_logprobs:
             job.prompt_result = prompt_logprobs_from(logits, job.prompt, max(job.prompt_logprobs, 0))
-        k = job.num_samples
-        job.tokens, job.logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
-        job.reasons, job.rows_left = ["length"] * k, k
-        p = job.params
-        keys = row_keys(p.seed, k, device)
-        first = logits[-1:].expand(k, -1)
-        temperature = torch.full((k,), float(p.temperature), device=device)
-        top_k = torch.full((k,), int(p.top_k), device=device, dtype=torch.long)
-        top_p = torch.full((k,), float(p.top_p), device=device)
-        steps = torch.zeros(k, dtype=torch.long, device=device)
-        token = choose_tokens(first, temperature, top_k, top_p, uniforms(keys, steps))
-        chosen_lp = first.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        k, p, n = job.num_samples, job.params, len(job.prompt)
+        job.results, job.rows_left = [None] * k, k
         if k > 1:
             for layer in out.cache.layers:
                 (layer.repeat_rows if self.merging else layer.batch_repeat_interleave)(k)
-        n = len(job.prompt)
+        stop_ids = job.stopper.stop_ids or [-1]
         new = {
-            "mask": torch.ones(k, n, dtype=torch.long, device=device),
             "positions": torch.full((k,), n, dtype=torch.long, device=device),
-            "last": token,
-            "keys": keys,
-            "steps": steps + 1,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
+            "keys": row_keys(p.seed, k, device),
+            "steps": torch.ones(k, dtype=torch.long, device=device),  # the first token comes from the prefill
+            "temperature": torch.full((k,), float(p.temperature), device=device),
+            "top_k": torch.full((k,), int(p.top_k), dtype=torch.long, device=device),
+            "top_p": torch.full((k,), float(p.top_p), device=device),
             "max_tokens": torch.full((k,), p.max_tokens, dtype=torch.long, device=device),
+            "stop_ids": torch.tensor([stop_ids] * k, dtype=torch.long, device=device),
         }
+        first = logits[-1:].expand(k, -1)
+        draws = uniforms(new["keys"], new["steps"] - 1)
+        new["last"] = choose_tokens(first, new["temperature"], new["top_k"], new["top_p"], draws)
+        new["generated"] = new["last"][:, None]
+        new["generated_lp"] = first.log_softmax(-1).gather(-1, new["last"][:, None])
+        mask = torch.ones(k, n, dtype=torch.long, device=device)
         if self.rows == 0:
-            self.cache = out.cache
+            self.cache, self.mask = out.cache, mask
             for name, value in new.items():
                 setattr(self, name, value)
         else:
             width = max(self.mask.shape[1], n)
-            pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
-            self.mask = torch.cat([pad(self.mask), pad(new.pop("mask"))])
+            self.mask = torch.cat([_pad(self.mask, width, dim=1), _pad(mask, width, dim=1)])
             for mine, theirs in zip(self.cache.layers, out.cache.layers):
                 mine.append_rows(theirs)
             for name, value in new.items():
-                setattr(self, name, torch.cat([getattr(self, name), value]))
+                mine = getattr(self, name)
+                if name in ("stop_ids", "generated", "generated_lp"):
+                    width = max(mine.shape[1], value.shape[1])
+                    fill = -1 if name == "stop_ids" else 0
+                    mine, value = _pad(mine, width, dim=1, fill=fill), _pad(value, width, dim=1, fill=fill)
+                setattr(self, name, torch.cat([mine, value]))
+        if job.stopper.stop_strings:
+            self.string_rows += list(range(self.rows, self.rows + k))
         self.jobs += [job] * k
         self.sample_index += list(range(k))
         self.adapters += [job.adapter] * k
-        self._record(list(range(self.rows - k, self.rows)), token, chosen_lp)
+        self._check(slice(self.rows - k, self.rows))
 
     # decoding ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -250,42 +288,37 @@ class DecodeBatch:
         token = choose_tokens(
             logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
         )
-        chosen_lp = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        self.generated = torch.cat([self.generated, token[:, None]], dim=1)
+        self.generated_lp = torch.cat(
+            [self.generated_lp, logits.log_softmax(-1).gather(-1, token[:, None])], dim=1
+        )
         self.positions += 1
         self.steps += 1
         self.last = token
-        self._record(list(range(self.rows)), token, chosen_lp)
+        self._check(slice(0, self.rows))
 
-    def _record(self, rows: list[int], token: torch.Tensor, chosen_lp: torch.Tensor) -> None:
-        """Append each row's new token; finish rows that stopped and jobs whose rows all finished."""
-        tokens, lps = token.tolist(), chosen_lp.tolist()
-        steps = self.steps.tolist()
-        limits = self.max_tokens.tolist()
-        keep: list[int] = []
-        for i, row in enumerate(rows):
-            job, sample = self.jobs[row], self.sample_index[row]
-            job.tokens[sample].append(tokens[i])
-            job.logprobs[sample].append(lps[i])
-            stopped = tokens[i] in job.stopper.stop_ids or (
-                job.stopper.stop_strings and job.stopper.hit_string(job.tokens[sample])
+    def _check(self, rows: slice) -> None:
+        """Finish the rows in ``rows`` whose newest token stops them or that reached max_tokens."""
+        last = self.generated[rows, -1]
+        stopped = torch.zeros(self.rows, dtype=torch.bool, device=last.device)
+        stopped[rows] = (self.stop_ids[rows] == last[:, None]).any(dim=1)
+        for row in self.string_rows:
+            if rows.start <= row < rows.stop and not bool(stopped[row]):
+                tokens = self.generated[row, -int(self.steps[row]) :].tolist()
+                stopped[row] = self.jobs[row].stopper.hit_string(tokens)
+        done = torch.zeros_like(stopped)
+        done[rows] = stopped[rows] | (self.steps[rows] >= self.max_tokens[rows])
+        if not bool(done.any()):
+            return
+        for row in done.nonzero().flatten().tolist():
+            n = int(self.steps[row])
+            self.jobs[row].finish_row(
+                self.sample_index[row],
+                self.generated[row, -n:].tolist(),
+                self.generated_lp[row, -n:].tolist(),
+                "stop" if bool(stopped[row]) else "length",
             )
-            if stopped:
-                job.reasons[sample] = "stop"
-            if stopped or steps[row] >= limits[row]:
-                job.rows_left -= 1
-                if job.rows_left == 0:
-                    job.on_done(
-                        [
-                            SampledSequence(t, lp, r)
-                            for t, lp, r in zip(job.tokens, job.logprobs, job.reasons)
-                        ],
-                        None,
-                    )
-            else:
-                keep.append(row)
-        if len(keep) < len(rows):
-            touched = set(rows)
-            self._keep(sorted([r for r in range(self.rows) if r not in touched] + keep))
+        self._keep((~done).nonzero().flatten().tolist())
 
     def _keep(self, rows: list[int]) -> None:
         if not rows:
@@ -299,21 +332,16 @@ class DecodeBatch:
                 layer.select_rows(index)
             else:
                 layer.batch_select_indices(index)
-        for name in (
-            "mask",
-            "positions",
-            "last",
-            "keys",
-            "steps",
-            "temperature",
-            "top_k",
-            "top_p",
-            "max_tokens",
-        ):
+        for name in ROW_TENSORS:
             setattr(self, name, getattr(self, name)[index])
+        self.mask = self.mask[index]
+        position = {old: new for new, old in enumerate(rows)}
+        self.string_rows = [position[r] for r in self.string_rows if r in position]
         self.jobs = [self.jobs[r] for r in rows]
         self.sample_index = [self.sample_index[r] for r in rows]
         self.adapters = [self.adapters[r] for r in rows]
+        longest = int(self.steps.max())
+        self.generated, self.generated_lp = self.generated[:, -longest:], self.generated_lp[:, -longest:]
         if self.merging:  # columns that are padding for every remaining row are dead weight
             dead = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())
             if dead:

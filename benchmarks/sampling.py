@@ -1,0 +1,220 @@
+"""Sampling throughput: sess's continuous-batching sampler vs HF ``generate`` on the same LoRA model.
+
+Prints a table of new tokens/s and ratios, all measured in this one process on the same model,
+prompts, num_samples, max_tokens and temperature:
+
+1. batch: P prompts x K samples x T new tokens (default 8 x 8 x 64, temperature 0.7);
+2. latency: 1 prompt x 1 sample;
+3. adapters: 8 concurrent requests from 4 sessions with different adapters vs the same requests
+   served one at a time;
+4. prefill sharing: a long prompt sampled with num_samples=1 and num_samples=K (1 new token each),
+   for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens.
+
+    python benchmarks/sampling.py                      # smollm2-135m, the acceptance setting
+    python benchmarks/sampling.py --model tiny-llama   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
+
+TOPICS = [
+    "the sea",
+    "a robot",
+    "winter",
+    "a city at night",
+    "an old library",
+    "mountains",
+    "a cat",
+    "the moon",
+]
+
+
+def prompts_for(tok, n: int) -> list[list[int]]:
+    chats = [
+        [{"role": "user", "content": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
+    return [
+        list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for c in chats
+    ]
+
+
+def sess_batch(sc, prompts, k, params) -> tuple[int, float]:
+    start = time.perf_counter()
+    futures = [sc.sample(p, num_samples=k, sampling_params=params) for p in prompts]
+    results = [f.result() for f in futures]
+    elapsed = time.perf_counter() - start
+    return sum(len(s.tokens) for r in results for s in r.sequences), elapsed
+
+
+def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, float]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            num_return_sequences=k,
+            pad_token_id=tok.pad_token_id,
+        )
+    elapsed = time.perf_counter() - start
+    new = out[:, width:]
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
+    count = 0
+    for row in new.tolist():  # count tokens up to and including the first EOS, like sess
+        for i, t in enumerate(row):
+            if t in eos:
+                count += i + 1
+                break
+        else:
+            count += len(row)
+    return count, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--home", default=None, help="engine home (default: SESS_HOME or ~/.sess)")
+    parser.add_argument(
+        "--skip", default="", help="comma list of parts to skip: batch,latency,adapters,prefill"
+    )
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    console = Console()
+    svc = ServiceClient("inproc", home=args.home)
+    runtime = svc.transport.engine.runtime
+    sessions = [svc.create_lora_training_client(args.model, rank=args.rank, seed=i) for i in range(4)]
+    tok = sessions[0].get_tokenizer()
+    prompts = prompts_for(tok, args.prompts)
+    # give every adapter its own non-zero weights (LoRA B starts at 0)
+    for i, tc in enumerate(sessions):
+        tc.forward_backward([prompts[i % len(prompts)] + tok.encode(" Once upon a time")]).result()
+        tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+    samplers = [tc.save_weights_and_get_sampling_client() for tc in sessions]
+    sc = samplers[0]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    sc.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()  # warm-up
+
+    host = runtime.hosts[args.model]
+    adapter = host.checkpoint_adapters[sc.model_path]
+    table = Table(
+        title=f"sampling on {args.model} (LoRA rank {args.rank}, {torch.get_num_threads()} threads)"
+    )
+    for col in ("case", "sess tok/s", "baseline tok/s", "ratio"):
+        table.add_column(col)
+    figures = {}
+
+    def hf(prompts_, k):
+        with host.activate(adapter) as model:
+            return hf_batch(model, tok, prompts_, k, args.max_tokens, args.temperature)
+
+    if "batch" not in skip:
+        n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)
+        n_hf, t_hf = hf(prompts, args.samples)
+        figures["batch"] = (n_sess / t_sess) / (n_hf / t_hf)
+        table.add_row(
+            f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens}",
+            f"{n_sess / t_sess:.1f}",
+            f"{n_hf / t_hf:.1f} (HF generate)",
+            f"{figures['batch']:.2f}x",
+        )
+    if "latency" not in skip:
+        n_sess, t_sess = sess_batch(sc, prompts[:1], 1, params)
+        n_hf, t_hf = hf(prompts[:1], 1)
+        table.add_row(
+            "batch 1 (latency)",
+            f"{n_sess / t_sess:.1f}",
+            f"{n_hf / t_hf:.1f} (HF generate)",
+            f"{(n_sess / t_sess) / (n_hf / t_hf):.2f}x",
+        )
+    if "adapters" not in skip:
+        requests = [(samplers[i % 4], prompts[i % len(prompts)]) for i in range(8)]
+        p = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
+        start = time.perf_counter()
+        futures = [s.sample(pr, num_samples=1, sampling_params=p) for s, pr in requests]
+        n_conc = sum(len(f.result().sequences[0].tokens) for f in futures)
+        t_conc = time.perf_counter() - start
+        start = time.perf_counter()
+        n_seq = sum(
+            len(s.sample(pr, num_samples=1, sampling_params=p).result().sequences[0].tokens)
+            for s, pr in requests
+        )
+        t_seq = time.perf_counter() - start
+        figures["adapters"] = (n_conc / t_conc) / (n_seq / t_seq)
+        table.add_row(
+            "8 requests, 4 adapters",
+            f"{n_conc / t_conc:.1f}",
+            f"{n_seq / t_seq:.1f} (one by one)",
+            f"{figures['adapters']:.2f}x",
+        )
+    if "prefill" not in skip:
+        long_prompt = (tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 60)))[:512]
+        one = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+        before = svc.get_usage(sessions[0].name).prefill_tokens
+        t1 = statistics.median(
+            _timed(lambda: sc.sample(long_prompt, num_samples=1, sampling_params=one).result())
+            for _ in range(3)
+        )
+        tk = statistics.median(
+            _timed(lambda: sc.sample(long_prompt, num_samples=args.samples, sampling_params=one).result())
+            for _ in range(3)
+        )
+        recorded = (svc.get_usage(sessions[0].name).prefill_tokens - before) / 6
+        with host.activate(adapter) as model:
+            h1 = statistics.median(
+                _timed(lambda: hf_batch(model, tok, [long_prompt], 1, 1, 1.0)) for _ in range(3)
+            )
+            hk = statistics.median(
+                _timed(lambda: hf_batch(model, tok, [long_prompt], args.samples, 1, 1.0)) for _ in range(3)
+            )
+        table.add_row(
+            f"prefill {len(long_prompt)} tokens: K={args.samples} vs K=1 time",
+            f"{tk / t1:.2f}x",
+            f"{hk / h1:.2f}x (HF generate)",
+            f"recorded prefill {recorded:.0f} tokens/request",
+        )
+    console.print(table)
+    for tc in sessions:
+        tc.stop()
+    svc.close()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
