@@ -35,6 +35,19 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
+def _assert_same(rows_a: list[dict], rows_b: list[dict]) -> None:
+    """Same samples, rewards and token counts exactly; loss and grad norm to float32 round-off (the
+    engine's CPU kernels are not bit-for-bit stable across sessions at the 1e-9 level)."""
+    assert len(rows_a) == len(rows_b)
+    for a, b in zip(_comparable(rows_a), _comparable(rows_b)):
+        floats = {"loss", "grad_norm", "loss_last", "kl"}
+        assert {k: v for k, v in a.items() if k not in floats} == {
+            k: v for k, v in b.items() if k not in floats
+        }
+        for key in floats & a.keys():
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def _comparable(rows: list[dict]) -> list[dict]:
     drop = {"time", "seconds", "eval/seconds"}
     return [{k: v for k, v in r.items() if k not in drop} for r in rows]
@@ -87,19 +100,13 @@ def test_print_config_is_the_resolved_yaml(sess_home):
 
 
 def test_same_config_and_seed_reproduce_the_metrics(sess_home, tmp_path):
-    overrides = ["loop=grpo", "loop.steps=3", "loop.group_size=4", "seed=7"]
+    overrides = ["loop=grpo", "loop.steps=2", "loop.group_size=4", "seed=7", "data.eval_size=2"]
     first = _run(tmp_path / "a", *overrides)
     replay = yaml.safe_load((first / "overrides.yaml").read_text())
     second = _run(tmp_path / "b", *[o for o in replay if not o.startswith("runs_dir=")])
     rows_a, rows_b = _train_rows(first), _train_rows(second)
-    assert len(rows_a) == 3 and any(r["datums"] > 0 for r in rows_a), rows_a  # some groups had signal
-    for a, b in zip(rows_a, rows_b):
-        assert [a[k] for k in ("reward/mean", "accuracy", "datums", "tokens")] == [
-            b[k] for k in ("reward/mean", "accuracy", "datums", "tokens")
-        ]
-        # the engine's CPU kernels agree to float32 round-off across sessions, not always bit for bit
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
-        assert a.get("grad_norm", 0) == pytest.approx(b.get("grad_norm", 0), rel=1e-4)
+    assert len(rows_a) == 2 and any(r["datums"] > 0 for r in rows_a), rows_a  # some groups had signal
+    _assert_same(rows_a, rows_b)
     assert (first / "config.yaml").read_text().replace(str(tmp_path / "a"), "") == (
         second / "config.yaml"
     ).read_text().replace(str(tmp_path / "b"), "")
@@ -127,7 +134,7 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(sess_home, tmp_path):
     assert [r["step"] for r in _train_rows(killed)] == [1, 2]
     result = cli.invoke(app, ["run", "--resume", str(killed)])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert _comparable(_train_rows(killed)) == _comparable(_train_rows(whole))
+    _assert_same(_train_rows(killed), _train_rows(whole))
     evals = [
         _comparable([r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "eval"])
         for d in (killed, whole)
