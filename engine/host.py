@@ -9,6 +9,7 @@ from the base weights plus each layer's delta without touching the shared weight
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,10 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.utils import logging as hf_logging
 
 from .models import load_model, lora_targets
+
+# The engine never re-ties weights or checkpoints activations; these library notices are noise here.
+warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
 
 class BaseHost:

@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 
 from . import checkpoints as ckpt
-from .decoding import DecodeBatch, SampleJob, prompt_logprobs_from, supports_merging
+from .decoding import DecodeBatch, SampleJob, supports_merging
+from .forward import LOGITS_BUDGET, chunks, prompt_logprobs, token_logprobs
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
 from .models import ModelNotAvailable, list_models
 from .paths import sess_home
 from .sampler import StopChecker
+from .saving import CheckpointOps
 from .types import (
     AdamParams,
     Datum,
@@ -37,8 +39,6 @@ from .types import (
     TrainingSessionSummary,
     Usage,
 )
-
-LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on long batches
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Session:
         ).to_wire()
 
 
-class Runtime:
+class Runtime(CheckpointOps):
     def __init__(self, home: str | Path | None = None, device: str = "cpu"):
         self.home = sess_home(home)
         self.device = device
@@ -257,8 +257,8 @@ class Runtime:
         inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
         all_lps: list[torch.Tensor] = []
         with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
-            for chunk in _chunks(datums, max(1, LOGITS_BUDGET // host.vocab_size)):
-                lps = _logprobs(
+            for chunk in chunks(datums, max(1, LOGITS_BUDGET // host.vocab_size)):
+                lps = token_logprobs(
                     model, [datums[i] for i in chunk], [inputs[i]["target_tokens"] for i in chunk]
                 )
                 if backward:
@@ -439,129 +439,10 @@ class Runtime:
         host, adapter, session = self._sampling_target(owner, target)
         prompt = _check_prompt(prompt, host.vocab_size)
         with host.activate(adapter) as model:
-            logprobs, _ = _prompt_logprobs(model, prompt, None)
+            logprobs, _ = prompt_logprobs(model, prompt, None)
         if session is not None:
             self._account(session, started, prefill_tokens=len(prompt))
         return {"logprobs": logprobs}
-
-    # checkpoints -----------------------------------------------------------------------------------
-    def _checkpoint_dir(self, owner: str, path: str) -> Path:
-        ref = ckpt.parse_path(path)
-        self.session(owner, ref.session, live=False)  # another key's checkpoint is not found
-        directory = ref.directory(self.home)
-        if not directory.exists():
-            raise NotFound(f"checkpoint {ref.uri} not found")
-        return directory
-
-    def checkpoint_files(self, owner: str, path: str) -> list[tuple[str, Path]]:
-        directory = self._checkpoint_dir(owner, path)
-        return [(str(f.relative_to(directory)), f) for f in sorted(directory.rglob("*")) if f.is_file()]
-
-    def list_checkpoints(self, owner: str, session: str) -> list[dict]:
-        self.session(owner, session, live=False)
-        root = self.home / "checkpoints" / session
-        found = []
-        for directory in sorted(root.glob("*/*")) if root.exists() else []:
-            if directory.is_dir() and not directory.name.startswith("."):
-                uri = ckpt.CheckpointRef(session, directory.parent.name, directory.name).uri
-                found.append(
-                    {"path": uri, "kind": directory.parent.name, "created": directory.stat().st_mtime}
-                )
-        return sorted(found, key=lambda c: c["created"])
-
-    def _ref(self, session: Session, kind: str, name: str | None) -> ckpt.CheckpointRef:
-        session.saves += 1
-        name = ckpt.check_name(name, "name") if name else f"step{session.step:06d}-{session.saves:03d}"
-        return ckpt.CheckpointRef(session.name, kind, name)
-
-    def save_weights(self, owner: str, session: str, name: str | None = None, merge: bool = False) -> dict:
-        started = time.perf_counter()
-        session = self.session(owner, session)
-        host = self.hosts[session.base_model]
-        ref = self._ref(session, "merged" if merge else "weights", name)
-        state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
-        if merge:
-            merged, untie = host.merged_state(session.adapter)
-            model_config = host.peft.get_base_model().config
-            if untie:
-                model_config = replace_config(model_config, tie_word_embeddings=False)
-            ckpt.save_merged(ref, self.home, model_config, merged, host.path, state, config)
-        else:
-            ckpt.save_weights(ref, self.home, state, config)
-        host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
-        self._account(session, started)
-        return {"path": ref.uri}
-
-    def save_state(self, owner: str, session: str, name: str | None = None) -> dict:
-        started = time.perf_counter()
-        session = self.session(owner, session)
-        host = self.hosts[session.base_model]
-        ref = self._ref(session, "state", name)
-        moments, steps = {}, {}
-        for key, param in _canonical(session.params, session.adapter).items():
-            state = session.optimizer.state.get(param, {})
-            if state:
-                moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = (
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                )
-                steps[key] = float(state["step"])
-        meta = {
-            "base_model": session.base_model,
-            "lora": session.lora,
-            "step": session.step,
-            "param_steps": steps,
-            "format": 1,
-        }
-        ckpt.save_state(
-            ref,
-            self.home,
-            host.get_state(session.adapter),
-            host.adapter_config(session.adapter),
-            moments,
-            meta,
-        )
-        self._account(session, started)
-        return {"path": ref.uri}
-
-    def load_state(self, owner: str, session: str, path: str, with_optimizer: bool = False) -> dict:
-        session = self.session(owner, session)
-        host = self.hosts[session.base_model]
-        adapter_state, _, moments, meta = ckpt.read_state(self._checkpoint_dir(owner, path))
-        if meta["base_model"] != session.base_model or meta["lora"]["rank"] != session.lora["rank"]:
-            raise InvalidRequest(
-                f"path: {path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
-                f"this session is {session.base_model} rank {session.lora['rank']}"
-            )
-        try:
-            host.set_state(session.adapter, adapter_state)
-        except ValueError as exc:
-            raise InvalidRequest(f"path: {exc}") from None
-        session.optimizer = torch.optim.AdamW(list(session.params.values()), lr=1e-4, foreach=False)
-        if with_optimizer:
-            for key, param in _canonical(session.params, session.adapter).items():
-                if key in meta["param_steps"]:
-                    session.optimizer.state[param] = {
-                        "step": torch.tensor(meta["param_steps"][key]),
-                        "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
-                        "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
-                    }
-            session.step = int(meta["step"])
-        for param in session.params.values():
-            param.grad = None
-        return {"path": path}
-
-
-def replace_config(config, **changes):
-    config = type(config).from_dict(config.to_dict())
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return config
-
-
-def _canonical(params: dict[str, torch.nn.Parameter], adapter: str) -> dict[str, torch.nn.Parameter]:
-    """Parameter names without the adapter name, the same for any session of one layout."""
-    return {name.replace(f".{adapter}.", "."): p for name, p in params.items()}
 
 
 def _read_data(data) -> list[Datum]:
@@ -589,42 +470,3 @@ def _check_prompt(prompt, vocab_size: int) -> list[int]:
     if bad is not None:
         raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
     return prompt
-
-
-def _chunks(datums: list[Datum], token_budget: int) -> list[list[int]]:
-    """Group datum indices so each padded micro-batch holds at most ``token_budget`` positions."""
-    chunks, current, width = [], [], 0
-    for i, datum in enumerate(datums):
-        wider = max(width, datum.model_input.length)
-        if current and wider * (len(current) + 1) > token_budget:
-            chunks.append(current)
-            current, wider = [], datum.model_input.length
-        current.append(i)
-        width = wider
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """log p(target_i | input_0..i) for each datum, right-padded into one batch."""
-    device = next(model.parameters()).device
-    lengths = [d.model_input.length for d in datums]
-    width = max(lengths)
-    ids = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    mask = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    tgt = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    for row, (datum, target) in enumerate(zip(datums, targets)):
-        ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints(), device=device)
-        mask[row, : lengths[row]] = 1
-        tgt[row, : lengths[row]] = target.to(device=device, dtype=torch.long)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return [lp[row, :n] for row, n in enumerate(lengths)]
-
-
-def _prompt_logprobs(model, prompt: list[int], topk: int | None):
-    with torch.no_grad():
-        device = next(model.parameters()).device
-        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0].float()
-        return prompt_logprobs_from(logits, prompt, topk or 0)
