@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from sess.engine.paths import atomic_dir, models_dir
 
 # Bump when the recipe of a cached build (tokenizer, tiny configs, gguf conversion) changes, so old
