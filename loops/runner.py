@@ -16,6 +16,7 @@ uninterrupted run would have.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -229,10 +230,12 @@ def _meta(cfg: DictConfig) -> dict:
 
 
 def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume_from: str | None):
+    # Run folders are unique per runs_dir only; one engine serves many folders, so add a tag.
+    tag = secrets.token_hex(2)
     if resume_from is not None:
-        name = f"{record.path.name}-r{len(record.meta.get('resumes', []))}"
+        name = f"{record.path.name}-r{len(record.meta.get('resumes', []))}-{tag}"
         return svc.create_training_client_from_state_with_optimizer(resume_from, training_session_name=name)
-    name = cfg.session or record.path.name
+    name = cfg.session or f"{record.path.name}-{tag}"
     if cfg.session and any(s.name == name and s.status == "Running" for s in svc.list_sessions()):
         return svc.get_training_client(name)
     lora = cfg.model.lora
