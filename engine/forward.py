@@ -1,18 +1,65 @@
-"""Batched forward passes: per-token logprobs of right-padded datum batches and of prompts.
+"""Batched forward passes: per-token logprobs of datum batches and of prompts.
 
-``chunks`` splits a batch into micro-batches whose padded logits stay under ``LOGITS_BUDGET``
-floats, so a long batch never needs all its logits in memory at once (the losses are token sums,
-so backward per micro-batch gives the same gradients).
+:func:`plan` splits a batch into micro-batches whose logits stay under ``LOGITS_BUDGET`` floats (the
+losses are token sums, so backward per micro-batch gives the same gradients). Datums that share a
+long prefix (the G completions of one prompt in RL) form one micro-batch whose prefix runs once:
+its KV cache is repeated for the members and only their suffixes run, which is the same function
+with fewer FLOPs (in RL batches the prompt is often most of each sequence). The rest are
+right-padded into ordinary batches.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from .decoding import prompt_logprobs_from
 from .types import Datum
 
 LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on long batches
+
+
+MIN_SHARED = 16  # a shorter common prefix is not worth a separate pass
+
+
+def plan(datums: list[Datum], vocab_size: int, *, share_prefixes: bool) -> list[tuple[list[int], int]]:
+    """Micro-batches as (datum indices, shared prefix length or 0 for a padded batch)."""
+    budget = max(1, LOGITS_BUDGET // vocab_size)
+    tokens = [d.model_input.to_ints() for d in datums]
+    batches: list[tuple[list[int], int]] = []
+    alone = list(range(len(datums)))
+    if share_prefixes and len(datums) > 1:
+        alone = []
+        order = sorted(range(len(datums)), key=lambda i: tokens[i])
+        groups, members, common = [], [order[0]], len(tokens[order[0]])
+        for i in order[1:]:
+            shared = min(common, _common_prefix(tokens[members[0]], tokens[i]))
+            if shared >= MIN_SHARED:
+                members.append(i)
+                common = shared
+            else:
+                groups.append((members, common))
+                members, common = [i], len(tokens[i])
+        groups.append((members, common))
+        for members, common in groups:
+            shared = min(common, min(len(tokens[m]) for m in members) - 1)  # each keeps >= 1 token of its own
+            if len(members) < 2 or shared < MIN_SHARED:
+                alone += members
+                continue
+            members.sort()
+            per = max(1, budget // max(len(tokens[m]) - shared for m in members))
+            batches += [(members[k : k + per], shared) for k in range(0, len(members), per)]
+        alone.sort()
+    batches += [([alone[j] for j in chunk], 0) for chunk in chunks([datums[i] for i in alone], budget)]
+    return batches
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def chunks(datums: list[Datum], token_budget: int) -> list[list[int]]:
@@ -45,6 +92,41 @@ def token_logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> l
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return [lp[row, :n] for row, n in enumerate(lengths)]
+
+
+def shared_prefix_logprobs(
+    model, datums: list[Datum], targets: list[torch.Tensor], shared: int
+) -> list[torch.Tensor]:
+    """Like :func:`token_logprobs` for datums whose first ``shared`` input tokens are equal:
+    the prefix runs once, its KV cache is repeated for every datum, then the suffixes run."""
+    device = next(model.parameters()).device
+    rows = len(datums)
+    prefix = torch.tensor([datums[0].model_input.to_ints()[:shared]], device=device)
+    out = model(input_ids=prefix, cache=DynamicCache(config=model.config), use_cache=True)
+    prefix_logits = out.logits[0].float()
+    prefix_logz = torch.logsumexp(prefix_logits, dim=-1)
+    cache = out.cache
+    cache.batch_repeat_interleave(rows)
+    lengths = [d.model_input.length - shared for d in datums]
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    mask = torch.zeros(rows, shared + width, dtype=torch.long, device=device)
+    mask[:, :shared] = 1
+    tgt = torch.zeros(rows, width, dtype=torch.long, device=device)
+    for row, (datum, target) in enumerate(zip(datums, targets)):
+        ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints()[shared:], device=device)
+        mask[row, shared : shared + lengths[row]] = 1
+        tgt[row, : lengths[row]] = target[shared:].to(device=device, dtype=torch.long)
+    positions = torch.arange(shared, shared + width, device=device).expand(rows, -1)
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    ).logits.float()
+    suffix_lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    result = []
+    for row, target in enumerate(targets):
+        head = prefix_logits.gather(-1, target[:shared, None].to(device=device, dtype=torch.long)).squeeze(-1)
+        result.append(torch.cat([head - prefix_logz, suffix_lp[row, : lengths[row]]]))
+    return result
 
 
 def prompt_logprobs(model, prompt: list[int], topk: int | None):

@@ -20,6 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.utils import logging as hf_logging
 
+from .decoding import supports_merging
 from .models import load_model, lora_targets
 
 # The engine never re-ties weights or checkpoints activations; these library notices are noise here.
@@ -45,6 +46,8 @@ class BaseHost:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = set(eos)
+        # sliding-window layers crop their cache, so a repeated prefix cache is only exact without them
+        self.shares_prefixes = supports_merging(self.model)
         self._checkpoint_counter = 0
 
     # adapters -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoints as ckpt
 from .decoding import DecodeBatch, SampleJob, supports_merging
-from .forward import LOGITS_BUDGET, chunks, prompt_logprobs, token_logprobs
+from .forward import plan, prompt_logprobs, shared_prefix_logprobs, token_logprobs
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
 from .models import ModelNotAvailable, list_models
@@ -255,16 +255,21 @@ class Runtime(CheckpointOps):
         datums = _read_data(data)
         check_data(datums, loss_fn, vocab_size=host.vocab_size)
         inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
-        all_lps: list[torch.Tensor] = []
+        all_lps: list[torch.Tensor | None] = [None] * len(datums)
+        targets = [x["target_tokens"] for x in inputs]
+        batches = plan(datums, host.vocab_size, share_prefixes=host.shares_prefixes)
         with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
-            for chunk in chunks(datums, max(1, LOGITS_BUDGET // host.vocab_size)):
-                lps = token_logprobs(
-                    model, [datums[i] for i in chunk], [inputs[i]["target_tokens"] for i in chunk]
-                )
+            for indices, shared in batches:
+                members, member_targets = [datums[i] for i in indices], [targets[i] for i in indices]
+                if shared:
+                    lps = shared_prefix_logprobs(model, members, member_targets, shared)
+                else:
+                    lps = token_logprobs(model, members, member_targets)
                 if backward:
-                    loss, _ = compute_loss(loss_fn, config, lps, [inputs[i] for i in chunk])
+                    loss, _ = compute_loss(loss_fn, config, lps, [inputs[i] for i in indices])
                     loss.backward()
-                all_lps += [lp.detach() for lp in lps]
+                for i, lp in zip(indices, lps):
+                    all_lps[i] = lp.detach()
         with torch.no_grad():
             _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
         self._account(session, started, training_tokens=sum(d.model_input.length for d in datums))

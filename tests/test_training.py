@@ -208,3 +208,58 @@ def test_token_list_data_means_cross_entropy(tc):
     c = tc.forward([ce_datum(ids)]).result().metrics["loss:sum"]
     assert a == b == c
     assert tc.forward([ModelInput.from_ints(ids)]).result().metrics["loss:sum"] == a
+
+
+def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, runtime):
+    """RL batches (G completions of a prompt) run the prompt once; numbers stay those of plain torch."""
+    from sess.engine.forward import plan
+
+    tok = tc.get_tokenizer()
+    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    model = reference_model(runtime, tc.name)
+    rng = np.random.default_rng(1)
+    prompts = [
+        tok.encode("Question: a farmer has twelve cows and buys thirty more; how many cows now? Answer:"),
+        tok.encode("Question: what is the capital city of France, and why is it famous? Answer:"),
+    ]
+    completions = [" 42 cows.", " Forty-two.", " He has 42 cows in all.", " 12 + 30 = 42", " Paris, for art."]
+    data = []
+    for prompt in prompts:
+        for completion in completions:
+            d = ce_datum(prompt + tok.encode(completion))
+            n = d.model_input.length
+            lp = reference_logprobs(model, d).detach().numpy()
+            d.loss_fn_inputs["logprobs"] = d.loss_fn_inputs["weights"].__class__.from_numpy(
+                (lp + rng.uniform(-0.3, 0.3, n)).astype(np.float32)
+            )
+            d.loss_fn_inputs["advantages"] = d.loss_fn_inputs["weights"].__class__.from_numpy(
+                np.r_[
+                    np.zeros(len(prompt) - 1), np.full(n - len(prompt) + 1, rng.choice([-1.0, 1.0]))
+                ].astype(np.float32)
+            )
+            data.append(d)
+    batches = plan(data, len(tok), share_prefixes=True)
+    assert sorted(len(indices) for indices, shared in batches if shared) == [5, 5]
+    for name, config in [("ppo", None), ("cross_entropy", None), ("dro", {"beta": 1.0})]:
+        clear_grads(runtime, tc.name)
+        out = tc.forward_backward(data, name, loss_fn_config=config).result()
+        got = engine_grads(runtime, tc.name)
+        model.zero_grad(set_to_none=True)
+        total = sum(
+            _reference_loss(
+                name,
+                config or {},
+                reference_logprobs(model, d),
+                {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
+            )
+            for d in data
+        )
+        total.backward()
+        expected = reference_grads(model)
+        scale = max(1.0, max(float(g.abs().max()) for g in expected.values()))  # fp32 sums of ~250 tokens
+        assert abs(out.metrics["loss:sum"] - total.item()) < 1e-5 * max(1.0, abs(total.item())), name
+        assert max_diff(got, expected) < 1e-5 * scale, name
+        for d, o in zip(data, out.loss_fn_outputs):
+            assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
+    clear_grads(runtime, tc.name)
