@@ -20,13 +20,19 @@ LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on lo
 
 
 MIN_SHARED = 16  # a shorter common prefix is not worth a separate pass
+PACK_TOKENS = 1024  # suffix positions per shared-prefix micro-batch (bigger ones gained nothing on CPU)
 
 
-def plan(datums: list[Datum], vocab_size: int, *, share_prefixes: bool) -> list[tuple[list[int], int]]:
-    """Micro-batches as (datum indices, shared prefix length or 0 for a padded batch)."""
+Group = tuple[list[int], int]  # datum indices sharing their first ``shared`` input tokens, shared
+
+
+def plan(
+    datums: list[Datum], vocab_size: int, *, share_prefixes: bool
+) -> list[tuple[list[int], list[Group]]]:
+    """Micro-batches: (indices for one right-padded batch, []) or ([], groups run with shared prefixes)."""
     budget = max(1, LOGITS_BUDGET // vocab_size)
     tokens = [d.model_input.to_ints() for d in datums]
-    batches: list[tuple[list[int], int]] = []
+    batches: list[tuple[list[int], list[Group]]] = []
     alone = list(range(len(datums)))
     if share_prefixes and len(datums) > 1:
         alone = []
@@ -41,16 +47,30 @@ def plan(datums: list[Datum], vocab_size: int, *, share_prefixes: bool) -> list[
                 groups.append((members, common))
                 members, common = [i], len(tokens[i])
         groups.append((members, common))
+        packed: list[Group] = []
+        rows = prefix_width = suffix_width = 0
         for members, common in groups:
             shared = min(common, min(len(tokens[m]) for m in members) - 1)  # each keeps >= 1 token of its own
             if len(members) < 2 or shared < MIN_SHARED:
                 alone += members
                 continue
             members.sort()
-            per = max(1, budget // max(len(tokens[m]) - shared for m in members))
-            batches += [(members[k : k + per], shared) for k in range(0, len(members), per)]
+            suffix = max(len(tokens[m]) for m in members) - shared
+            logits = (rows + len(members)) * max(suffix_width, suffix) + (len(packed) + 1) * max(
+                prefix_width, shared
+            )
+            if packed and (
+                logits > budget or (rows + len(members)) * max(suffix_width, suffix) > PACK_TOKENS
+            ):
+                batches.append(([], packed))
+                packed, rows, prefix_width, suffix_width = [], 0, 0, 0
+            packed.append((members, shared))
+            rows += len(members)
+            prefix_width, suffix_width = max(prefix_width, shared), max(suffix_width, suffix)
+        if packed:
+            batches.append(([], packed))
         alone.sort()
-    batches += [([alone[j] for j in chunk], 0) for chunk in chunks([datums[i] for i in alone], budget)]
+    batches += [([alone[j] for j in chunk], []) for chunk in chunks([datums[i] for i in alone], budget)]
     return batches
 
 
@@ -95,37 +115,58 @@ def token_logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> l
 
 
 def shared_prefix_logprobs(
-    model, datums: list[Datum], targets: list[torch.Tensor], shared: int
-) -> list[torch.Tensor]:
-    """Like :func:`token_logprobs` for datums whose first ``shared`` input tokens are equal:
-    the prefix runs once, its KV cache is repeated for every datum, then the suffixes run."""
+    model, groups: list[tuple[list[Datum], list[torch.Tensor], int]]
+) -> list[list[torch.Tensor]]:
+    """Like :func:`token_logprobs`, for groups of datums whose first ``shared`` input tokens agree.
+
+    All groups' prefixes run as one right-padded batch; each prefix's KV rows are repeated for its
+    members; then all suffixes run as one batch attending to their own prefix. Returns each
+    group's list of per-datum logprobs."""
     device = next(model.parameters()).device
-    rows = len(datums)
-    prefix = torch.tensor([datums[0].model_input.to_ints()[:shared]], device=device)
-    out = model(input_ids=prefix, cache=DynamicCache(config=model.config), use_cache=True)
-    prefix_logits = out.logits[0].float()
+    widths = [shared for _, _, shared in groups]
+    prefix_width = max(widths)
+    prefix_ids = torch.zeros(len(groups), prefix_width, dtype=torch.long, device=device)
+    prefix_mask = torch.zeros(len(groups), prefix_width, dtype=torch.long, device=device)
+    for g, (datums, _, shared) in enumerate(groups):
+        prefix_ids[g, :shared] = torch.tensor(datums[0].model_input.to_ints()[:shared], device=device)
+        prefix_mask[g, :shared] = 1
+    out = model(
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask,
+        cache=DynamicCache(config=model.config),
+        use_cache=True,
+    )
+    prefix_logits = out.logits.float()
     prefix_logz = torch.logsumexp(prefix_logits, dim=-1)
+    owner = [g for g, (datums, _, _) in enumerate(groups) for _ in datums]
     cache = out.cache
-    cache.batch_repeat_interleave(rows)
-    lengths = [d.model_input.length - shared for d in datums]
+    cache.batch_select_indices(torch.tensor(owner, device=device))  # repeat each prefix for its members
+    members = [(d, t, shared) for datums, targets, shared in groups for d, t in zip(datums, targets)]
+    lengths = [d.model_input.length - shared for d, _, shared in members]
     width = max(lengths)
-    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    mask = torch.zeros(rows, shared + width, dtype=torch.long, device=device)
-    mask[:, :shared] = 1
-    tgt = torch.zeros(rows, width, dtype=torch.long, device=device)
-    for row, (datum, target) in enumerate(zip(datums, targets)):
+    ids = torch.zeros(len(members), width, dtype=torch.long, device=device)
+    suffix_mask = torch.zeros(len(members), width, dtype=torch.long, device=device)
+    tgt = torch.zeros(len(members), width, dtype=torch.long, device=device)
+    for row, (datum, target, shared) in enumerate(members):
         ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints()[shared:], device=device)
-        mask[row, shared : shared + lengths[row]] = 1
+        suffix_mask[row, : lengths[row]] = 1
         tgt[row, : lengths[row]] = target[shared:].to(device=device, dtype=torch.long)
-    positions = torch.arange(shared, shared + width, device=device).expand(rows, -1)
+    mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1)
+    starts = torch.tensor([shared for _, _, shared in members], device=device)
+    positions = starts[:, None] + torch.arange(width, device=device)[None, :]
     logits = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
     ).logits.float()
     suffix_lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    result = []
-    for row, target in enumerate(targets):
-        head = prefix_logits.gather(-1, target[:shared, None].to(device=device, dtype=torch.long)).squeeze(-1)
-        result.append(torch.cat([head - prefix_logz, suffix_lp[row, : lengths[row]]]))
+    result: list[list[torch.Tensor]] = [[] for _ in groups]
+    for row, (_, target, shared) in enumerate(members):
+        g = owner[row]
+        head = (
+            prefix_logits[g, :shared]
+            .gather(-1, target[:shared, None].to(device=device, dtype=torch.long))
+            .squeeze(-1)
+        )
+        result[g].append(torch.cat([head - prefix_logz[g, :shared], suffix_lp[row, : lengths[row]]]))
     return result
 
 

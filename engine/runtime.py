@@ -259,12 +259,20 @@ class Runtime(CheckpointOps):
         targets = [x["target_tokens"] for x in inputs]
         batches = plan(datums, host.vocab_size, share_prefixes=host.shares_prefixes)
         with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
-            for indices, shared in batches:
-                members, member_targets = [datums[i] for i in indices], [targets[i] for i in indices]
-                if shared:
-                    lps = shared_prefix_logprobs(model, members, member_targets, shared)
+            for padded, groups in batches:
+                if groups:
+                    per_group = shared_prefix_logprobs(
+                        model,
+                        [
+                            ([datums[i] for i in idx], [targets[i] for i in idx], shared)
+                            for idx, shared in groups
+                        ],
+                    )
+                    indices = [i for idx, _ in groups for i in idx]
+                    lps = [lp for group in per_group for lp in group]
                 else:
-                    lps = token_logprobs(model, members, member_targets)
+                    indices = padded
+                    lps = token_logprobs(model, [datums[i] for i in indices], [targets[i] for i in indices])
                 if backward:
                     loss, _ = compute_loss(loss_fn, config, lps, [inputs[i] for i in indices])
                     loss.backward()
