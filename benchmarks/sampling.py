@@ -159,6 +159,8 @@ def main() -> None:
             f"{(n_sess / t_sess) / (n_hf / t_hf):.2f}x",
         )
     if "adapters" not in skip:
+        for s in samplers:  # load every checkpoint adapter before timing either side
+            s.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()
         requests = [(samplers[i % 4], prompts[i % len(prompts)]) for i in range(8)]
         p = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
         start = time.perf_counter()
