@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from .keys import KeyStore
 from .managed import ManagedEngine
 from .paths import atomic_write_bytes, sess_home
+from .service import CONTROL_OPS
 from .types import InvalidRequest, NotFound, SessError
 
 log = logging.getLogger("sess.engine")
@@ -37,18 +38,7 @@ ENGINE_FILE = "engine.json"
 MAX_BODY_BYTES = int(os.environ.get("SESS_MAX_BODY_BYTES", 256 << 20))
 MAX_WAIT_S = 60.0
 # Control ops a client may call; checkpoint_files answers with local paths, so it has its own routes.
-CALLABLE = {
-    "create_session",
-    "create_session_from_state",
-    "stop_session",
-    "delete_session",
-    "list_sessions",
-    "get_usage",
-    "list_base_models",
-    "tokenizer_files",
-    "list_checkpoints",
-    "session_info",
-}
+CALLABLE = CONTROL_OPS - {"checkpoint_files"}
 
 
 class HttpError(SessError):
