@@ -200,55 +200,96 @@ class DecodeBatch:
 
     # joining -------------------------------------------------------------------------------------
     def admit(self) -> None:
-        """Prefill waiting jobs into the batch (all of them when merging; else one when idle)."""
+        """Prefill waiting jobs into the batch: when merging, all of them in one padded forward
+        (a job that wants prompt logprobs goes alone); otherwise one job, when the batch is idle."""
         while self.waiting and (self.merging or self.rows == 0):
-            job = self.waiting.pop(0)
+            if self.merging and not self.waiting[0].prompt_logprobs:
+                jobs = [j for j in self.waiting if not j.prompt_logprobs]
+            else:
+                jobs = [self.waiting[0]]
+            self.waiting = [j for j in self.waiting if all(j is not taken for taken in jobs)]
             try:
-                self._join(job)
-            except BaseException as exc:  # a failure of one request must not stop the others
-                job.on_done(None, exc)
+                self._join(jobs)
+            except BaseException as exc:  # a failed prefill ends its own requests, not the batch
+                for job in jobs:
+                    job.on_done(None, exc)
             if not self.merging:
                 break
 
     @torch.no_grad()
-    def _join(self, job: SampleJob) -> None:
-        keep = 0 if job.prompt_logprobs else 1  # logits of the last position only, unless asked
-        with self.model_for([job.adapter]) as (model, extra):
+    def _join(self, jobs: list[SampleJob]) -> None:
+        """Prefill ``jobs`` (prompts left-padded into one batch), draw each sample's first token,
+        repeat each prompt's KV rows for its samples and merge them into the running batch."""
+        keep = 0 if jobs[0].prompt_logprobs else 1  # logits of the last position only, unless asked
+        width = max(len(job.prompt) for job in jobs)
+        with self.model_for([job.adapter for job in jobs]) as (model, extra):
             device = next(model.parameters()).device
             cache = SlotCache(self.num_layers) if self.merging else DynamicCache(config=model.config)
-            ids = torch.tensor([job.prompt], device=device)
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
-        logits = out.logits[0].float()
-        if job.prompt_logprobs:
-            job.prompt_result = prompt_logprobs_from(logits, job.prompt, max(job.prompt_logprobs, 0))
-        k, p, n = job.num_samples, job.params, len(job.prompt)
-        job.results, job.rows_left = [None] * k, k
-        if k > 1:
+            ids = torch.zeros(len(jobs), width, dtype=torch.long, device=device)
+            mask = torch.zeros(len(jobs), width, dtype=torch.long, device=device)
+            for row, job in enumerate(jobs):
+                ids[row, width - len(job.prompt) :] = torch.tensor(job.prompt, device=device)
+                mask[row, width - len(job.prompt) :] = 1
+            if len(jobs) == 1:  # no padding: let the model take its plain causal path
+                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
+            else:
+                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+                out = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                    **extra,
+                )
+        logits = out.logits.float()
+        if jobs[0].prompt_logprobs:
+            jobs[0].prompt_result = prompt_logprobs_from(
+                logits[0], jobs[0].prompt, max(jobs[0].prompt_logprobs, 0)
+            )
+        owner = [row for row, job in enumerate(jobs) for _ in range(job.num_samples)]
+        if len(owner) > len(jobs):
+            index = torch.tensor(owner, device=device)
             for layer in out.cache.layers:
-                (layer.repeat_rows if self.merging else layer.batch_repeat_interleave)(k)
-        stop_ids = job.stopper.stop_ids or [-1]
-        new = {
-            "positions": torch.full((k,), n, dtype=torch.long, device=device),
-            "keys": row_keys(p.seed, k, device),
-            "steps": torch.ones(k, dtype=torch.long, device=device),  # the first token comes from the prefill
-            "temperature": torch.full((k,), float(p.temperature), device=device),
-            "top_k": torch.full((k,), int(p.top_k), dtype=torch.long, device=device),
-            "top_p": torch.full((k,), float(p.top_p), device=device),
-            "max_tokens": torch.full((k,), p.max_tokens, dtype=torch.long, device=device),
-            "stop_ids": torch.tensor([stop_ids] * k, dtype=torch.long, device=device),
-        }
-        first = logits[-1:].expand(k, -1)
+                if self.merging:
+                    layer.select_rows(index)
+                else:
+                    layer.batch_select_indices(index)
+        rows = len(owner)
+        parts: dict[str, list[torch.Tensor]] = {}
+        for job in jobs:
+            k, p = job.num_samples, job.params
+            job.results, job.rows_left = [None] * k, k
+            stop_ids = job.stopper.stop_ids or [-1]
+            for name, value in {
+                "positions": torch.full((k,), len(job.prompt), dtype=torch.long, device=device),
+                "keys": row_keys(p.seed, k, device),
+                "steps": torch.ones(
+                    k, dtype=torch.long, device=device
+                ),  # the first token comes from the prefill
+                "temperature": torch.full((k,), float(p.temperature), device=device),
+                "top_k": torch.full((k,), int(p.top_k), dtype=torch.long, device=device),
+                "top_p": torch.full((k,), float(p.top_p), device=device),
+                "max_tokens": torch.full((k,), p.max_tokens, dtype=torch.long, device=device),
+                "stop_ids": torch.tensor([stop_ids] * k, dtype=torch.long, device=device),
+            }.items():
+                parts.setdefault(name, []).append(value)
+        width_stops = max(t.shape[1] for t in parts["stop_ids"])
+        parts["stop_ids"] = [_pad(t, width_stops, dim=1, fill=-1) for t in parts["stop_ids"]]
+        new = {name: torch.cat(values) for name, values in parts.items()}
+        first = logits[owner, -1]
         draws = uniforms(new["keys"], new["steps"] - 1)
         new["last"] = choose_tokens(first, new["temperature"], new["top_k"], new["top_p"], draws)
         new["generated"] = new["last"][:, None]
         new["generated_lp"] = first.log_softmax(-1).gather(-1, new["last"][:, None])
-        mask = torch.ones(k, n, dtype=torch.long, device=device)
+        mask = mask[owner]
         if self.rows == 0:
             self.cache, self.mask = out.cache, mask
             for name, value in new.items():
                 setattr(self, name, value)
         else:
-            width = max(self.mask.shape[1], n)
+            width = max(self.mask.shape[1], mask.shape[1])
             self.mask = torch.cat([_pad(self.mask, width, dim=1), _pad(mask, width, dim=1)])
             for mine, theirs in zip(self.cache.layers, out.cache.layers):
                 mine.append_rows(theirs)
@@ -259,12 +300,15 @@ class DecodeBatch:
                     fill = -1 if name == "stop_ids" else 0
                     mine, value = _pad(mine, width, dim=1, fill=fill), _pad(value, width, dim=1, fill=fill)
                 setattr(self, name, torch.cat([mine, value]))
-        if job.stopper.stop_strings:
-            self.string_rows += list(range(self.rows, self.rows + k))
-        self.jobs += [job] * k
-        self.sample_index += list(range(k))
-        self.adapters += [job.adapter] * k
-        self._check(slice(self.rows - k, self.rows))
+        start = self.rows
+        for job in jobs:
+            if job.stopper.stop_strings:
+                self.string_rows += list(range(start, start + job.num_samples))
+            self.jobs += [job] * job.num_samples
+            self.sample_index += list(range(job.num_samples))
+            self.adapters += [job.adapter] * job.num_samples
+            start += job.num_samples
+        self._check(slice(self.rows - rows, self.rows))
 
     # decoding ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -175,16 +175,19 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
         tc.forward_backward([ce_datum(tok.encode(SENTENCES[i]))])
         tc.optim_step(AdamParams(learning_rate=5e-2))
     samplers = [tc.save_weights_and_get_sampling_client() for tc in sessions]
-    prompt = tok.encode("Numbers:")
+    # prompts of different lengths: they are prefilled together, left-padded, then decode together
+    prompts = [tok.encode("Numbers:"), tok.encode("A much longer prompt, about numbers and letters:")]
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=4)
-    futures = [sc.sample(prompt, num_samples=3, sampling_params=params) for sc in samplers for _ in range(2)]
+    futures = [
+        sc.sample(prompts[j], num_samples=3, sampling_params=params) for sc in samplers for j in range(2)
+    ]
     results = [f.result() for f in futures]
     for i, result in enumerate(results):
-        tc = sessions[i // 2]
+        tc, prompt = sessions[i // 2], prompts[i % 2]
         for seq in result.sequences:
             expected = _forward_logprobs(tc, prompt, seq.tokens)
             assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
-    # the same seed on different adapters draws from different distributions
+    # the same seed and prompt on different adapters draws from different distributions
     assert results[0].sequences[0].logprobs != results[2].sequences[0].logprobs
     for tc in sessions:
         tc.stop()
