@@ -72,10 +72,15 @@ def parse_path(path: str, *, field: str = "path") -> CheckpointRef:
     return CheckpointRef(*parts)
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors wants contiguous CPU tensors that share no storage (tied weights do)."""
+    copies = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    save_file(copies, str(path), metadata={"format": "pt"})
+
+
 def write_adapter(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
     """Write a PEFT-format adapter into an existing (temp) directory."""
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _save_tensors(state, directory / "adapter_model.safetensors")
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
 
@@ -105,8 +110,7 @@ def save_state(
     target = ref.directory(home)
     with atomic_dir(target) as tmp:
         write_adapter(tmp, adapter_state, adapter_config)
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in optimizer_tensors.items()}
-        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        _save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return target
 
@@ -133,8 +137,7 @@ def save_merged(
     target = ref.directory(home)
     with atomic_dir(target) as tmp:
         model_config.save_pretrained(tmp)
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in merged_state.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _save_tensors(merged_state, tmp / "model.safetensors")
         for name in TOKENIZER_FILES:
             if (base_dir / name).exists():
                 shutil.copy2(base_dir / name, tmp / name)

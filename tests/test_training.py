@@ -79,6 +79,25 @@ def _reference_loss(
     raise AssertionError(name)
 
 
+def _engine_and_reference(tc, runtime, model, data, name, config):
+    """One engine forward_backward and the same loss in plain torch: (output, engine grads, loss, grads)."""
+    clear_grads(runtime, tc.name)
+    out = tc.forward_backward(data, name, loss_fn_config=config).result()
+    got = engine_grads(runtime, tc.name)
+    model.zero_grad(set_to_none=True)
+    total = sum(
+        _reference_loss(
+            name,
+            config or {},
+            reference_logprobs(model, d),
+            {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
+        )
+        for d in data
+    )
+    total.backward()
+    return out, got, total, reference_grads(model)
+
+
 LOSS_CASES = [
     ("cross_entropy", None),
     ("importance_sampling", None),
@@ -105,23 +124,9 @@ def test_builtin_losses_match_plain_torch(tc, runtime):
             if name != "cross_entropy"
             else [ce_datum(tok.encode(s)) for s in SENTENCES[:3]]
         )
-        clear_grads(runtime, tc.name)
-        out = tc.forward_backward(data, name, loss_fn_config=config).result()
-        got = engine_grads(runtime, tc.name)
-
-        model.zero_grad(set_to_none=True)
-        total = sum(
-            _reference_loss(
-                name,
-                config or {},
-                reference_logprobs(model, d),
-                {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
-            )
-            for d in data
-        )
-        total.backward()
+        out, got, total, expected = _engine_and_reference(tc, runtime, model, data, name, config)
         assert abs(out.metrics["loss:sum"] - total.item()) < 1e-5, (name, config)
-        assert max_diff(got, reference_grads(model)) < 1e-5, (name, config)
+        assert max_diff(got, expected) < 1e-5, (name, config)
         for d, o in zip(data, out.loss_fn_outputs):
             assert len(o["logprobs"].tolist()) == d.model_input.length
         losses[(name, str(config))] = out.metrics["loss:sum"]
@@ -242,21 +247,7 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
     batches = plan(data, len(tok), share_prefixes=True)
     assert [sorted(len(idx) for idx, _ in groups) for _, groups in batches] == [[5, 5]]  # both in one pass
     for name, config in [("ppo", None), ("cross_entropy", None), ("dro", {"beta": 1.0})]:
-        clear_grads(runtime, tc.name)
-        out = tc.forward_backward(data, name, loss_fn_config=config).result()
-        got = engine_grads(runtime, tc.name)
-        model.zero_grad(set_to_none=True)
-        total = sum(
-            _reference_loss(
-                name,
-                config or {},
-                reference_logprobs(model, d),
-                {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
-            )
-            for d in data
-        )
-        total.backward()
-        expected = reference_grads(model)
+        out, got, total, expected = _engine_and_reference(tc, runtime, model, data, name, config)
         scale = max(1.0, max(float(g.abs().max()) for g in expected.values()))  # fp32 sums of ~250 tokens
         assert abs(out.metrics["loss:sum"] - total.item()) < 1e-5 * max(1.0, abs(total.item())), name
         assert max_diff(got, expected) < 1e-5 * scale, name
