@@ -1,11 +1,15 @@
 """Continuous batching: every in-flight sample request of one base model decodes in one batch.
 
-A request joins between decode steps: its prompt is prefilled once (batch 1), the first token of
-each of its ``num_samples`` rows is drawn from that prefill, and the prompt's KV cache is repeated
-for its rows and merged into the running batch. Rows are left-aligned by padding (masked), carry
-their own position ids, adapter (peft mixed-adapter batches: each row runs through its own LoRA
-weights) and sampling settings, and leave the batch the step they finish. The KV cache lives in
-preallocated buffers that grow by doubling, so a decode step copies nothing that grows with length.
+A request joins between decode steps: waiting prompts are prefilled together (each once, however
+many samples it asks for), the first token of each of its ``num_samples`` rows is drawn from that
+prefill, and each row gets a cache row holding its prompt's KV. Rows carry their own position ids,
+adapter (peft mixed-adapter batches: each row runs through its own LoRA weights) and sampling
+settings, and leave the batch the step they finish. The KV cache lives in preallocated buffers
+[rows, heads, capacity, dim] in which each row's entries start at column 0 and its new token is
+written at its own position, so a decode step copies nothing that grows with length.
+
+Every row's arithmetic is independent of the other rows in the batch (see :mod:`.invariant`), so a
+seeded request returns the same tokens and bit-identical logprobs however requests happen to meet.
 
 Models with sliding-window layers (gpt_oss) keep transformers' own cache and decode one request at
 a time: correct, not merged.
@@ -19,66 +23,71 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .invariant import BLOCK, Layout, invariant_rows
 from .sampler import StopChecker, choose_tokens, row_keys, uniforms
 from .types import SampledSequence, SamplingParams
 
 
 class SlotLayer(DynamicLayer):
-    """A KV layer over preallocated buffers [rows, heads, capacity, dim]; keys/values are views."""
+    """KV of the batch's rows in preallocated buffers [blocks, rows, heads, BLOCK, dim]: row ``r``'s
+    entries fill columns ``[0, positions[r])`` (column c lives in block c // BLOCK) and a decode
+    step writes its new token at column ``positions[r]`` (the batch sets :attr:`positions` before
+    each step); the rest is zeros. Blocks lead so that the first few are one contiguous tensor for
+    the sampler's attention, whatever the capacity."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        shape = (*key_states.shape[:2], max(16, 2 * key_states.shape[2]), key_states.shape[3])
-        self.buf_k = key_states.new_zeros(shape)
-        self.buf_v = value_states.new_zeros((*shape[:3], value_states.shape[3]))
-        self.length = 0
-        self.is_initialized = True
+    positions: torch.Tensor | None = None
 
-    def _reserve(self, needed: int) -> None:
-        capacity = self.buf_k.shape[2]
-        if needed <= capacity:
-            return
-        new = max(needed, 2 * capacity)
-        self.buf_k, self.buf_v = (
-            _pad(self.buf_k, new, dim=2, left=False),
-            _pad(self.buf_v, new, dim=2, left=False),
-        )
+    @classmethod
+    def from_rows(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> SlotLayer:
+        """From [rows, heads, length, dim] entries, with room for ``capacity`` columns."""
+        layer = cls()
+        layer.device, layer.is_initialized = keys.device, True
+        layer.buf_k, layer.buf_v = _blocked(keys, capacity), _blocked(values, capacity)
+        return layer
+
+    @property
+    def blocks(self) -> int:
+        return self.buf_k.shape[0]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[2]
-        self._reserve(self.length + n)
-        self.buf_k[:, :, self.length : self.length + n] = key_states
-        self.buf_v[:, :, self.length : self.length + n] = value_states
-        self.length += n
-        self.keys, self.values = self.buf_k[:, :, : self.length], self.buf_v[:, :, : self.length]
+        positions = self.positions
+        blocks = int(positions.max()) // BLOCK + 1
+        if blocks > self.blocks:
+            grown = max(blocks, self.blocks + (self.blocks + 3) // 4)
+            self.buf_k = _pad(self.buf_k, grown, dim=0, left=False)
+            self.buf_v = _pad(self.buf_v, grown, dim=0, left=False)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        block, column = positions // BLOCK, positions % BLOCK
+        self.buf_k[block, rows, :, column] = key_states[:, :, 0]
+        self.buf_v[block, rows, :, column] = value_states[:, :, 0]
+        self.keys, self.values = self.buf_k[:blocks], self.buf_v[:blocks]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
+        return int(self.positions.max()) if self.positions is not None else 0
 
     # batch surgery (the decode batch calls these between steps) ----------------------------------
-    def _set(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.buf_k, self.buf_v, self.length = k, v, k.shape[2]
-        self._reserve(self.length + 16)
-        self.keys, self.values = self.buf_k[:, :, : self.length], self.buf_v[:, :, : self.length]
-
-    def repeat_rows(self, repeats: int) -> None:
-        self._set(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0))
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self._set(self.keys[rows], self.values[rows])
-
-    def drop_leading(self, columns: int) -> None:
-        self._set(self.keys[:, :, columns:], self.values[:, :, columns:])
+    def select_rows(self, rows: torch.Tensor, width: int) -> None:
+        """Keep ``rows``, and of their blocks enough for ``width`` columns and some growth."""
+        keep = min(self.blocks, 2 * (width // BLOCK + 1))
+        self.buf_k, self.buf_v = self.buf_k[:keep, rows], self.buf_v[:keep, rows]
 
     def append_rows(self, other: SlotLayer) -> None:
-        """Stack ``other``'s rows under these, left-padding the shorter side with zeros."""
-        width = max(self.length, other.length)
-        keys = torch.cat([_pad(self.keys, width, dim=2), _pad(other.keys, width, dim=2)])
-        values = torch.cat([_pad(self.values, width, dim=2), _pad(other.values, width, dim=2)])
-        self._set(keys, values)
+        blocks = max(self.blocks, other.blocks)
+        self.buf_k = torch.cat(
+            [_pad(self.buf_k, blocks, dim=0, left=False), _pad(other.buf_k, blocks, dim=0, left=False)], dim=1
+        )
+        self.buf_v = torch.cat(
+            [_pad(self.buf_v, blocks, dim=0, left=False), _pad(other.buf_v, blocks, dim=0, left=False)], dim=1
+        )
+
+
+def _blocked(entries: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[rows, heads, length, dim] -> [blocks, rows, heads, BLOCK, dim], zero-padded to ``capacity``."""
+    rows, heads, _, dim = entries.shape
+    blocks = -(-capacity // BLOCK)
+    padded = _pad(entries, blocks * BLOCK, dim=2, left=False)
+    return padded.reshape(rows, heads, blocks, BLOCK, dim).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _pad(t: torch.Tensor, width: int, *, dim: int, left: bool = True, fill: float = 0) -> torch.Tensor:
@@ -93,8 +102,12 @@ def _pad(t: torch.Tensor, width: int, *, dim: int, left: bool = True, fill: floa
 
 
 class SlotCache(DynamicCache):
-    def __init__(self, num_layers: int):
-        Cache.__init__(self, layers=[SlotLayer() for _ in range(num_layers)])
+    def __init__(self, layers: list[SlotLayer]):
+        Cache.__init__(self, layers=layers)
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.positions = positions
 
 
 def supports_merging(model: torch.nn.Module) -> bool:
@@ -169,7 +182,6 @@ class DecodeBatch:
         self.sample_index: list[int] = []  # per row: which sample of its job
         self.adapters: list[str | None] = []  # per row
         self.string_rows: list[int] = []  # rows whose request has stop strings
-        self.mask = None
         for name in ROW_TENSORS:
             setattr(self, name, None)
 
@@ -218,44 +230,49 @@ class DecodeBatch:
 
     @torch.no_grad()
     def _join(self, jobs: list[SampleJob]) -> None:
-        """Prefill ``jobs`` (prompts left-padded into one batch), draw each sample's first token,
-        repeat each prompt's KV rows for its samples and merge them into the running batch."""
+        """Prefill ``jobs`` (prompts left-padded into one batch, each attending only to itself),
+        draw each sample's first token, give each sample a cache row holding its prompt's KV from
+        column 0, and merge the new rows into the running batch."""
         keep = 0 if jobs[0].prompt_logprobs else 1  # logits of the last position only, unless asked
-        width = max(len(job.prompt) for job in jobs)
-        with self.model_for([job.adapter for job in jobs]) as (model, extra):
+        lengths = [len(job.prompt) for job in jobs]
+        width = max(lengths)
+        with self.model_for([job.adapter for job in jobs]) as (model, extra), invariant_rows():
             device = next(model.parameters()).device
-            cache = SlotCache(self.num_layers) if self.merging else DynamicCache(config=model.config)
             ids = torch.zeros(len(jobs), width, dtype=torch.long, device=device)
-            mask = torch.zeros(len(jobs), width, dtype=torch.long, device=device)
+            positions = torch.zeros_like(ids)
             for row, job in enumerate(jobs):
                 ids[row, width - len(job.prompt) :] = torch.tensor(job.prompt, device=device)
-                mask[row, width - len(job.prompt) :] = 1
-            if len(jobs) == 1:  # no padding: let the model take its plain causal path
-                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
-            else:
-                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-                out = model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=keep,
-                    **extra,
-                )
+                positions[row, width - len(job.prompt) :] = torch.arange(len(job.prompt), device=device)
+            if self.merging:
+                extra = {**extra, "sess_layout": Layout(prompt_lengths=lengths)}
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=DynamicCache(config=model.config),
+                use_cache=True,
+                logits_to_keep=keep,
+                **extra,
+            )
         logits = out.logits.float()
         if jobs[0].prompt_logprobs:
             jobs[0].prompt_result = prompt_logprobs_from(
                 logits[0], jobs[0].prompt, max(jobs[0].prompt_logprobs, 0)
             )
         owner = [row for row, job in enumerate(jobs) for _ in range(job.num_samples)]
-        if len(owner) > len(jobs):
-            index = torch.tensor(owner, device=device)
-            for layer in out.cache.layers:
-                if self.merging:
-                    layer.select_rows(index)
-                else:
-                    layer.batch_select_indices(index)
+        if self.merging:
+            cache = SlotCache(
+                [
+                    SlotLayer.from_rows(
+                        _rows_of(layer.keys, lengths, jobs), _rows_of(layer.values, lengths, jobs), width + 16
+                    )
+                    for layer in out.cache.layers
+                ]
+            )
+        else:
+            cache = out.cache
+            if len(owner) > len(jobs):
+                for layer in cache.layers:
+                    layer.batch_select_indices(torch.tensor(owner, device=device))
         rows = len(owner)
         parts: dict[str, list[torch.Tensor]] = {}
         for job in jobs:
@@ -283,15 +300,12 @@ class DecodeBatch:
         new["last"] = choose_tokens(first, new["temperature"], new["top_k"], new["top_p"], draws)
         new["generated"] = new["last"][:, None]
         new["generated_lp"] = first.log_softmax(-1).gather(-1, new["last"][:, None])
-        mask = mask[owner]
         if self.rows == 0:
-            self.cache, self.mask = out.cache, mask
+            self.cache = cache
             for name, value in new.items():
                 setattr(self, name, value)
         else:
-            width = max(self.mask.shape[1], mask.shape[1])
-            self.mask = torch.cat([_pad(self.mask, width, dim=1), _pad(mask, width, dim=1)])
-            for mine, theirs in zip(self.cache.layers, out.cache.layers):
+            for mine, theirs in zip(self.cache.layers, cache.layers):
                 mine.append_rows(theirs)
             for name, value in new.items():
                 mine = getattr(self, name)
@@ -317,11 +331,12 @@ class DecodeBatch:
         self.admit()
         if self.rows == 0:
             return
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=1)
-        with self.model_for(self.adapters) as (model, extra):
+        with self.model_for(self.adapters) as (model, extra), invariant_rows():
+            if self.merging:
+                self.cache.set_positions(self.positions)
+                extra = {**extra, "sess_layout": Layout(positions=self.positions)}
             out = model(
                 input_ids=self.last[:, None],
-                attention_mask=self.mask,
                 position_ids=self.positions[:, None],
                 cache=self.cache,
                 use_cache=True,
@@ -370,15 +385,14 @@ class DecodeBatch:
             return
         if len(rows) == self.rows:
             return
-        index = torch.tensor(rows, device=self.mask.device)
-        for layer in self.cache.layers:
-            if self.merging:
-                layer.select_rows(index)
-            else:
-                layer.batch_select_indices(index)
+        index = torch.tensor(rows, device=self.positions.device)
         for name in ROW_TENSORS:
             setattr(self, name, getattr(self, name)[index])
-        self.mask = self.mask[index]
+        for layer in self.cache.layers:
+            if self.merging:
+                layer.select_rows(index, width=int(self.positions.max()) + 1)
+            else:
+                layer.batch_select_indices(index)
         position = {old: new for new, old in enumerate(rows)}
         self.string_rows = [position[r] for r in self.string_rows if r in position]
         self.jobs = [self.jobs[r] for r in rows]
@@ -386,12 +400,19 @@ class DecodeBatch:
         self.adapters = [self.adapters[r] for r in rows]
         longest = int(self.steps.max())
         self.generated, self.generated_lp = self.generated[:, -longest:], self.generated_lp[:, -longest:]
-        if self.merging:  # columns that are padding for every remaining row are dead weight
-            dead = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())
-            if dead:
-                self.mask = self.mask[:, dead:]
-                for layer in self.cache.layers:
-                    layer.drop_leading(dead)
+
+
+def _rows_of(prefilled: torch.Tensor, lengths: list[int], jobs: list[SampleJob]) -> torch.Tensor:
+    """Cache entries [rows, heads, length, dim] for every sample of ``jobs`` from a left-padded
+    prefill's keys or values: each prompt's entries moved to column 0 (zeros after them)."""
+    width = prefilled.shape[2]
+    parts = [
+        _pad(prefilled[row : row + 1, :, width - n :], width, dim=2, left=False).expand(
+            job.num_samples, -1, -1, -1
+        )
+        for row, (n, job) in enumerate(zip(lengths, jobs))
+    ]
+    return torch.cat(parts)
 
 
 def prompt_logprobs_from(logits: torch.Tensor, prompt: list[int], topk: int):

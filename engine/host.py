@@ -21,6 +21,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.utils import logging as hf_logging
 
 from .decoding import supports_merging
+from .invariant import ATTENTION, make_linears_invariant
 from .models import load_model, lora_targets
 
 # The engine never re-ties weights or checkpoints activations; these library notices are noise here.
@@ -48,6 +49,9 @@ class BaseHost:
         self.eos_ids = set(eos)
         # sliding-window layers crop their cache, so a repeated prefix cache is only exact without them
         self.shares_prefixes = supports_merging(self.model)
+        if self.shares_prefixes:  # the sampler's batch-invariant attention (sdpa for everything else)
+            self.model.set_attn_implementation(ATTENTION)
+        make_linears_invariant(self.model)
         self._checkpoint_counter = 0
 
     # adapters -----------------------------------------------------------------------------------
@@ -68,6 +72,7 @@ class BaseHost:
             else:
                 self.peft.add_adapter(adapter, config)
         self.peft.eval()  # new LoRA modules start in training mode; dropout is 0 but peft checks the flag
+        make_linears_invariant(self.peft)  # the new LoRA layers
         self.peft.base_model_name_or_path = str(self.path)
 
     def remove_adapter(self, adapter: str) -> None:
