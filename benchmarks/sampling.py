@@ -29,6 +29,8 @@ from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
 
+from common import in_own_thread  # noqa: E402
+
 TOPICS = [
     "the sea",
     "a robot",
@@ -135,9 +137,12 @@ def main() -> None:
         table.add_column(col)
     figures = {}
 
-    def hf(prompts_, k):
-        with host.activate(adapter) as model:
-            return hf_batch(model, tok, prompts_, k, args.max_tokens, args.temperature)
+    def hf(prompts_, k, max_tokens=args.max_tokens, temperature=args.temperature):
+        def run():
+            with host.activate(adapter) as model:
+                return hf_batch(model, tok, prompts_, k, max_tokens, temperature)
+
+        return in_own_thread(run)  # off the main thread: see common.py
 
     if "batch" not in skip:
         n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)
@@ -193,13 +198,8 @@ def main() -> None:
             for _ in range(3)
         )
         recorded = (svc.get_usage(sessions[0].name).prefill_tokens - before) / 6
-        with host.activate(adapter) as model:
-            h1 = statistics.median(
-                _timed(lambda: hf_batch(model, tok, [long_prompt], 1, 1, 1.0)) for _ in range(3)
-            )
-            hk = statistics.median(
-                _timed(lambda: hf_batch(model, tok, [long_prompt], args.samples, 1, 1.0)) for _ in range(3)
-            )
+        h1 = statistics.median(_timed(lambda: hf([long_prompt], 1, 1, 1.0)) for _ in range(3))
+        hk = statistics.median(_timed(lambda: hf([long_prompt], args.samples, 1, 1.0)) for _ in range(3))
         table.add_row(
             f"prefill {len(long_prompt)} tokens: K={args.samples} vs K=1 time",
             f"{tk / t1:.2f}x",

@@ -51,7 +51,7 @@ class BaseHost:
         self.shares_prefixes = supports_merging(self.model)
         if self.shares_prefixes:  # the sampler's batch-invariant attention (sdpa for everything else)
             self.model.set_attn_implementation(ATTENTION)
-        make_linears_invariant(self.model)
+        make_linears_invariant(self.model, frozen=True)
         self._checkpoint_counter = 0
 
     # adapters -----------------------------------------------------------------------------------

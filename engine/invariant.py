@@ -11,11 +11,13 @@ every loss computed from them. Three things make a row's result a function of th
   reduction, so neither the batch's width nor its other rows change a row's sums (fused SDPA
   kernels pick block sizes from the batch's shapes, so they do). The prompts of a batched prefill
   each get their own causal SDPA call, shaped exactly as if the prompt were prefilled alone.
-* **Linear layers** see the same number of rows whatever the batch: BLAS kernels treat the last
-  few rows of a small matrix with a different code path, so :func:`row_padding` measures at start-up
-  which row counts give every row the result it gets in a large matrix, and the forward hooks that
-  :func:`make_linears_invariant` installs pad a linear's input up to the next such count while
-  sampling (zeros rows, sliced off again). On this project's CPU that means multiples of 4 below 12.
+* **Linear layers** compute each row the same way whatever the batch. BLAS libraries treat the last
+  rows of a small matrix (and strided rows) with other kernels, so while sampling every linear layer
+  is an :class:`InvariantLinear`: dense input rows, padded with zero rows to a count measured at
+  start-up to give each row exactly its large-matrix result. Frozen base weights run through
+  oneDNN with a prepacked weight, which is exact at nearly every row count here and also faster
+  than the default BLAS for decode-sized batches; LoRA weights, which change, through ``F.linear``
+  (exact on this CPU for multiples of 4 below 12 rows and for any count from 12).
 * Everything else in these models (norms, rotary embeddings, activations, log-softmax) works row by
   row already.
 
@@ -101,15 +103,23 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 # linear layers ---------------------------------------------------------------------------------
+def _good_row_counts(linear, features: int, device: torch.device) -> list[int]:
+    """Row counts m <= 16 for which ``linear`` gives each of m rows exactly what it gives that row
+    in a 64-row matrix (BLAS libraries treat the last rows of small matrices with other kernels)."""
+    x = torch.randn(64, features, generator=torch.Generator().manual_seed(0)).to(device)
+    reference = linear(x)
+    return [m for m in range(1, 17) if torch.equal(linear(x[:m]), reference[:m])]
+
+
 @cache
 def row_padding(device: str = "cpu") -> tuple[int, ...]:
-    """For m = 1..16 rows, the row count m is padded to so that each row's result equals the
-    one it gets in a large matrix (measured on this machine's BLAS; large counts are exact)."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=gen).to(device)
-    x = torch.randn(64, 64, generator=gen).to(device)
-    reference = F.linear(x, weight)
-    good = [m for m in range(1, 17) if torch.equal(F.linear(x[:m], weight), reference[:m])]
+    """For m = 1..16 rows, the row count that ``F.linear`` inputs are padded to so every row's
+    result is the one it gets in a large matrix (measured on this machine's BLAS)."""
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    return _padding(_good_row_counts(lambda x: F.linear(x, weight), 64, torch.device(device)))
+
+
+def _padding(good: list[int]) -> tuple[int, ...]:
     return tuple(next((g for g in good if g >= m), 16) for m in range(1, 17))
 
 
@@ -122,7 +132,7 @@ _SWITCH = _Switch()
 
 @contextlib.contextmanager
 def invariant_rows() -> Iterator[None]:
-    """Within this block, hooked linear layers pad their inputs to batch-invariant row counts."""
+    """Within this block, :class:`InvariantLinear` layers compute each row independently of the others."""
     before, _SWITCH.active = _SWITCH.active, True
     try:
         yield
@@ -130,31 +140,66 @@ def invariant_rows() -> Iterator[None]:
         _SWITCH.active = before
 
 
-def _pad_rows(module: torch.nn.Linear, args: tuple):
-    if not _SWITCH.active:
-        return None
-    x = args[0]
+def _pad_to(x: torch.Tensor, padding: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """``x`` as a dense [rows, features] matrix padded with zero rows per ``padding``, and its row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    target = row_padding(x.device.type)[rows - 1] if 0 < rows <= 16 else rows
-    if target == rows:  # BLAS also reads strided rows differently: hand it dense ones
-        return None if x.is_contiguous() else (x.contiguous(), *args[1:])
-    module._sess_rows = (x.shape, rows)
-    flat = x.reshape(rows, x.shape[-1])
-    return (torch.cat([flat, flat.new_zeros(target - rows, x.shape[-1])]), *args[1:])
+    flat = x.reshape(rows, x.shape[-1]).contiguous()  # strided rows take other kernels too
+    target = padding[rows - 1] if 0 < rows <= 16 else rows
+    if target > rows:
+        flat = torch.cat([flat, flat.new_zeros(target - rows, x.shape[-1])])
+    return flat, rows
 
 
-def _unpad_rows(module: torch.nn.Linear, args: tuple, output: torch.Tensor):
-    shape_rows = module.__dict__.pop("_sess_rows", None)
-    if shape_rows is None:
-        return None
-    shape, rows = shape_rows
-    return output[:rows].reshape(*shape[:-1], output.shape[-1])
+class InvariantLinear(torch.nn.Linear):
+    """``nn.Linear`` that, inside :func:`invariant_rows` on CPU, computes every row the same way
+    whatever else is in the batch. Frozen base weights go through oneDNN with a prepacked copy of
+    the weight (row-invariant and faster than the default BLAS for these shapes); weights that
+    change (LoRA) through ``F.linear`` with inputs padded to exact row counts. Outside that block
+    it is ``nn.Linear``, so training is untouched."""
+
+    frozen = False  # set on base-model layers: their weight never changes after loading
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _SWITCH.active or x.device.type != "cpu" or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        if self.frozen and _onednn_available():
+            linear, padding = self._packed()
+        else:
+            linear, padding = (lambda m: F.linear(m, self.weight, self.bias)), row_padding("cpu")
+        flat, rows = _pad_to(x, padding)
+        return linear(flat)[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def _packed(self):
+        state = self.__dict__.get("_sess_packed")
+        if state is None or state[0] != self.weight._version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+
+            def linear(m, packed=packed, bias=self.bias):
+                return torch.ops.mkldnn._linear_pointwise(m, packed, bias, "none", [], "")
+
+            padding = _padding(_good_row_counts(linear, self.in_features, self.weight.device))
+            state = self.__dict__["_sess_packed"] = (self.weight._version, linear, padding)
+        return state[1], state[2]
 
 
-def make_linears_invariant(model: torch.nn.Module) -> None:
-    """Hook every ``nn.Linear`` of ``model`` (base and LoRA layers) to pad rows inside :func:`invariant_rows`."""
+@cache
+def _onednn_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (asked on first use, on the engine's
+    own thread: a probe on the importing thread would start a second OpenMP team there)."""
+    try:
+        weight = torch.randn(8, 8)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        torch.ops.mkldnn._linear_pointwise(torch.randn(2, 8), packed, None, "none", [], "")
+        return torch.backends.mkldnn.is_available()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def make_linears_invariant(model: torch.nn.Module, *, frozen: bool = False) -> None:
+    """Turn every plain ``nn.Linear`` of ``model`` into an :class:`InvariantLinear` (same module,
+    same parameters); ``frozen`` marks them as base weights that never change."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and not getattr(module, "_sess_hooked", False):
-            module.register_forward_pre_hook(_pad_rows)
-            module.register_forward_hook(_unpad_rows)
-            module._sess_hooked = True
+        if type(module) is torch.nn.Linear:
+            module.__class__ = InvariantLinear
+            if frozen:
+                module.frozen = True
