@@ -31,6 +31,8 @@ from rich.table import Table  # noqa: E402
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
 from sess.engine.models import load_model, lora_targets, prepare  # noqa: E402
 
+from common import on_engine  # noqa: E402
+
 
 def questions(n: int) -> list[tuple[str, int]]:
     rng = np.random.default_rng(0)
@@ -182,7 +184,10 @@ def main() -> None:
     pairs = questions(args.prompts)
     prompts_text, truths = [q for q, _ in pairs], [t for _, t in pairs]
     sess_t = sess_steps(args, prompts_text, truths, args.steps)
-    trl_t = trl_steps(args, prompts_text, truths, args.steps)
+    # TRL runs on the in-process engine's thread, which sess used: one OpenMP team (see common.py)
+    trl_t = on_engine(
+        ServiceClient("inproc", home=args.home), trl_steps, args, prompts_text, truths, args.steps
+    )
     s, t = statistics.median(sess_t), statistics.median(trl_t)
     table = Table(
         title=f"one GRPO step: {args.model}, {args.prompts} prompts x {args.group}, {args.completion} tokens, LoRA r{args.rank}"

@@ -29,7 +29,7 @@ from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
 
-from common import in_own_thread  # noqa: E402
+from common import on_engine  # noqa: E402
 
 TOPICS = [
     "the sea",
@@ -142,7 +142,7 @@ def main() -> None:
             with host.activate(adapter) as model:
                 return hf_batch(model, tok, prompts_, k, max_tokens, temperature)
 
-        return in_own_thread(run)  # off the main thread: see common.py
+        return on_engine(svc, run)  # on the engine's thread: see common.py
 
     if "batch" not in skip:
         n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)

@@ -26,7 +26,7 @@ from rich.table import Table  # noqa: E402
 from sess.engine import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
 from sess.engine.models import load_model, lora_targets  # noqa: E402
 
-from common import in_own_thread  # noqa: E402
+from common import on_engine  # noqa: E402
 
 
 def batch(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -74,10 +74,14 @@ def main() -> None:
     svc = ServiceClient(args.url, home=args.home)
     tc = svc.create_lora_training_client(args.model, rank=args.rank, alpha=2 * args.rank, seed=0)
     vocab = len(tc.get_tokenizer())
-    step = in_own_thread(plain_peft, args.model, args.home, args.rank, 2 * args.rank, seed=0)
 
-    def plain(tokens: torch.Tensor) -> float:  # off the main thread: see common.py
-        return in_own_thread(step, tokens)
+    def here(fn, *a, **k):  # an in-process engine's thread runs the baseline too: see common.py
+        return on_engine(svc, fn, *a, **k) if args.url == "inproc" else fn(*a, **k)
+
+    step = here(plain_peft, args.model, args.home, args.rank, 2 * args.rank, seed=0)
+
+    def plain(tokens: torch.Tensor) -> float:
+        return here(step, tokens)
 
     adam = AdamParams(learning_rate=1e-4)
 

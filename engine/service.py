@@ -16,9 +16,10 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .runtime import Runtime
 from .types import InvalidRequest, NotFound, SessError
@@ -48,6 +49,8 @@ CONTROL_OPS = {
     "list_checkpoints",
     "session_info",
 }
+T = TypeVar("T")
+LOCAL_OP = "__local__"  # run_local's callables: never a name a client can send
 SEQUENCE_WAIT_S = 120.0  # how long an op may wait for an earlier sequence number to arrive
 KEEP_RESULTS = 20_000
 
@@ -134,6 +137,32 @@ class Engine:
         if op.error is not None:
             raise op.error
         return op.result
+
+    def run_local(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the executor thread, between ops, and return its result or raise its
+        exception (in-process engines only: nothing over HTTP can name this op).
+
+        For code in the engine's process that does heavy torch work of its own, such as a baseline
+        model in a benchmark: torch kernels run on an OpenMP thread team of the calling thread, and a
+        second team in the process makes every parallel region of both wait for woken workers on a
+        small machine. Run here, the work shares the engine's team."""
+        box: dict[str, Any] = {}
+
+        def run() -> dict:
+            try:
+                box["result"] = fn()
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+            return {}
+
+        op = Operation(id=uuid.uuid4().hex, owner="", name=LOCAL_OP, args={"fn": run})
+        with self._cv:
+            self._ready.append(op)
+            self._cv.notify_all()
+        op.done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
 
     def close(self) -> None:
         with self._cv:
@@ -260,6 +289,8 @@ class Engine:
         runtime, args = self.runtime, op.args
         if op.name == "noop":
             return {}
+        if op.name == LOCAL_OP and callable(args.get("fn")):  # only run_local builds these
+            return args["fn"]()
         if op.name == "session_info":
             summary = runtime.session(op.owner, args["name"], live=False).summary()
             return {**summary, "next_seq": self._next_seq.get(args["name"], 1)}

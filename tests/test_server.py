@@ -254,3 +254,20 @@ def test_engine_unreachable_is_a_clear_error(monkeypatch):
     with ServiceClient("http://127.0.0.1:9", api_key="x") as svc:
         with pytest.raises(SessError, match="cannot reach the engine"):
             svc.list_base_models()
+
+
+def test_run_local_runs_on_the_executor_thread_and_no_client_can_reach_it(sess_home):
+    import threading
+
+    from sess.engine.transport import shared_engine
+    from sess.engine.types import InvalidRequest
+
+    engine = shared_engine(sess_home)
+    assert engine.run_local(lambda: threading.current_thread().name) == "sess-executor"
+    with pytest.raises(ZeroDivisionError):
+        engine.run_local(lambda: 1 / 0)
+    assert engine.run_local(lambda: 7) == 7  # the executor carries on
+    with pytest.raises(InvalidRequest):
+        engine.submit("local", "__local__", {"fn": "print"})
+    with pytest.raises(InvalidRequest):
+        engine.call("local", "__local__", {"fn": "print"})
