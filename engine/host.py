@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from .decoding import supports_merging
 from .invariant import ATTENTION, make_linears_invariant
+from .lora_rows import grouped_rows, groups_of, only_linear_lora
 from .models import load_model, lora_targets
 
 # The engine never re-ties weights or checkpoints activations; these library notices are noise here.
@@ -53,6 +54,7 @@ class BaseHost:
             self.model.set_attn_implementation(ATTENTION)
         make_linears_invariant(self.model, frozen=True)
         self._checkpoint_counter = 0
+        self.linear_lora = True  # every LoRA layer is a Linear: mixed batches go by row groups
 
     # adapters -----------------------------------------------------------------------------------
     def lora_config(
@@ -73,6 +75,7 @@ class BaseHost:
                 self.peft.add_adapter(adapter, config)
         self.peft.eval()  # new LoRA modules start in training mode; dropout is 0 but peft checks the flag
         make_linears_invariant(self.peft)  # the new LoRA layers
+        self.linear_lora = only_linear_lora(self.peft)
         self.peft.base_model_name_or_path = str(self.path)
 
     def remove_adapter(self, adapter: str) -> None:
@@ -165,7 +168,10 @@ class BaseHost:
         if len(distinct) == 1:
             with self.activate(adapters[0]) as model:
                 yield model, {}
-        else:  # peft's mixed-adapter batch: each LoRA layer applies each row's own weights
+        elif self.linear_lora:  # each LoRA layer applies each group of rows' own weights
+            with grouped_rows(groups_of(adapters, self.model.device)):
+                yield self.peft, {}
+        else:  # peft's mixed-adapter batch for other LoRA layer kinds
             yield self.peft, {"adapter_names": ["__base__" if a is None else a for a in adapters]}
 
     # merged models ------------------------------------------------------------------------------
