@@ -31,11 +31,11 @@ from .types import SampledSequence, SamplingParams
 class SlotLayer(DynamicLayer):
     """KV of the batch's rows in preallocated buffers [blocks, rows, heads, BLOCK, dim]: row ``r``'s
     entries fill columns ``[0, positions[r])`` (column c lives in block c // BLOCK) and a decode
-    step writes its new token at column ``positions[r]`` (the batch sets :attr:`positions` before
+    step writes its new token at column ``positions[r]`` (the batch sets :attr:`step` before
     each step); the rest is zeros. Blocks lead so that the first few are one contiguous tensor for
     the sampler's attention, whatever the capacity."""
 
-    positions: torch.Tensor | None = None
+    step: WriteStep | None = None
 
     @classmethod
     def from_rows(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> SlotLayer:
@@ -50,21 +50,18 @@ class SlotLayer(DynamicLayer):
         return self.buf_k.shape[0]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        positions = self.positions
-        blocks = int(positions.max()) // BLOCK + 1
-        if blocks > self.blocks:
-            grown = max(blocks, self.blocks + (self.blocks + 3) // 4)
+        step = self.step  # where every row writes this step (set once per step for all layers)
+        if step.blocks > self.blocks:
+            grown = max(step.blocks, self.blocks + (self.blocks + 3) // 4)
             self.buf_k = _pad(self.buf_k, grown, dim=0, left=False)
             self.buf_v = _pad(self.buf_v, grown, dim=0, left=False)
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        block, column = positions // BLOCK, positions % BLOCK
-        self.buf_k[block, rows, :, column] = key_states[:, :, 0]
-        self.buf_v[block, rows, :, column] = value_states[:, :, 0]
-        self.keys, self.values = self.buf_k[:blocks], self.buf_v[:blocks]
+        self.buf_k[step.block, step.rows, :, step.column] = key_states[:, :, 0]
+        self.buf_v[step.block, step.rows, :, step.column] = value_states[:, :, 0]
+        self.keys, self.values = self.buf_k[: step.blocks], self.buf_v[: step.blocks]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return int(self.positions.max()) if self.positions is not None else 0
+        return self.step.last if self.step is not None else 0
 
     # batch surgery (the decode batch calls these between steps) ----------------------------------
     def select_rows(self, rows: torch.Tensor, width: int) -> None:
@@ -101,13 +98,24 @@ def _pad(t: torch.Tensor, width: int, *, dim: int, left: bool = True, fill: floa
     return torch.cat([zeros, t] if left else [t, zeros], dim=dim)
 
 
+class WriteStep:
+    """Where a decode step writes each row's new KV entry: the same for every layer, so computed once."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.last = int(positions.max())
+        self.blocks = self.last // BLOCK + 1
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        self.block, self.column = positions // BLOCK, positions % BLOCK
+
+
 class SlotCache(DynamicCache):
     def __init__(self, layers: list[SlotLayer]):
         Cache.__init__(self, layers=layers)
 
     def set_positions(self, positions: torch.Tensor) -> None:
+        step = WriteStep(positions)
         for layer in self.layers:
-            layer.positions = positions
+            layer.step = step
 
 
 def supports_merging(model: torch.nn.Module) -> bool:

@@ -163,23 +163,41 @@ class InvariantLinear(torch.nn.Linear):
         if not _SWITCH.active or x.device.type != "cpu" or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         if self.frozen and _onednn_available():
-            linear, padding = self._packed()
+            packed = self._packed()
+            flat, rows = _pad_to(
+                x, onednn_padding(self.in_features, self.out_features, self.bias is not None)
+            )
+            out = _onednn_linear(flat, packed, self.bias)
         else:
-            linear, padding = (lambda m: F.linear(m, self.weight, self.bias)), row_padding("cpu")
-        flat, rows = _pad_to(x, padding)
-        return linear(flat)[:rows].reshape(*x.shape[:-1], self.out_features)
+            flat, rows = _pad_to(x, row_padding("cpu"))
+            out = F.linear(flat, self.weight, self.bias)
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
-    def _packed(self):
+    def _packed(self) -> torch.Tensor:
+        """oneDNN's prepacked copy of the weight, made on first use (and again if it ever changed)."""
         state = self.__dict__.get("_sess_packed")
         if state is None or state[0] != self.weight._version:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+            state = self.__dict__["_sess_packed"] = (self.weight._version, packed)
+        return state[1]
 
-            def linear(m, packed=packed, bias=self.bias):
-                return torch.ops.mkldnn._linear_pointwise(m, packed, bias, "none", [], "")
 
-            padding = _padding(_good_row_counts(linear, self.in_features, self.weight.device))
-            state = self.__dict__["_sess_packed"] = (self.weight._version, linear, padding)
-        return state[1], state[2]
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@cache
+def onednn_padding(in_features: int, out_features: int, bias: bool) -> tuple[int, ...]:
+    """:func:`row_padding` for oneDNN's prepacked linear of one shape (its kernels follow the
+    shape, not the values, so one probe serves every layer of that shape)."""
+    gen = torch.Generator().manual_seed(2)
+    packed = torch.ops.mkldnn._reorder_linear_weight(
+        torch.randn(out_features, in_features, generator=gen), 64
+    )
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return _padding(
+        _good_row_counts(lambda m: _onednn_linear(m, packed, b), in_features, torch.device("cpu"))
+    )
 
 
 @cache
@@ -187,9 +205,9 @@ def _onednn_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (asked on first use, on the engine's
     own thread: a probe on the importing thread would start a second OpenMP team there)."""
     try:
-        weight = torch.randn(8, 8)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        torch.ops.mkldnn._linear_pointwise(torch.randn(2, 8), packed, None, "none", [], "")
+        _onednn_linear(
+            torch.randn(2, 8), torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8), 64), None
+        )
         return torch.backends.mkldnn.is_available()
     except (AttributeError, RuntimeError):
         return False

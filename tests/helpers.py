@@ -9,7 +9,7 @@ import torch
 from peft import get_peft_model
 from peft.utils import set_peft_model_state_dict
 
-from sess.engine import Datum, ModelInput
+from sess.engine import AdamParams, Datum, ModelInput
 from sess.engine.models import load_model
 
 SENTENCES = [
@@ -20,6 +20,17 @@ SENTENCES = [
     "A quick brown fox jumps.",
     "Seven times six is 42.",
 ]
+
+
+def train_steps(tc, texts: list[str], learning_rate: float, steps: int = 1) -> None:
+    """``steps`` cross-entropy steps of ``tc`` on ``texts``, waited for: moves LoRA B off its zero
+    init so every adapter weight gets gradients and samplers differ from the base model."""
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(t)) for t in texts]
+    for _ in range(steps):
+        tc.forward_backward(data, "cross_entropy")
+        done = tc.optim_step(AdamParams(learning_rate=learning_rate))
+    done.result()
 
 
 def ce_datum(tokens: list[int]) -> Datum:

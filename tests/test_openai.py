@@ -5,19 +5,16 @@ from __future__ import annotations
 import openai
 import pytest
 
-from sess.engine import AdamParams, ServiceClient
+from sess.engine import ServiceClient
 
-from helpers import SENTENCES, ce_datum
+from helpers import SENTENCES, train_steps
 
 
 @pytest.fixture(scope="module")
 def served(http_engine, sess_home):
     svc = ServiceClient(http_engine["url"], home=sess_home)
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=7)
-    data = [ce_datum(tc.get_tokenizer().encode(s)) for s in SENTENCES]
-    for _ in range(2):
-        tc.forward_backward(data)
-        tc.optim_step(AdamParams(learning_rate=2e-2))
+    train_steps(tc, SENTENCES, 2e-2, steps=2)
     checkpoint = tc.save_weights_for_sampler(name="for-openai").result().path
     client = openai.OpenAI(base_url=f"{http_engine['url']}/v1", api_key=svc.transport.api_key, max_retries=0)
     yield svc, tc, checkpoint, client

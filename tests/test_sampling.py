@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sess.engine import AdamParams, Datum, ModelInput, SamplingParams
+from sess.engine import Datum, ModelInput, SamplingParams
 
-from helpers import SENTENCES, ce_datum
+from helpers import SENTENCES, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +14,7 @@ def trained(svc):
     """A session whose adapter has moved off its zero init, and a prompt."""
     tc = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=3)
     tok = tc.get_tokenizer()
-    for _ in range(3):
-        tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy")
-        tc.optim_step(AdamParams(learning_rate=2e-2))
+    train_steps(tc, SENTENCES, 2e-2, steps=3)
     prompt = tok.encode("Question: what is 3 + 4? Answer:")
     yield tc, prompt
     tc.stop()
@@ -170,8 +168,7 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
     sessions = [svc.create_lora_training_client("tiny-llama", rank=4, alpha=8, seed=s) for s in range(4)]
     tok = sessions[0].get_tokenizer()
     for i, tc in enumerate(sessions):  # move each adapter off zero differently
-        tc.forward_backward([ce_datum(tok.encode(SENTENCES[i]))])
-        tc.optim_step(AdamParams(learning_rate=5e-2))
+        train_steps(tc, [SENTENCES[i]], 5e-2)
     samplers = [tc.save_weights_and_get_sampling_client() for tc in sessions]
     # prompts of different lengths: they are prefilled together, left-padded, then decode together
     prompts = [tok.encode("Numbers:"), tok.encode("A much longer prompt, about numbers and letters:")]
@@ -202,8 +199,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     sessions = [svc.create_lora_training_client("tiny-llama", rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
     for i, tc in enumerate(sessions):
-        tc.forward_backward([ce_datum(tok.encode(SENTENCES[i]))])
-        tc.optim_step(AdamParams(learning_rate=5e-2)).result()  # the weights stay put from here
+        train_steps(tc, [SENTENCES[i]], 5e-2)  # waited for: the weights stay put from here
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
     host = runtime.host("tiny-llama")
     x = tok.encode("Question: what is 3 + 4? Answer:")

@@ -17,6 +17,7 @@ from helpers import (
     reference_grads,
     reference_logprobs,
     reference_model,
+    train_steps,
 )
 
 
@@ -112,9 +113,7 @@ LOSS_CASES = [
 
 def test_builtin_losses_match_plain_torch(tc, runtime):
     tok = tc.get_tokenizer()
-    # one step first so LoRA B is non-zero and every adapter weight gets a gradient
-    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
-    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    train_steps(tc, SENTENCES, 1e-2)  # one step first so every adapter weight gets a gradient
     model = reference_model(runtime, tc.name)
     rng = np.random.default_rng(0)
     losses = {}
@@ -137,8 +136,7 @@ def test_builtin_losses_match_plain_torch(tc, runtime):
 
 def test_forward_backward_custom_dpo_matches_direct(tc, runtime):
     tok = tc.get_tokenizer()
-    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
-    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    train_steps(tc, SENTENCES, 1e-2)
     pairs = [("Q: 2+2? A: 4", "Q: 2+2? A: 5"), ("The sky is blue.", "The sky is green.")]
     data = [ce_datum(tok.encode(t)) for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected
     ref_lp = [-1.0, -1.5, -2.0, -0.5]
@@ -220,8 +218,7 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
     from sess.engine.forward import plan
 
     tok = tc.get_tokenizer()
-    tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES], "cross_entropy").result()
-    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    train_steps(tc, SENTENCES, 1e-2)
     model = reference_model(runtime, tc.name)
     rng = np.random.default_rng(1)
     prompts = [
