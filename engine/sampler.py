@@ -3,7 +3,7 @@
 Each row draws one uniform number per step from a hash of (its request's seed, its sample index,
 the step), so a seeded request samples the same tokens whichever other requests share its batch,
 with no per-row generator objects or Python work per row. A token is drawn by inverse CDF from the
-tempered, truncated distribution; the logprob reported is the model's own (temperature 1,
+tempered, truncated distribution (:func:`inverse_cdf`); the logprob reported is the model's own (temperature 1,
 untruncated), so it equals what ``forward`` computes for the same token.
 """
 
@@ -61,10 +61,9 @@ def choose_tokens(
     u: torch.Tensor,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits`` (rows, vocab). temperature 0 = greedy; top_k <= 0 = off."""
-    greedy = logits.argmax(dim=-1)
     sampled_rows = temperature > 0
     if not bool(sampled_rows.any()):
-        return greedy
+        return logits.argmax(dim=-1)
     scaled = logits / torch.where(sampled_rows, temperature, torch.ones_like(temperature))[:, None]
     truncate = bool(((top_k > 0) | (top_p < 1.0)).any())
     if truncate:
@@ -78,11 +77,41 @@ def choose_tokens(
         probs = probs.masked_fill(drop, 0.0)
     else:
         probs = scaled.softmax(dim=-1)
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    pick = pick.clamp_(max=probs.shape[-1] - 1)
+    pick = inverse_cdf(probs, u)
     token = order.gather(-1, pick[:, None]).squeeze(-1) if truncate else pick
-    return torch.where(sampled_rows, token, greedy)
+    if bool(sampled_rows.all()):
+        return token
+    return torch.where(sampled_rows, token, logits.argmax(dim=-1))
+
+
+SPAN = 256  # inverse_cdf's tile width
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` (rows, n; unnormalised, >= 0), the index where the running sum first
+    exceeds ``u`` (float64 in [0, 1)) times the row's total.
+
+    In two levels, so no scan runs over the whole row: the sums of tiles of :data:`SPAN` entries
+    (in float64) locate the tile, and a scan of that one tile the entry. Every reduction has a fixed
+    size and runs within one row, so a row's pick does not depend on the other rows."""
+    rows, n = probs.shape
+    tiles = -(-n // SPAN)
+    if tiles * SPAN != n:
+        probs = torch.nn.functional.pad(probs, (0, tiles * SPAN - n))
+    grid = probs.reshape(rows, tiles, SPAN)
+    sums = grid.sum(dim=-1, dtype=torch.float64)  # (rows, tiles)
+    cdf = sums.cumsum(dim=-1)
+    target = (u.to(torch.float64) * cdf[:, -1])[:, None]
+    tile = torch.searchsorted(cdf, target, right=True).clamp_(max=tiles - 1)  # (rows, 1)
+    before = torch.nn.functional.pad(cdf[:, :-1], (1, 0))  # what the tiles before each hold
+    start = before.gather(1, tile)
+    entries = grid.gather(1, tile[:, :, None].expand(-1, -1, SPAN)).squeeze(1)  # (rows, SPAN)
+    inner = entries.to(torch.float64).cumsum(dim=-1) + start
+    pick = torch.searchsorted(inner, target, right=True).squeeze(-1)
+    # rounding can leave the target past the tile's own scan: take its last non-zero entry then
+    last = SPAN - 1 - (entries > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    pick = torch.minimum(pick, last)
+    return (tile.squeeze(-1) * SPAN + pick).clamp_(max=n - 1)
 
 
 class StopChecker:

@@ -239,3 +239,23 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         assert run(plan) == alone, name
     for tc in sessions:
         tc.stop()
+
+
+def test_inverse_cdf_picks_what_a_full_scan_picks():
+    import torch
+
+    from sess.engine.sampler import SPAN, inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5 * SPAN + 17  # not a whole number of tiles
+    probs = (torch.randn(32, vocab, generator=gen) * 4).softmax(-1)
+    probs[:, ::3] = 0.0  # zero entries (as top-k / top-p leave them) are never picked
+    u = torch.rand(32, generator=gen, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2.0**-53  # the ends of [0, 1)
+    cdf = probs.to(torch.float64).cumsum(-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    picks = inverse_cdf(probs, u)
+    assert torch.equal(picks, expected.clamp(max=vocab - 1))
+    assert bool((probs.gather(1, picks[:, None]) > 0).all())
+    for row in (0, 1, 7):  # a row alone picks what it picks in the batch
+        assert inverse_cdf(probs[row : row + 1], u[row : row + 1]).item() == picks[row].item()
