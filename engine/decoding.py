@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .invariant import BLOCK, Layout, invariant_rows
+from .invariant import BLOCK, Layout, decode_mask, invariant_rows
 from .sampler import StopChecker, choose_tokens, row_keys, uniforms
 from .types import SampledSequence, SamplingParams
 
@@ -106,6 +106,7 @@ class WriteStep:
         self.blocks = self.last // BLOCK + 1
         self.rows = torch.arange(positions.shape[0], device=positions.device)
         self.block, self.column = positions // BLOCK, positions % BLOCK
+        self.mask = decode_mask(positions, self.blocks)  # the columns each row must not attend to
 
 
 class SlotCache(DynamicCache):
@@ -177,8 +178,12 @@ class DecodeBatch:
     whose request has stop strings. ``generated`` holds each row's tokens right-aligned: a row that
     joined ``steps[r]`` steps ago owns the last ``steps[r]`` columns."""
 
-    def __init__(self, model_for: Callable, num_layers: int, merging: bool):
+    def __init__(
+        self, model_for: Callable, num_layers: int, merging: bool, fast_step: Callable | None = None
+    ):
         self.model_for = model_for  # adapters of the rows -> context manager of (model, extra forward kwargs)
+        # (adapters, tokens, positions, cache) -> logits of a decode step, or None: use the modules
+        self.fast_step = fast_step
         self.num_layers = num_layers
         self.merging = merging
         self.waiting: list[SampleJob] = []
@@ -339,19 +344,25 @@ class DecodeBatch:
         self.admit()
         if self.rows == 0:
             return
-        with self.model_for(self.adapters) as (model, extra), invariant_rows():
-            if self.merging:
-                self.cache.set_positions(self.positions)
-                extra = {**extra, "sess_layout": Layout(positions=self.positions)}
-            out = model(
-                input_ids=self.last[:, None],
-                position_ids=self.positions[:, None],
-                cache=self.cache,
-                use_cache=True,
-                **extra,
-            )
-        self.cache = out.cache
-        logits = out.logits[:, -1].float()
+        logits = None
+        if self.merging:
+            self.cache.set_positions(self.positions)
+            if self.fast_step is not None:
+                logits = self.fast_step(self.adapters, self.last, self.positions, self.cache)
+        if logits is None:
+            with self.model_for(self.adapters) as (model, extra), invariant_rows():
+                if self.merging:
+                    extra = {**extra, "sess_layout": Layout(positions=self.positions)}
+                out = model(
+                    input_ids=self.last[:, None],
+                    position_ids=self.positions[:, None],
+                    cache=self.cache,
+                    use_cache=True,
+                    **extra,
+                )
+            self.cache = out.cache
+            logits = out.logits[:, -1]
+        logits = logits.float()
         token = choose_tokens(
             logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
         )

@@ -21,7 +21,8 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.utils import logging as hf_logging
 
 from .decoding import supports_merging
-from .invariant import ATTENTION, make_linears_invariant
+from .invariant import ATTENTION, invariant_rows, make_linears_invariant
+from .llama_decode import LlamaDecoder, supports_adapters
 from .lora_rows import grouped_rows, groups_of, only_linear_lora
 from .models import load_model, lora_targets
 
@@ -55,6 +56,9 @@ class BaseHost:
         make_linears_invariant(self.model, frozen=True)
         self._checkpoint_counter = 0
         self.linear_lora = True  # every LoRA layer is a Linear: mixed batches go by row groups
+        # the sampler's lean decode step (llama family, plain LoRA); None: the module path only
+        self.decoder = LlamaDecoder.for_model(self.model) if self.shares_prefixes else None
+        self.plain_lora = True
 
     # adapters -----------------------------------------------------------------------------------
     def lora_config(
@@ -76,6 +80,7 @@ class BaseHost:
         self.peft.eval()  # new LoRA modules start in training mode; dropout is 0 but peft checks the flag
         make_linears_invariant(self.peft)  # the new LoRA layers
         self.linear_lora = only_linear_lora(self.peft)
+        self.plain_lora = supports_adapters(self.peft)
         self.peft.base_model_name_or_path = str(self.path)
 
     def remove_adapter(self, adapter: str) -> None:
@@ -173,6 +178,15 @@ class BaseHost:
                 yield self.peft, {}
         else:  # peft's mixed-adapter batch for other LoRA layer kinds
             yield self.peft, {"adapter_names": ["__base__" if a is None else a for a in adapters]}
+
+    def decode_step(self, adapters: list[str | None], tokens, positions, cache) -> torch.Tensor | None:
+        """Logits of one decode step of the sampler's batch through :class:`LlamaDecoder` (each row
+        with its own adapter), or None where that step does not apply (the caller then runs the
+        model's modules)."""
+        if self.decoder is None or not self.plain_lora:
+            return None
+        with invariant_rows():
+            return self.decoder.step(self.model, groups_of(adapters, tokens.device), tokens, positions, cache)
 
     # merged models ------------------------------------------------------------------------------
     def merged_state(self, adapter: str) -> tuple[dict[str, torch.Tensor], bool]:

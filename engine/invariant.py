@@ -51,6 +51,13 @@ class Layout:
 
     prompt_lengths: list[int] | None = None
     positions: torch.Tensor | None = None
+    _mask: torch.Tensor | None = None
+
+    def decode_mask(self, blocks: int) -> torch.Tensor:
+        """:func:`decode_mask` of the positions, made once for all layers."""
+        if self._mask is None or self._mask.shape[0] != blocks:
+            self._mask = decode_mask(self.positions, blocks)
+        return self._mask
 
 
 def sampler_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -73,11 +80,20 @@ def sampler_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 enable_gqa=True,
             )
         return out.transpose(1, 2).contiguous(), None
-    return _decode_attention(query, key, value, layout.positions, scaling), None
+    masked = layout.decode_mask(key.shape[0])
+    return decode_attention(query, key, value, masked, scaling), None
 
 
-def _decode_attention(query, key, value, positions, scaling):
-    """One new token per row over its cache columns ``[0, positions[r]]``. The cache comes in
+def decode_mask(positions: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Which cache columns each decode row must not see: those after its own position, as
+    [blocks, rows, 1, 1, BLOCK] to match :func:`decode_attention`'s scores."""
+    columns = torch.arange(blocks * BLOCK, device=positions.device).reshape(blocks, 1, 1, 1, BLOCK)
+    return columns > positions[None, :, None, None, None]
+
+
+def decode_attention(query, key, value, masked, scaling):
+    """One new token per row over its cache columns ``[0, positions[r]]`` (``masked`` from
+    :func:`decode_mask`). The cache comes in
     blocks, ``key``/``value`` [blocks, rows, kv heads, BLOCK, dim]: every matmul has the same shape
     and memory layout whatever the batch, each block's sum is taken at a fixed size, and blocks are
     added in column order, so a row's result depends on its own columns only (those past its end,
@@ -86,8 +102,7 @@ def _decode_attention(query, key, value, positions, scaling):
     heads = query.shape[1]
     q = query.reshape(1, rows, kv_heads, heads // kv_heads, dim).expand(blocks, -1, -1, -1, -1)
     scores = (q @ key.transpose(-1, -2)) * scaling  # [blocks, rows, kv heads, groups, BLOCK]
-    columns = torch.arange(blocks * BLOCK, device=key.device).reshape(blocks, 1, 1, 1, BLOCK)
-    scores = scores.masked_fill(columns > positions[None, :, None, None, None], float("-inf"))
+    scores = scores.masked_fill(masked, float("-inf"))
     top = scores.amax(dim=(0, 4), keepdim=True)  # exact: max does not round
     weights = (scores - top).exp()
     sums, outs = weights.sum(dim=-1), weights.to(value.dtype) @ value
@@ -140,7 +155,7 @@ def invariant_rows() -> Iterator[None]:
         _SWITCH.active = before
 
 
-def _pad_to(x: torch.Tensor, padding: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+def pad_rows(x: torch.Tensor, padding: tuple[int, ...]) -> tuple[torch.Tensor, int]:
     """``x`` as a dense [rows, features] matrix padded with zero rows per ``padding``, and its row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     flat = x.reshape(rows, x.shape[-1]).contiguous()  # strided rows take other kernels too
@@ -164,12 +179,12 @@ class InvariantLinear(torch.nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.frozen and _onednn_available():
             packed = self._packed()
-            flat, rows = _pad_to(
+            flat, rows = pad_rows(
                 x, onednn_padding(self.in_features, self.out_features, self.bias is not None)
             )
             out = _onednn_linear(flat, packed, self.bias)
         else:
-            flat, rows = _pad_to(x, row_padding("cpu"))
+            flat, rows = pad_rows(x, row_padding("cpu"))
             out = F.linear(flat, self.weight, self.bias)
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 

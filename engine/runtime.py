@@ -414,7 +414,7 @@ class Runtime(CheckpointOps):
         if host.name not in self.batches:
             merging = supports_merging(host.model)
             layers = host.model.config.get_text_config(decoder=True).num_hidden_layers
-            self.batches[host.name] = DecodeBatch(host.rows_model, layers, merging)
+            self.batches[host.name] = DecodeBatch(host.rows_model, layers, merging, host.decode_step)
             host.pinned = self.batches[host.name].adapters_in_use
         return self.batches[host.name]
 

@@ -188,11 +188,13 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
         tc.stop()
 
 
-def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, svc):
+@pytest.mark.parametrize("path", ["lean step", "modules"])
+def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, svc, path):
     """The decode batch is driven step by step so each composition surely happens: the same seeded
     request alone, after a one-row request (its rows at odd offsets of a 5-row batch), prefilled
     together with a long prompt, and joined later by rows of another adapter. Tokens and logprobs
-    must be identical to the bit, which is what makes whole runs reproducible."""
+    must be identical to the bit, which is what makes whole runs reproducible. Both decode paths:
+    the lean llama step the engine uses and the model's modules (other architectures)."""
     from sess.engine.decoding import DecodeBatch, SampleJob
     from sess.engine.sampler import StopChecker
 
@@ -202,11 +204,13 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         train_steps(tc, [SENTENCES[i]], 5e-2)  # waited for: the weights stay put from here
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
     host = runtime.host("tiny-llama")
+    assert host.decoder is not None
+    fast = host.decode_step if path == "lean step" else None
     x = tok.encode("Question: what is 3 + 4? Answer:")
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
     def run(plan):
-        batch = DecodeBatch(host.rows_model, host.model.config.num_hidden_layers, merging=True)
+        batch = DecodeBatch(host.rows_model, host.model.config.num_hidden_layers, True, fast)
         results, step = {}, 0
         while plan or batch.active:
             for item in [p for p in plan if p[0] == step]:

@@ -1,0 +1,67 @@
+"""The sampler's lean decode step (engine/llama_decode.py) against the model's own modules."""
+
+from __future__ import annotations
+
+import pytest
+
+from sess.engine import SamplingParams
+
+from helpers import SENTENCES, train_steps
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_lean_step_samples_what_the_modules_sample(runtime, svc, model):
+    """The same requests (rows of two adapters and of the base model, prompts of different lengths)
+    decoded by the lean step and by the modules: same tokens, logprobs equal to rounding."""
+    from sess.engine.decoding import DecodeBatch, SampleJob
+    from sess.engine.sampler import StopChecker
+
+    sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
+    tok = sessions[0].get_tokenizer()
+    for i, tc in enumerate(sessions):
+        train_steps(tc, [SENTENCES[i]], 5e-2)
+    adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
+    host = runtime.host(model)
+    assert host.decoder is not None and host.plain_lora
+    requests = [
+        (tok.encode("Question: what is 3 + 4? Answer:"), 3, adapters[0]),
+        (tok.encode("A longer prompt, about numbers and letters, " * 2), 2, adapters[1]),
+        (tok.encode("Hi"), 2, None),
+    ]
+
+    def run(fast_step):
+        batch = DecodeBatch(host.rows_model, host.model.config.num_hidden_layers, True, fast_step)
+        results = {}
+        for i, (prompt, samples, adapter) in enumerate(requests):
+            batch.submit(
+                SampleJob(
+                    prompt=prompt,
+                    num_samples=samples,
+                    params=SamplingParams(max_tokens=16, temperature=1.0, seed=i),
+                    adapter=adapter,
+                    stopper=StopChecker(None, set(), tok.decode),
+                    on_done=lambda seqs, error, i=i: results.__setitem__(i, seqs),
+                )
+            )
+        while batch.active:
+            batch.step()
+        return [results[i] for i in range(len(requests))]
+
+    calls = []
+
+    def lean(*args):
+        calls.append(1)
+        return host.decode_step(*args)
+
+    fast, modules = run(lean), run(None)
+    assert len(calls) == 15  # every decode step after the prefill went the lean way
+    for got, expected in zip(fast, modules):
+        for a, b in zip(got, expected):
+            assert a.tokens == b.tokens
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    for tc in sessions:
+        tc.stop()
+
+
+def test_other_architectures_keep_the_module_path(runtime):
+    assert runtime.host("tiny-gpt-oss").decoder is None
