@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .invariant import BLOCK, Layout, decode_mask, invariant_rows
+from .invariant import BLOCK, Layout, invariant_rows
 from .sampler import StopChecker, choose_tokens, row_keys, uniforms
 from .types import SampledSequence, SamplingParams
 
@@ -106,7 +106,7 @@ class WriteStep:
         self.blocks = self.last // BLOCK + 1
         self.rows = torch.arange(positions.shape[0], device=positions.device)
         self.block, self.column = positions // BLOCK, positions % BLOCK
-        self.mask = decode_mask(positions, self.blocks)  # the columns each row must not attend to
+        self.positions = positions
 
 
 class SlotCache(DynamicCache):
@@ -367,9 +367,8 @@ class DecodeBatch:
             logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
         )
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
-        self.generated_lp = torch.cat(
-            [self.generated_lp, logits.log_softmax(-1).gather(-1, token[:, None])], dim=1
-        )
+        chosen = logits.gather(-1, token[:, None]) - logits.logsumexp(-1, keepdim=True)
+        self.generated_lp = torch.cat([self.generated_lp, chosen], dim=1)
         self.positions += 1
         self.steps += 1
         self.last = token

@@ -51,13 +51,13 @@ class Layout:
 
     prompt_lengths: list[int] | None = None
     positions: torch.Tensor | None = None
-    _mask: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None
 
-    def decode_mask(self, blocks: int) -> torch.Tensor:
-        """:func:`decode_mask` of the positions, made once for all layers."""
-        if self._mask is None or self._mask.shape[0] != blocks:
-            self._mask = decode_mask(self.positions, blocks)
-        return self._mask
+    def decode_bias(self, blocks: int, kv_heads: int) -> torch.Tensor:
+        """:func:`decode_bias` of the positions, made once for all layers."""
+        if self._bias is None or self._bias.shape[0] != blocks * self.positions.shape[0] * kv_heads:
+            self._bias = decode_bias(self.positions, blocks, kv_heads)
+        return self._bias
 
 
 def sampler_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -80,37 +80,40 @@ def sampler_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 enable_gqa=True,
             )
         return out.transpose(1, 2).contiguous(), None
-    masked = layout.decode_mask(key.shape[0])
-    return decode_attention(query, key, value, masked, scaling), None
+    bias = layout.decode_bias(key.shape[0], key.shape[2])
+    return decode_attention(query * scaling, key, value, bias), None
 
 
-def decode_mask(positions: torch.Tensor, blocks: int) -> torch.Tensor:
-    """Which cache columns each decode row must not see: those after its own position, as
-    [blocks, rows, 1, 1, BLOCK] to match :func:`decode_attention`'s scores."""
+def decode_bias(positions: torch.Tensor, blocks: int, kv_heads: int) -> torch.Tensor:
+    """What :func:`decode_attention` adds to each row's scores: 0 for the cache columns up to and
+    including the row's position, -inf after it; [blocks * rows * kv heads, 1, BLOCK]."""
     columns = torch.arange(blocks * BLOCK, device=positions.device).reshape(blocks, 1, 1, 1, BLOCK)
-    return columns > positions[None, :, None, None, None]
+    bias = torch.zeros(blocks, positions.shape[0], 1, 1, BLOCK, device=positions.device)
+    bias.masked_fill_(columns > positions[None, :, None, None, None], float("-inf"))
+    return bias.expand(-1, -1, kv_heads, -1, -1).reshape(-1, 1, BLOCK)
 
 
-def decode_attention(query, key, value, masked, scaling):
-    """One new token per row over its cache columns ``[0, positions[r]]`` (``masked`` from
-    :func:`decode_mask`). The cache comes in
-    blocks, ``key``/``value`` [blocks, rows, kv heads, BLOCK, dim]: every matmul has the same shape
-    and memory layout whatever the batch, each block's sum is taken at a fixed size, and blocks are
-    added in column order, so a row's result depends on its own columns only (those past its end,
-    however many, add exact zeros)."""
+def decode_attention(query, key, value, bias):
+    """One new token per row over its cache columns (``bias`` from :func:`decode_bias`), with the
+    query already scaled. The cache comes in blocks, ``key``/``value`` [blocks, rows, kv heads,
+    BLOCK, dim]: every matmul has the same shape and memory layout whatever the batch, each block's
+    sum is taken at a fixed size, and blocks are added in column order, so a row's result depends
+    on its own columns only (those past its end, however many, add exact zeros)."""
     blocks, rows, kv_heads, _, dim = key.shape
     heads = query.shape[1]
-    q = query.reshape(1, rows, kv_heads, heads // kv_heads, dim).expand(blocks, -1, -1, -1, -1)
-    scores = (q @ key.transpose(-1, -2)) * scaling  # [blocks, rows, kv heads, groups, BLOCK]
-    scores = scores.masked_fill(masked, float("-inf"))
+    groups, count = heads // kv_heads, blocks * rows * kv_heads
+    q = query.reshape(1, rows * kv_heads, groups, dim).expand(blocks, -1, -1, -1).reshape(count, groups, dim)
+    scores = torch.baddbmm(bias, q, key.view(count, BLOCK, dim).transpose(1, 2))
+    scores = scores.view(blocks, rows, kv_heads, groups, BLOCK)
     top = scores.amax(dim=(0, 4), keepdim=True)  # exact: max does not round
-    weights = (scores - top).exp()
-    sums, outs = weights.sum(dim=-1), weights.to(value.dtype) @ value
+    weights = scores.sub_(top).exp_()
+    sums = weights.sum(dim=-1)  # [blocks, rows, kv heads, groups]
+    outs = torch.bmm(weights.view(count, groups, BLOCK), value.view(count, BLOCK, dim))
+    outs = outs.view(blocks, rows, kv_heads, groups, dim)
     total, out = sums[0], outs[0]
     for block in range(1, blocks):  # in column order
         total, out = total + sums[block], out + outs[block]
-    out = out / total[..., None]  # [rows, kv heads, groups, dim]
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
+    return out.div_(total[..., None]).view(rows, 1, heads, dim)
 
 
 AttentionInterface.register(ATTENTION, sampler_attention)
@@ -177,24 +180,31 @@ class InvariantLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _SWITCH.active or x.device.type != "cpu" or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if self.frozen and _onednn_available():
-            packed = self._packed()
-            flat, rows = pad_rows(
-                x, onednn_padding(self.in_features, self.out_features, self.bias is not None)
-            )
-            out = _onednn_linear(flat, packed, self.bias)
-        else:
-            flat, rows = pad_rows(x, row_padding("cpu"))
-            out = F.linear(flat, self.weight, self.bias)
+        if self.frozen and onednn_available():
+            return packed_linear(x, self._packed(), self.bias)
+        flat, rows = pad_rows(x, row_padding("cpu"))
+        out = F.linear(flat, self.weight, self.bias)
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def _packed(self) -> torch.Tensor:
         """oneDNN's prepacked copy of the weight, made on first use (and again if it ever changed)."""
         state = self.__dict__.get("_sess_packed")
         if state is None or state[0] != self.weight._version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
-            state = self.__dict__["_sess_packed"] = (self.weight._version, packed)
+            state = self.__dict__["_sess_packed"] = (self.weight._version, pack_weight(self.weight))
         return state[1]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's prepacked copy of a [out, in] weight, for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a :func:`pack_weight` weight, each row computed as in any other batch."""
+    out_features = packed.shape[0]
+    flat, rows = pad_rows(x, onednn_padding(x.shape[-1], out_features, bias is not None))
+    out = _onednn_linear(flat, packed, bias)
+    return out[:rows].reshape(*x.shape[:-1], out_features)
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -216,7 +226,7 @@ def onednn_padding(in_features: int, out_features: int, bias: bool) -> tuple[int
 
 
 @cache
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (asked on first use, on the engine's
     own thread: a probe on the importing thread would start a second OpenMP team there)."""
     try:

@@ -24,11 +24,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .invariant import decode_attention, pad_rows, row_padding
+from .invariant import (
+    decode_attention,
+    decode_bias,
+    onednn_available,
+    pack_weight,
+    packed_linear,
+    pad_rows,
+    row_padding,
+)
 from .lora_rows import Groups
 
 ARCHITECTURES = ("llama", "qwen3")
 # projections that read the same input share one LoRA A matmul
+PACK_FROM = 1024  # LoRA B matrices with this many outputs or more go through oneDNN, prepacked
 BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -38,7 +47,7 @@ class _Lora:
     matrices stacked, and per projection its B, scaling and columns of the stacked A's output."""
 
     a: torch.Tensor
-    parts: list[tuple[str, torch.Tensor, float, slice]]
+    parts: list[tuple[str, torch.Tensor, float, slice, bool]]  # the last: B prepacked and scaled
 
 
 class LlamaDecoder:
@@ -78,7 +87,9 @@ class LlamaDecoder:
         cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
-        mask = cache.layers[0].step.mask
+        q_cos, q_sin = cos * self.scaling, sin * self.scaling  # queries leave the rotation scaled
+        step = cache.layers[0].step
+        bias = decode_bias(step.positions, step.blocks, self.kv_heads)
         for index, layer in enumerate(inner.layers):
             lora = [(rows, plan[index]) for rows, plan in plans]
             attn, mlp = layer.self_attn, layer.mlp
@@ -88,12 +99,12 @@ class LlamaDecoder:
             k = k.view(count, self.kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            q = q * cos + q.roll(half, dims=-1) * sin  # rotary embedding, as apply_rotary_pos_emb
+            q = q * q_cos + q.roll(half, dims=-1) * q_sin  # rotary embedding, as apply_rotary_pos_emb
             k = k * cos + k.roll(half, dims=-1) * sin
             keys, values = cache.layers[index].update(
                 k[:, :, None], v.view(count, self.kv_heads, 1, self.head_dim)
             )
-            out = decode_attention(q[:, :, None], keys, values, mask, self.scaling)
+            out = decode_attention(q[:, :, None], keys, values, bias)
             (o,) = _project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
             h = h + o
             x = _rms_norm(layer.post_attention_layernorm, h)
@@ -172,7 +183,10 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
         a = module.lora_A[adapter].weight
         a_parts.append(a)
         b, scaling = module.lora_B[adapter].weight, float(module.scaling[adapter])
-        parts.append((name, b, scaling, slice(start, start + a.shape[0])))
+        packed = b.shape[0] >= PACK_FROM and onednn_available()
+        if packed:  # oneDNN is faster than the BLAS for these; scaling goes into the copy
+            b = pack_weight(b.detach() * scaling)
+        parts.append((name, b, scaling, slice(start, start + a.shape[0]), packed))
         start += a.shape[0]
     a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts).contiguous()
     return _Lora(a=a, parts=parts)
@@ -183,11 +197,14 @@ def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     part = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
     padded, count = pad_rows(part, row_padding("cpu"))
     low = F.linear(padded, terms.a)  # [padded rows, sum of ranks]
-    for name, b, scaling, columns in terms.parts:
+    for name, b, scaling, columns, packed in terms.parts:
         out = outs[names.index(name)]
-        delta = F.linear((low[:, columns] * scaling).contiguous(), b)[:count]
+        if packed:
+            delta = packed_linear(low[:count, columns].contiguous(), b)
+        else:
+            delta = F.linear((low[:, columns] * scaling).contiguous(), b)[:count]
         if isinstance(rows, slice):
-            out[rows] += delta
+            out[rows].add_(delta)
         else:
             out.index_add_(0, rows, delta)
 

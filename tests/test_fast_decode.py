@@ -9,12 +9,21 @@ from sess.engine import SamplingParams
 from helpers import SENTENCES, train_steps
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
-def test_lean_step_samples_what_the_modules_sample(runtime, svc, model):
+@pytest.mark.parametrize(
+    "model,packed",
+    [("tiny-llama", False), ("tiny-qwen3", False), ("tiny-llama", True)],
+    ids=["llama", "qwen3", "llama-packed-lora"],
+)
+def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, monkeypatch):
     """The same requests (rows of two adapters and of the base model, prompts of different lengths)
-    decoded by the lean step and by the modules: same tokens, logprobs equal to rounding."""
+    decoded by the lean step and by the modules: same tokens, logprobs equal to rounding. With
+    ``packed``, every LoRA B goes through oneDNN (as the large ones of real models do)."""
+    from sess.engine import llama_decode
     from sess.engine.decoding import DecodeBatch, SampleJob
     from sess.engine.sampler import StopChecker
+
+    if packed:
+        monkeypatch.setattr(llama_decode, "PACK_FROM", 0)
 
     sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
