@@ -367,7 +367,7 @@ class DecodeBatch:
             logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
         )
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
-        chosen = logits.gather(-1, token[:, None]) - logits.logsumexp(-1, keepdim=True)
+        chosen = logits.log_softmax(-1).gather(-1, token[:, None])
         self.generated_lp = torch.cat([self.generated_lp, chosen], dim=1)
         self.positions += 1
         self.steps += 1

@@ -92,14 +92,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     exceeds ``u`` (float64 in [0, 1)) times the row's total.
 
     In two levels, so no scan runs over the whole row: the sums of tiles of :data:`SPAN` entries
-    (in float64) locate the tile, and a scan of that one tile the entry. Every reduction has a fixed
+    locate the tile (their running sum in float64), and a float64 scan of that one tile the entry. Every reduction has a fixed
     size and runs within one row, so a row's pick does not depend on the other rows."""
     rows, n = probs.shape
     tiles = -(-n // SPAN)
     if tiles * SPAN != n:
         probs = torch.nn.functional.pad(probs, (0, tiles * SPAN - n))
     grid = probs.reshape(rows, tiles, SPAN)
-    sums = grid.sum(dim=-1, dtype=torch.float64)  # (rows, tiles)
+    sums = grid.sum(dim=-1).to(torch.float64)  # (rows, tiles)
     cdf = sums.cumsum(dim=-1)
     target = (u.to(torch.float64) * cdf[:, -1])[:, None]
     tile = torch.searchsorted(cdf, target, right=True).clamp_(max=tiles - 1)  # (rows, 1)
