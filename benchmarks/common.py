@@ -7,12 +7,20 @@ process starts a second team, and on a small machine (2 cores here) every parall
 either then waits for sleeping workers to be woken: measured, both sides ran 1.3-2x slower than
 alone, so a ratio would depend on which side ran first. ``Engine.run_local`` runs the baseline
 between engine ops on the executor thread, so both sides share one team.
+
+Why scripts start again under :func:`as_engine_process`: an engine process (``sess engine up``,
+``sess run``) runs with malloc settings that keep freed memory for the next step, and the
+in-process engines of these scripts stand in for one.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
+
+from sess.engine.memory import engine_env
 
 T = TypeVar("T")
 
@@ -20,3 +28,12 @@ T = TypeVar("T")
 def on_engine(svc, fn: Callable[..., T], *args, **kwargs) -> T:
     """``fn(*args, **kwargs)`` on the executor thread of ``svc``'s in-process engine."""
     return svc.transport.engine.run_local(lambda: fn(*args, **kwargs))
+
+
+def as_engine_process() -> None:
+    """Run this script with the malloc settings of an engine process (engine/memory.py): glibc
+    reads them at start, so the script starts again with them if they are missing. Baselines in
+    the same process run with them too, which can only help them."""
+    env = engine_env()
+    if env != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)

@@ -31,7 +31,7 @@ from rich.table import Table  # noqa: E402
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
 from sess.engine.models import load_model, lora_targets, prepare  # noqa: E402
 
-from common import on_engine  # noqa: E402
+from common import as_engine_process, on_engine  # noqa: E402
 
 
 def questions(n: int) -> list[tuple[str, int]]:
@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side (after one warm-up)")
     parser.add_argument("--home", default=None)
     args = parser.parse_args()
+    as_engine_process()
     torch.manual_seed(0)
     pairs = questions(args.prompts)
     prompts_text, truths = [q for q, _ in pairs], [t for _, t in pairs]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import as_engine_process
+
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="engine home (default: a temp dir; models cache there)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = parser.parse_args()
+    as_engine_process()
 
     from sess.engine import Datum, ModelInput, ServiceClient
     from sess.engine.local import start_engine, stop_engine

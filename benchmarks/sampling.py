@@ -29,7 +29,7 @@ from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
 
-from common import on_engine  # noqa: E402
+from common import as_engine_process, on_engine  # noqa: E402
 
 TOPICS = [
     "the sea",
@@ -112,6 +112,7 @@ def main() -> None:
         "--skip", default="", help="comma list of parts to skip: batch,latency,adapters,prefill"
     )
     args = parser.parse_args()
+    as_engine_process()
     skip = set(filter(None, args.skip.split(",")))
     console = Console()
     svc = ServiceClient("inproc", home=args.home)

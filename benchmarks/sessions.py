@@ -25,6 +25,8 @@ from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
 
+from common import as_engine_process  # noqa: E402
+
 
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--home", default=None)
     args = parser.parse_args()
+    as_engine_process()
     svc = ServiceClient("inproc", home=args.home)
     runtime = svc.transport.engine.runtime
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=0)

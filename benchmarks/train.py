@@ -26,7 +26,7 @@ from rich.table import Table  # noqa: E402
 from sess.engine import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
 from sess.engine.models import load_model, lora_targets  # noqa: E402
 
-from common import on_engine  # noqa: E402
+from common import as_engine_process, on_engine  # noqa: E402
 
 
 def batch(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--url", default="inproc", help="engine URL (default: in-process engine)")
     parser.add_argument("--home", default=None)
     args = parser.parse_args()
+    as_engine_process()
 
     svc = ServiceClient(args.url, home=args.home)
     tc = svc.create_lora_training_client(args.model, rank=args.rank, alpha=2 * args.rank, seed=0)

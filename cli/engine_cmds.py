@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import typer
 from rich.console import Console
@@ -33,6 +35,7 @@ def up(
     """Start the engine server (in the foreground unless --detach)."""
     from sess.engine.keys import KeyStore
     from sess.engine.local import engine_info, start_engine
+    from sess.engine.memory import engine_env
     from sess.engine.paths import sess_home
     from sess.engine.server import is_loopback, serve
 
@@ -52,6 +55,11 @@ def up(
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
+    env = engine_env()
+    if env != dict(os.environ):  # malloc settings are read at process start: run the server afresh
+        command = [sys.executable, "-m", "sess.engine.server", "--home", str(home_path), "--host", host]
+        command += ["--port", str(port), "--device", device, *extra]
+        os.execve(sys.executable, command, env)
     serve(home_path, host, port, device, idle_timeout, max_sessions)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from .memory import engine_env
 from .paths import sess_home
 from .types import SessError
 
@@ -79,7 +80,12 @@ def start_engine(
     command += ["--port", str(port), "--device", device, *(extra_args or [])]
     with open(home / LOG_FILE, "ab") as log:
         process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env=engine_env(),  # malloc keeps freed memory for the next step: see memory.py
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

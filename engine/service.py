@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .memory import keep_freed_memory
 from .runtime import Runtime
 from .types import InvalidRequest, NotFound, SessError
 
@@ -78,6 +79,7 @@ class Engine:
     """Queues, orders and runs ops on one executor thread around a :class:`Runtime`."""
 
     def __init__(self, home: str | Path | None = None, device: str = "cpu", runtime: Runtime | None = None):
+        keep_freed_memory()  # before the executor thread's first allocation: see memory.py
         self.runtime = runtime or Runtime(home, device)
         self._cv = threading.Condition()
         self._ready: deque[Operation] = deque()

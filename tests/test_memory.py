@@ -1,0 +1,55 @@
+"""The engine's malloc settings (engine/memory.py): freed memory is reused, not faulted in again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sess.engine.memory import ENGINE_MALLOC, engine_env
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+
+# allocate and free 20 tensors of 12 MB three times (as training steps' activations come and go),
+# then report the page faults of the last round (the first two settle the heap's layout)
+PROBE = """
+import resource, torch
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    before = faults()
+    xs = [torch.empty(3 * 2**20).fill_(1.0) for _ in range(20)]
+    del xs
+print(faults() - before)
+"""
+
+
+def _last_round_faults(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@linux
+def test_freed_memory_is_reused_under_the_engine_settings():
+    plain = {k: v for k, v in os.environ.items() if k not in ENGINE_MALLOC}
+    default = _last_round_faults({**plain, "SESS_MALLOC": "system"})
+    engine = _last_round_faults(engine_env(plain))
+    assert default > 50_000  # 240 MB of fresh 4 KiB pages again
+    assert engine < default / 5  # mostly the pages of the rounds before
+
+
+def test_engine_env_keeps_user_choices():
+    assert all(engine_env({})[k] == v for k, v in ENGINE_MALLOC.items()) or not sys.platform.startswith(
+        "linux"
+    )
+    assert not set(ENGINE_MALLOC) & set(engine_env({"SESS_MALLOC": "system"}))
+    assert engine_env({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"
+
+
+@linux
+def test_engine_process_starts_with_the_settings(http_engine):
+    environ = open(f"/proc/{http_engine['pid']}/environ", "rb").read().split(b"\0")
+    for key, value in ENGINE_MALLOC.items():
+        assert f"{key}={value}".encode() in environ
