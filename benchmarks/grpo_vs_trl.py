@@ -9,6 +9,10 @@ loop: P sample requests (K=G each), rewards, forward_backward(ppo), optim_step,
 save_weights_and_get_sampling_client. Each side runs a warm-up step first; the next steps are timed
 and the median is reported. Needs `pip install trl` (not a dependency of sess).
 
+sess runs in this process, with the malloc settings of an engine process (engine/memory.py). TRL
+runs in a process of its own, once as users run it (glibc's default malloc) and once with the same
+settings as sess, so the table shows how much of the gap is the allocator.
+
     python benchmarks/grpo_vs_trl.py
     python benchmarks/grpo_vs_trl.py --model tiny-llama --steps 2
 """
@@ -16,8 +20,11 @@ and the median is reported. Needs `pip install trl` (not a dependency of sess).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -29,9 +36,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
+from sess.engine.memory import ENGINE_MALLOC, engine_env  # noqa: E402
 from sess.engine.models import load_model, lora_targets, prepare  # noqa: E402
 
-from common import as_engine_process, on_engine  # noqa: E402
+from common import as_engine_process  # noqa: E402
 
 
 def questions(n: int) -> list[tuple[str, int]]:
@@ -168,6 +176,27 @@ def _question(prompt) -> str:
     return prompt[-1]["content"] if isinstance(prompt, list) else prompt
 
 
+TRL_SETTINGS = {
+    "default": "TRL GRPOTrainer (default malloc, as users run it)",
+    "engine": "TRL GRPOTrainer (with the engine's malloc settings)",
+}
+
+
+def trl_in_child(args, settings: str) -> list[float]:
+    """TRL's step times from a process of its own: with glibc's default malloc (``default``, how a
+    user runs TRL) or with the settings sess gives its engine processes (``engine``)."""
+    plain = {k: v for k, v in os.environ.items() if k not in ENGINE_MALLOC}
+    env = engine_env(plain) if settings == "engine" else {**plain, "SESS_MALLOC": "system"}
+    command = [sys.executable, os.path.abspath(__file__), "--trl-child", "--model", args.model]
+    command += ["--prompts", str(args.prompts), "--group", str(args.group), "--steps", str(args.steps)]
+    command += ["--completion", str(args.completion), "--rank", str(args.rank)]
+    command += ["--home", args.home] if args.home else []
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"TRL run failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -179,25 +208,30 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side (after one warm-up)")
     parser.add_argument("--home", default=None)
+    parser.add_argument(
+        "--trl", default="default,engine", help="TRL runs: default and/or engine malloc settings"
+    )
+    parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    as_engine_process()
     torch.manual_seed(0)
     pairs = questions(args.prompts)
     prompts_text, truths = [q for q, _ in pairs], [t for _, t in pairs]
+    if args.trl_child:
+        print(json.dumps(trl_steps(args, prompts_text, truths, args.steps)))
+        return
+    as_engine_process()
     sess_t = sess_steps(args, prompts_text, truths, args.steps)
-    # TRL runs on the in-process engine's thread, which sess used: one OpenMP team (see common.py)
-    trl_t = on_engine(
-        ServiceClient("inproc", home=args.home), trl_steps, args, prompts_text, truths, args.steps
-    )
-    s, t = statistics.median(sess_t), statistics.median(trl_t)
+    s = statistics.median(sess_t)
     table = Table(
         title=f"one GRPO step: {args.model}, {args.prompts} prompts x {args.group}, {args.completion} tokens, LoRA r{args.rank}"
     )
-    for col in ("", "median step s", "steps timed"):
+    for col in ("", "median step s", "steps timed", "sess / this"):
         table.add_column(col)
-    table.add_row("sess", f"{s:.1f}", str(len(sess_t)))
-    table.add_row("TRL GRPOTrainer", f"{t:.1f}", str(len(trl_t)))
-    table.add_row("ratio sess / TRL", f"{s / t:.2f}", "")
+    table.add_row("sess (engine malloc settings)", f"{s:.1f}", str(len(sess_t)), "")
+    for settings in filter(None, args.trl.split(",")):
+        trl_t = trl_in_child(args, settings)
+        t = statistics.median(trl_t)
+        table.add_row(TRL_SETTINGS[settings], f"{t:.1f}", str(len(trl_t)), f"{s / t:.2f}")
     Console().print(table)
 
 
