@@ -11,7 +11,8 @@ and the median is reported. Needs `pip install trl` (not a dependency of sess).
 
 sess runs in this process, with the malloc settings of an engine process (engine/memory.py). TRL
 runs in a process of its own, once as users run it (glibc's default malloc) and once with the same
-settings as sess, so the table shows how much of the gap is the allocator.
+settings as sess, so the table shows how much of the gap is the allocator; ``--trl inprocess`` runs it
+in this process on the engine's thread instead.
 
     python benchmarks/grpo_vs_trl.py
     python benchmarks/grpo_vs_trl.py --model tiny-llama --steps 2
@@ -39,7 +40,7 @@ from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceCl
 from sess.engine.memory import ENGINE_MALLOC, engine_env  # noqa: E402
 from sess.engine.models import load_model, lora_targets, prepare  # noqa: E402
 
-from common import as_engine_process  # noqa: E402
+from common import as_engine_process, on_engine  # noqa: E402
 
 
 def questions(n: int) -> list[tuple[str, int]]:
@@ -179,6 +180,7 @@ def _question(prompt) -> str:
 TRL_SETTINGS = {
     "default": "TRL GRPOTrainer (default malloc, as users run it)",
     "engine": "TRL GRPOTrainer (with the engine's malloc settings)",
+    "inprocess": "TRL GRPOTrainer (in this process, on the engine's thread)",
 }
 
 
@@ -209,7 +211,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side (after one warm-up)")
     parser.add_argument("--home", default=None)
     parser.add_argument(
-        "--trl", default="default,engine", help="TRL runs: default and/or engine malloc settings"
+        "--trl",
+        default="default,engine",
+        help="TRL runs, comma-separated: default (own process, default malloc), engine (own process, "
+        "the engine's malloc settings), inprocess (this process, on the engine's thread)",
     )
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -229,7 +234,12 @@ def main() -> None:
         table.add_column(col)
     table.add_row("sess (engine malloc settings)", f"{s:.1f}", str(len(sess_t)), "")
     for settings in filter(None, args.trl.split(",")):
-        trl_t = trl_in_child(args, settings)
+        if settings == "inprocess":  # the engine's thread (one OpenMP team, see common.py) and heap
+            svc = ServiceClient("inproc", home=args.home)
+            trl_t = on_engine(svc, trl_steps, args, prompts_text, truths, args.steps)
+            svc.close()
+        else:
+            trl_t = trl_in_child(args, settings)
         t = statistics.median(trl_t)
         table.add_row(TRL_SETTINGS[settings], f"{t:.1f}", str(len(trl_t)), f"{s / t:.2f}")
     Console().print(table)

@@ -36,8 +36,8 @@ from .invariant import (
 from .lora_rows import Groups
 
 ARCHITECTURES = ("llama", "qwen3")
-# projections that read the same input share one LoRA A matmul
 PACK_FROM = 1024  # LoRA B matrices with this many outputs or more go through oneDNN, prepacked
+# projections that read the same input share one LoRA A matmul
 BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -121,11 +121,9 @@ class LlamaDecoder:
         Rebuilt when any of the adapter's weights changed (a training session's after optim_step)."""
         cached = self._plans.get(adapter)
         if cached is not None and all(adapter in m.lora_A for m in cached[0]):
-            modules = cached[0]
-            if _versions(modules, adapter) == cached[1]:
+            if _versions(cached[0], adapter) == cached[1]:
                 return cached[2]
-        else:
-            modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
+        modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
         plan = []
         for layer in model.model.layers:
             parents = (layer.self_attn, layer.self_attn, layer.mlp, layer.mlp)

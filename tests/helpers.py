@@ -33,6 +33,15 @@ def train_steps(tc, texts: list[str], learning_rate: float, steps: int = 1) -> N
     done.result()
 
 
+def forward_logprobs(tc, prompt: list[int], tokens: list[int]) -> list[float]:
+    """``forward``'s logprobs of ``tokens`` after ``prompt`` under ``tc``'s current weights."""
+    full = prompt + tokens
+    datum = Datum(
+        ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}
+    )
+    return tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+
+
 def ce_datum(tokens: list[int]) -> Datum:
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),

@@ -6,7 +6,7 @@ import pytest
 
 from sess.engine import SamplingParams
 
-from helpers import SENTENCES, train_steps
+from helpers import SENTENCES, forward_logprobs, train_steps
 
 
 @pytest.mark.parametrize(
@@ -74,3 +74,20 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
 
 def test_other_architectures_keep_the_module_path(runtime):
     assert runtime.host("tiny-gpt-oss").decoder is None
+
+
+def test_a_live_sampler_follows_its_session_through_training(svc):
+    """The lean step keeps each adapter's LoRA terms prepared between steps; after optim_step
+    changes a live session's weights, its sampler must use the new ones."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=7)
+    tok = tc.get_tokenizer()
+    train_steps(tc, [SENTENCES[0]], 5e-2)
+    sc, prompt = tc.create_sampling_client(), tok.encode("Numbers:")
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    before = sc.sample(prompt, sampling_params=params).result().sequences[0]
+    train_steps(tc, [SENTENCES[1]], 5e-2, steps=2)
+    after = sc.sample(prompt, sampling_params=params).result().sequences[0]
+    expected = forward_logprobs(tc, prompt, after.tokens)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, expected)) < 1e-4
+    assert after.logprobs != before.logprobs
+    tc.stop()

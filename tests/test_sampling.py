@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sess.engine import Datum, ModelInput, SamplingParams
+from sess.engine import SamplingParams
 
-from helpers import SENTENCES, train_steps
+from helpers import SENTENCES, forward_logprobs, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +20,6 @@ def trained(svc):
     tc.stop()
 
 
-def _forward_logprobs(tc, prompt, tokens):
-    full = prompt + tokens
-    datum = Datum(
-        ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}
-    )
-    return tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
-
-
 @pytest.mark.parametrize("source", ["checkpoint", "live"])
 def test_sample_logprobs_equal_forward(trained, source):
     tc, prompt = trained
@@ -39,7 +31,7 @@ def test_sample_logprobs_equal_forward(trained, source):
     worst = 0.0
     for seq in result.sequences:
         assert len(seq.tokens) == len(seq.logprobs) > 0
-        expected = _forward_logprobs(tc, prompt, seq.tokens)
+        expected = forward_logprobs(tc, prompt, seq.tokens)
         worst = max(worst, max(abs(a - b) for a, b in zip(seq.logprobs, expected)))
         computed = sc.compute_logprobs(prompt + seq.tokens).result()
         assert computed[0] is None
@@ -180,7 +172,7 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
     for i, result in enumerate(results):
         tc, prompt = sessions[i // 2], prompts[i % 2]
         for seq in result.sequences:
-            expected = _forward_logprobs(tc, prompt, seq.tokens)
+            expected = forward_logprobs(tc, prompt, seq.tokens)
             assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
     # the same seed and prompt on different adapters draws from different distributions
     assert results[0].sequences[0].logprobs != results[2].sequences[0].logprobs
