@@ -3,10 +3,11 @@
 A request joins between decode steps: waiting prompts are prefilled together (each once, however
 many samples it asks for), the first token of each of its ``num_samples`` rows is drawn from that
 prefill, and each row gets a cache row holding its prompt's KV. Rows carry their own position ids,
-adapter (peft mixed-adapter batches: each row runs through its own LoRA weights) and sampling
-settings, and leave the batch the step they finish. The KV cache lives in preallocated buffers
-[rows, heads, capacity, dim] in which each row's entries start at column 0 and its new token is
-written at its own position, so a decode step copies nothing that grows with length.
+adapter (each row runs through its own LoRA weights) and sampling settings, and leave the batch the
+step they finish. The KV cache lives in preallocated buffers [blocks, rows, heads, 64, dim] in which
+each row's entries start at column 0 and its new token is written at its own position, so a decode
+step copies nothing that grows with length. A decode step runs through the host's lean step where
+it has one (llama-family models, :mod:`.llama_decode`) and through the model's modules otherwise.
 
 Every row's arithmetic is independent of the other rows in the batch (see :mod:`.invariant`), so a
 seeded request returns the same tokens and bit-identical logprobs however requests happen to meet.
