@@ -181,7 +181,7 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
         a = module.lora_A[adapter].weight
         a_parts.append(a)
         b, scaling = module.lora_B[adapter].weight, float(module.scaling[adapter])
-        packed = b.shape[0] >= PACK_FROM and onednn_available()
+        packed = b.is_cpu and b.shape[0] >= PACK_FROM and onednn_available()
         if packed:  # oneDNN is faster than the BLAS for these; scaling goes into the copy
             b = pack_weight(b.detach() * scaling)
         parts.append((name, b, scaling, slice(start, start + a.shape[0]), packed))
@@ -193,7 +193,7 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
 def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
     part = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-    padded, count = pad_rows(part, row_padding("cpu"))
+    padded, count = pad_rows(part, row_padding(part.device.type))
     low = F.linear(padded, terms.a)  # [padded rows, sum of ranks]
     for name, b, scaling, columns, packed in terms.parts:
         out = outs[names.index(name)]
