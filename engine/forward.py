@@ -100,18 +100,9 @@ def chunks(datums: list[Datum], token_budget: int) -> list[list[int]]:
 def token_logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> list[torch.Tensor]:
     """log p(target_i | input_0..i) for each datum, right-padded into one batch."""
     device = next(model.parameters()).device
-    lengths = [d.model_input.length for d in datums]
-    width = max(lengths)
-    ids = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    mask = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    tgt = torch.zeros(len(datums), width, dtype=torch.long, device=device)
-    for row, (datum, target) in enumerate(zip(datums, targets)):
-        ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints(), device=device)
-        mask[row, : lengths[row]] = 1
-        tgt[row, : lengths[row]] = target.to(device=device, dtype=torch.long)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return [lp[row, :n] for row, n in enumerate(lengths)]
+    ids, mask, tgt = _right_padded([d.model_input.to_ints() for d in datums], targets, device)
+    lp = _chosen_logprobs(model(input_ids=ids, attention_mask=mask).logits.float(), tgt)
+    return [lp[row, : d.model_input.length] for row, d in enumerate(datums)]
 
 
 def shared_prefix_logprobs(
@@ -123,13 +114,8 @@ def shared_prefix_logprobs(
     members; then all suffixes run as one batch attending to their own prefix. Returns each
     group's list of per-datum logprobs."""
     device = next(model.parameters()).device
-    widths = [shared for _, _, shared in groups]
-    prefix_width = max(widths)
-    prefix_ids = torch.zeros(len(groups), prefix_width, dtype=torch.long, device=device)
-    prefix_mask = torch.zeros(len(groups), prefix_width, dtype=torch.long, device=device)
-    for g, (datums, _, shared) in enumerate(groups):
-        prefix_ids[g, :shared] = torch.tensor(datums[0].model_input.to_ints()[:shared], device=device)
-        prefix_mask[g, :shared] = 1
+    prefixes = [datums[0].model_input.to_ints()[:shared] for datums, _, shared in groups]
+    prefix_ids, prefix_mask, _ = _right_padded(prefixes, None, device)
     out = model(
         input_ids=prefix_ids,
         attention_mask=prefix_mask,
@@ -142,32 +128,47 @@ def shared_prefix_logprobs(
     cache = out.cache
     cache.batch_select_indices(torch.tensor(owner, device=device))  # repeat each prefix for its members
     members = [(d, t, shared) for datums, targets, shared in groups for d, t in zip(datums, targets)]
-    lengths = [d.model_input.length - shared for d, _, shared in members]
-    width = max(lengths)
-    ids = torch.zeros(len(members), width, dtype=torch.long, device=device)
-    suffix_mask = torch.zeros(len(members), width, dtype=torch.long, device=device)
-    tgt = torch.zeros(len(members), width, dtype=torch.long, device=device)
-    for row, (datum, target, shared) in enumerate(members):
-        ids[row, : lengths[row]] = torch.tensor(datum.model_input.to_ints()[shared:], device=device)
-        suffix_mask[row, : lengths[row]] = 1
-        tgt[row, : lengths[row]] = target[shared:].to(device=device, dtype=torch.long)
+    ids, suffix_mask, tgt = _right_padded(
+        [d.model_input.to_ints()[shared:] for d, _, shared in members],
+        [t[shared:] for _, t, shared in members],
+        device,
+    )
     mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1)
     starts = torch.tensor([shared for _, _, shared in members], device=device)
-    positions = starts[:, None] + torch.arange(width, device=device)[None, :]
+    positions = starts[:, None] + torch.arange(ids.shape[1], device=device)[None, :]
     logits = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
     ).logits.float()
-    suffix_lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    suffix_lp = _chosen_logprobs(logits, tgt)
     result: list[list[torch.Tensor]] = [[] for _ in groups]
-    for row, (_, target, shared) in enumerate(members):
+    for row, (datum, target, shared) in enumerate(members):
         g = owner[row]
         head = (
             prefix_logits[g, :shared]
             .gather(-1, target[:shared, None].to(device=device, dtype=torch.long))
             .squeeze(-1)
         )
-        result[g].append(torch.cat([head - prefix_logz[g, :shared], suffix_lp[row, : lengths[row]]]))
+        suffix = suffix_lp[row, : datum.model_input.length - shared]
+        result[g].append(torch.cat([head - prefix_logz[g, :shared], suffix]))
     return result
+
+
+def _right_padded(rows: list[list[int]], targets: list[torch.Tensor] | None, device):
+    """Token ids, attention mask and (with ``targets``) target ids of ``rows``, right-padded."""
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    tgt = None if targets is None else torch.zeros_like(ids)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens, device=device)
+        mask[row, : len(tokens)] = 1
+        if tgt is not None:
+            tgt[row, : len(tokens)] = targets[row].to(device=device, dtype=torch.long)
+    return ids, mask, tgt
+
+
+def _chosen_logprobs(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """log-softmax of ``logits`` at the target ids ``tgt``."""
+    return logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def prompt_logprobs(model, prompt: list[int], topk: int | None):
