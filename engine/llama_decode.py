@@ -33,7 +33,7 @@ from .invariant import (
     pad_rows,
     row_padding,
 )
-from .lora_rows import Groups
+from .lora_rows import Groups, add_to_rows, take_rows
 
 ARCHITECTURES = ("llama", "qwen3")
 PACK_FROM = 1024  # LoRA B matrices with this many outputs or more go through oneDNN, prepacked
@@ -192,7 +192,7 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
 
 def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
-    part = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+    part = take_rows(x, rows)
     padded, count = pad_rows(part, row_padding(part.device.type))
     low = F.linear(padded, terms.a)  # [padded rows, sum of ranks]
     for name, b, scaling, columns, packed in terms.parts:
@@ -201,10 +201,7 @@ def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
             delta = packed_linear(low[:count, columns].contiguous(), b)
         else:
             delta = F.linear((low[:, columns] * scaling).contiguous(), b)[:count]
-        if isinstance(rows, slice):
-            out[rows].add_(delta)
-        else:
-            out.index_add_(0, rows, delta)
+        add_to_rows(out, rows, delta)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,19 @@ def grouped_rows(groups: Groups) -> Iterator[None]:
         _CURRENT.groups = before
 
 
+def take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` of ``x`` (a view for a slice)."""
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def add_to_rows(out: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> None:
+    """``out[rows] += delta``, in place, without writing the slice back."""
+    if isinstance(rows, slice):
+        out[rows].add_(delta)
+    else:
+        out.index_add_(0, rows, delta)
+
+
 _peft_forward = LoraLinear.forward
 
 
@@ -69,14 +82,9 @@ def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor
     for adapter, rows in groups:
         if adapter is None or adapter not in self.lora_A:
             continue
-        part = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-        part = part.to(self.lora_A[adapter].weight.dtype)
+        part = take_rows(x, rows).to(self.lora_A[adapter].weight.dtype)
         delta = self.lora_B[adapter](self.lora_A[adapter](self.lora_dropout[adapter](part)))
-        delta = (delta * self.scaling[adapter]).to(result.dtype)
-        if isinstance(rows, slice):
-            result[rows] += delta
-        else:
-            result.index_add_(0, rows, delta)
+        add_to_rows(result, rows, (delta * self.scaling[adapter]).to(result.dtype))
     return result
 
 
