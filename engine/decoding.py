@@ -179,13 +179,10 @@ class DecodeBatch:
     whose request has stop strings. ``generated`` holds each row's tokens right-aligned: a row that
     joined ``steps[r]`` steps ago owns the last ``steps[r]`` columns."""
 
-    def __init__(
-        self, model_for: Callable, num_layers: int, merging: bool, fast_step: Callable | None = None
-    ):
+    def __init__(self, model_for: Callable, merging: bool, fast_step: Callable | None = None):
         self.model_for = model_for  # adapters of the rows -> context manager of (model, extra forward kwargs)
         # (adapters, tokens, positions, cache) -> logits of a decode step, or None: use the modules
         self.fast_step = fast_step
-        self.num_layers = num_layers
         self.merging = merging
         self.waiting: list[SampleJob] = []
         self._clear()

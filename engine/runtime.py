@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints as ckpt
-from .decoding import DecodeBatch, SampleJob, supports_merging
+from .decoding import DecodeBatch, SampleJob
 from .forward import plan, prompt_logprobs, shared_prefix_logprobs, token_logprobs
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
@@ -412,9 +412,7 @@ class Runtime(CheckpointOps):
 
     def _batch(self, host: BaseHost) -> DecodeBatch:
         if host.name not in self.batches:
-            merging = supports_merging(host.model)
-            layers = host.model.config.get_text_config(decoder=True).num_hidden_layers
-            self.batches[host.name] = DecodeBatch(host.rows_model, layers, merging, host.decode_step)
+            self.batches[host.name] = DecodeBatch(host.rows_model, host.shares_prefixes, host.decode_step)
             host.pinned = self.batches[host.name].adapters_in_use
         return self.batches[host.name]
 

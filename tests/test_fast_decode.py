@@ -39,7 +39,7 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
     ]
 
     def run(fast_step):
-        batch = DecodeBatch(host.rows_model, host.model.config.num_hidden_layers, True, fast_step)
+        batch = DecodeBatch(host.rows_model, True, fast_step)
         results = {}
         for i, (prompt, samples, adapter) in enumerate(requests):
             batch.submit(

@@ -202,7 +202,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
     def run(plan):
-        batch = DecodeBatch(host.rows_model, host.model.config.num_hidden_layers, True, fast)
+        batch = DecodeBatch(host.rows_model, True, fast)
         results, step = {}, 0
         while plan or batch.active:
             for item in [p for p in plan if p[0] == step]:
