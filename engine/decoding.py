@@ -107,17 +107,18 @@ class WriteStep:
         self.blocks = self.last // BLOCK + 1
         self.rows = torch.arange(positions.shape[0], device=positions.device)
         self.block, self.column = positions // BLOCK, positions % BLOCK
-        self.positions = positions
+        self.layout = Layout(positions=positions)  # for attention: its mask bias is made once
 
 
 class SlotCache(DynamicCache):
     def __init__(self, layers: list[SlotLayer]):
         Cache.__init__(self, layers=layers)
 
-    def set_positions(self, positions: torch.Tensor) -> None:
+    def set_positions(self, positions: torch.Tensor) -> WriteStep:
         step = WriteStep(positions)
         for layer in self.layers:
             layer.step = step
+        return step
 
 
 def supports_merging(model: torch.nn.Module) -> bool:
@@ -344,13 +345,13 @@ class DecodeBatch:
             return
         logits = None
         if self.merging:
-            self.cache.set_positions(self.positions)
+            step = self.cache.set_positions(self.positions)
             if self.fast_step is not None:
                 logits = self.fast_step(self.adapters, self.last, self.positions, self.cache)
         if logits is None:
             with self.model_for(self.adapters) as (model, extra), invariant_rows():
                 if self.merging:
-                    extra = {**extra, "sess_layout": Layout(positions=self.positions)}
+                    extra = {**extra, "sess_layout": step.layout}
                 out = model(
                     input_ids=self.last[:, None],
                     position_ids=self.positions[:, None],

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from .invariant import (
     decode_attention,
-    decode_bias,
     onednn_available,
     pack_weight,
     packed_linear,
@@ -89,7 +88,7 @@ class LlamaDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
         q_cos, q_sin = cos * self.scaling, sin * self.scaling  # queries leave the rotation scaled
         step = cache.layers[0].step
-        bias = decode_bias(step.positions, step.blocks, self.kv_heads)
+        bias = step.layout.decode_bias(step.blocks, self.kv_heads)
         for index, layer in enumerate(inner.layers):
             lora = [(rows, plan[index]) for rows, plan in plans]
             attn, mlp = layer.self_attn, layer.mlp
