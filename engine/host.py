@@ -55,10 +55,9 @@ class BaseHost:
             self.model.set_attn_implementation(ATTENTION)
         make_linears_invariant(self.model, frozen=True)
         self._checkpoint_counter = 0
-        self.linear_lora = True  # every LoRA layer is a Linear: mixed batches go by row groups
         # the sampler's lean decode step (llama family, plain LoRA); None: the module path only
         self.decoder = LlamaDecoder.for_model(self.model) if self.shares_prefixes else None
-        self.plain_lora = True
+        self._adapters_changed()
 
     # adapters -----------------------------------------------------------------------------------
     def lora_config(
@@ -79,9 +78,15 @@ class BaseHost:
                 self.peft.add_adapter(adapter, config)
         self.peft.eval()  # new LoRA modules start in training mode; dropout is 0 but peft checks the flag
         make_linears_invariant(self.peft)  # the new LoRA layers
-        self.linear_lora = only_linear_lora(self.peft)
-        self.plain_lora = supports_adapters(self.peft)
+        self._adapters_changed()
         self.peft.base_model_name_or_path = str(self.path)
+
+    def _adapters_changed(self) -> None:
+        """What kinds of LoRA layers the live adapters have: it picks the sampler's decode path.
+        ``linear_lora``: all are ``Linear`` (mixed batches go by row groups); ``plain_lora``: and no
+        variant such as DoRA (the lean step applies)."""
+        self.linear_lora = self.peft is None or only_linear_lora(self.peft)
+        self.plain_lora = self.peft is None or supports_adapters(self.peft)
 
     def remove_adapter(self, adapter: str) -> None:
         if self.peft is None or adapter not in self.peft.peft_config:
@@ -91,11 +96,12 @@ class BaseHost:
             self.model = self.peft.unload()
             self.peft = None
             self.checkpoint_adapters.clear()
-            return
-        if self.peft.active_adapter == adapter:
-            other = next(a for a in self.peft.peft_config if a != adapter)
-            self.peft.set_adapter(other)
-        self.peft.delete_adapter(adapter)
+        else:
+            if self.peft.active_adapter == adapter:
+                other = next(a for a in self.peft.peft_config if a != adapter)
+                self.peft.set_adapter(other)
+            self.peft.delete_adapter(adapter)
+        self._adapters_changed()
 
     def adapter_params(self, adapter: str) -> dict[str, torch.nn.Parameter]:
         marker = f".{adapter}."
