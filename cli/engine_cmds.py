@@ -34,7 +34,7 @@ def up(
 ) -> None:
     """Start the engine server (in the foreground unless --detach)."""
     from sess.engine.keys import KeyStore
-    from sess.engine.local import engine_info, start_engine
+    from sess.engine.local import engine_info, server_command, start_engine
     from sess.engine.memory import engine_env
     from sess.engine.paths import sess_home
     from sess.engine.server import is_loopback, serve
@@ -57,9 +57,7 @@ def up(
         return
     env = engine_env()
     if env != dict(os.environ):  # malloc settings are read at process start: run the server afresh
-        command = [sys.executable, "-m", "sess.engine.server", "--home", str(home_path), "--host", host]
-        command += ["--port", str(port), "--device", device, *extra]
-        os.execve(sys.executable, command, env)
+        os.execve(sys.executable, server_command(home_path, host, port, device, extra), env)
     serve(home_path, host, port, device, idle_timeout, max_sessions)
 
 

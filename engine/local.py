@@ -64,6 +64,14 @@ def _start_lock(home: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def server_command(
+    home: Path, host: str, port: int, device: str, extra_args: list[str] | None = None
+) -> list[str]:
+    """The command line of an engine server process."""
+    command = [sys.executable, "-m", "sess.engine.server", "--home", str(home), "--host", host]
+    return command + ["--port", str(port), "--device", device, *(extra_args or [])]
+
+
 def start_engine(
     home: str | os.PathLike | None = None,
     *,
@@ -76,8 +84,7 @@ def start_engine(
     """Start an engine process for ``home`` in the background and wait until it answers."""
     home = sess_home(home)
     (home / ENGINE_FILE).unlink(missing_ok=True)
-    command = [sys.executable, "-m", "sess.engine.server", "--home", str(home), "--host", host]
-    command += ["--port", str(port), "--device", device, *(extra_args or [])]
+    command = server_command(home, host, port, device, extra_args)
     with open(home / LOG_FILE, "ab") as log:
         process = subprocess.Popen(
             command,
