@@ -8,7 +8,12 @@ prompts, num_samples, max_tokens and temperature:
 3. adapters: 8 concurrent requests from 4 sessions with different adapters vs the same requests
    served one at a time;
 4. prefill sharing: a long prompt sampled with num_samples=1 and num_samples=K (1 new token each),
-   for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens.
+   for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens;
+5. the matmul floor: the time of one decode step's base-model linear layers alone (P x K rows,
+   fp32, oneDNN with prepacked weights, every layer in model order, so each weight streams from
+   memory as in a real step), as the tokens/s of a sampler that did nothing else and its ratio to
+   HF. No fp32 sampler on this machine can beat that ratio; the gap between it and sess is what
+   attention, LoRA, norms, token selection and overhead cost.
 
     python benchmarks/sampling.py                      # smollm2-135m, the acceptance setting
     python benchmarks/sampling.py --model tiny-llama   # a quick check
@@ -28,6 +33,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
+from sess.engine.invariant import InvariantLinear, invariant_rows  # noqa: E402
 
 from common import as_engine_process, on_engine  # noqa: E402
 
@@ -97,6 +103,22 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
     return count, elapsed
 
 
+def matmul_floor(model, rows: int, repeats: int = 7) -> float:
+    """Median seconds for one pass of ``model``'s frozen base linear layers over ``rows`` rows, as
+    a decode step runs them (inside :func:`invariant_rows`: oneDNN, prepacked weights)."""
+    layers = [m for m in model.modules() if isinstance(m, InvariantLinear) and m.frozen]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(rows, n, generator=gen) for n in {m.in_features for m in layers}}
+    times = []
+    with torch.no_grad(), invariant_rows():
+        for _ in range(repeats + 1):  # the first pass packs any weight not yet packed
+            start = time.perf_counter()
+            for m in layers:
+                m(inputs[m.in_features])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,6 +159,7 @@ def main() -> None:
     for col in ("case", "sess tok/s", "baseline tok/s", "ratio"):
         table.add_column(col)
     figures = {}
+    notes: list[str] = []
 
     def hf(prompts_, k, max_tokens=args.max_tokens, temperature=args.temperature):
         def run():
@@ -154,6 +177,19 @@ def main() -> None:
             f"{n_sess / t_sess:.1f}",
             f"{n_hf / t_hf:.1f} (HF generate)",
             f"{figures['batch']:.2f}x",
+        )
+        rows = args.prompts * args.samples
+        floor = on_engine(svc, matmul_floor, host.model, rows)
+        table.add_row(
+            f"matmul floor: base linears only, {rows} rows ({floor * 1e3:.1f} ms/step)",
+            f"{rows / floor:.1f}",
+            f"{n_hf / t_hf:.1f} (HF generate)",
+            f"{(rows / floor) / (n_hf / t_hf):.2f}x",
+        )
+        notes.append(
+            f"{3 * n_hf / t_hf:.0f} tok/s (3x HF) leaves {rows / (3 * n_hf / t_hf) * 1e3:.1f} ms per "
+            f"{rows}-row step, its share of the prefill included; the base model's matmuls alone "
+            f"take {floor * 1e3:.1f} ms of it; sess takes {t_sess / n_sess * rows * 1e3:.1f} ms per {rows} tokens."
         )
     if "latency" not in skip:
         n_sess, t_sess = sess_batch(sc, prompts[:1], 1, params)
@@ -208,6 +244,8 @@ def main() -> None:
             f"recorded prefill {recorded:.0f} tokens/request",
         )
     console.print(table)
+    for note in notes:
+        console.print(note)
     for tc in sessions:
         tc.stop()
     svc.close()
