@@ -40,7 +40,10 @@ def plan(
         groups, members, common = [], [order[0]], len(tokens[order[0]])
         for i in order[1:]:
             shared = min(common, _common_prefix(tokens[members[0]], tokens[i]))
-            if shared >= MIN_SHARED:
+            # Joining cuts the group's prefix to ``shared`` for all its members: worth it only if
+            # that recomputes fewer tokens than it saves (``n * shared > (n - 1) * common``), so
+            # prompts that begin with the same system message stay groups of their own.
+            if shared >= MIN_SHARED and len(members) * shared > (len(members) - 1) * common:
                 members.append(i)
                 common = shared
             else:

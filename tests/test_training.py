@@ -221,10 +221,14 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
     train_steps(tc, SENTENCES, 1e-2)
     model = reference_model(runtime, tc.name)
     rng = np.random.default_rng(1)
+    # both prompts begin with the same long system line, as chat templates make them
+    system = "System: you are a careful assistant; answer briefly, show no working, end with a period.\n"
     prompts = [
-        tok.encode("Question: a farmer has twelve cows and buys thirty more; how many cows now? Answer:"),
-        tok.encode("Question: what is the capital city of France, and why is it famous? Answer:"),
+        tok.encode(system + "Question: a farmer has twelve cows and buys thirty more; how many now? Answer:"),
+        tok.encode(system + "Question: what is the capital city of France, and why is it famous? Answer:"),
     ]
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert common >= 16  # long enough to share, so the plan must choose not to merge the prompts
     completions = [" 42 cows.", " Forty-two.", " He has 42 cows in all.", " 12 + 30 = 42", " Paris, for art."]
     data = []
     for prompt in prompts:
@@ -243,6 +247,9 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
             data.append(d)
     batches = plan(data, len(tok), share_prefixes=True)
     assert [sorted(len(idx) for idx, _ in groups) for _, groups in batches] == [[5, 5]]  # both in one pass
+    # each group shares its whole prompt, not just the system line both prompts begin with
+    shared = sorted(shared for _, groups in batches for _, shared in groups)
+    assert all(s >= len(p) for s, p in zip(shared, sorted(prompts, key=len))), shared
     for name, config in [("ppo", None), ("cross_entropy", None), ("dro", {"beta": 1.0})]:
         out, got, total, expected = _engine_and_reference(tc, runtime, model, data, name, config)
         scale = max(1.0, max(float(g.abs().max()) for g in expected.values()))  # fp32 sums of ~250 tokens
