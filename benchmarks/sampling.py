@@ -12,8 +12,8 @@ prompts, num_samples, max_tokens and temperature:
 5. the matmul floor: the time of one decode step's base-model linear layers alone (P x K rows,
    fp32, oneDNN with prepacked weights, every layer in model order, so each weight streams from
    memory as in a real step), as the tokens/s of a sampler that did nothing else and its ratio to
-   HF. No fp32 sampler on this machine can beat that ratio; the gap between it and sess is what
-   attention, LoRA, norms, token selection and overhead cost.
+   HF. No fp32 sampler on these kernels, which run near this CPU's fp32 peak, can beat that ratio;
+   the gap between it and sess is what attention, LoRA, norms, token selection and overhead cost.
 
     python benchmarks/sampling.py                      # smollm2-135m, the acceptance setting
     python benchmarks/sampling.py --model tiny-llama   # a quick check

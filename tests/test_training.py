@@ -213,6 +213,31 @@ def test_token_list_data_means_cross_entropy(tc):
     assert tc.forward([ModelInput.from_ints(ids)]).result().metrics["loss:sum"] == a
 
 
+@pytest.mark.parametrize(
+    "system, own, groups",
+    [
+        (20, 30, 2),  # a short common system line: each prompt keeps its own 50-token prefix
+        (200, 3, 1),  # a long common system prompt, short questions: sharing it across prompts wins
+    ],
+)
+def test_plan_groups_completions_where_sharing_saves_positions(system, own, groups):
+    from sess.engine.forward import plan
+
+    rng = np.random.default_rng(0)
+    head = list(rng.integers(10, 1000, system))
+    data = []
+    for prompt in range(2):
+        question = [2000 + prompt] + list(rng.integers(10, 1000, own - 1))
+        for _ in range(4):
+            tokens = head + question + list(rng.integers(10, 1000, 12))
+            data.append(Datum(ModelInput.from_ints(tokens), {"target_tokens": np.array(tokens)}))
+    (batch,) = plan(data, 1000, share_prefixes=True)
+    assert batch[0] == [] and len(batch[1]) == groups
+    assert sorted(i for members, _ in batch[1] for i in members) == list(range(8))
+    # every group shares at least what its members have in common up to their prompt
+    assert all(shared >= (system + own if groups == 2 else system) for _, shared in batch[1])
+
+
 def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, runtime):
     """RL batches (G completions of a prompt) run the prompt once; numbers stay those of plain torch."""
     from sess.engine.forward import plan
