@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .invariant import BLOCK, Layout, invariant_rows
-from .sampler import StopChecker, choose_tokens, row_keys, uniforms
+from .sampler import StopChecker, choose_tokens, chosen_logprobs, row_keys, uniforms
 from .types import SampledSequence, SamplingParams
 
 
@@ -311,7 +311,7 @@ class DecodeBatch:
         draws = uniforms(new["keys"], new["steps"] - 1)
         new["last"] = choose_tokens(first, new["temperature"], new["top_k"], new["top_p"], draws)
         new["generated"] = new["last"][:, None]
-        new["generated_lp"] = first.log_softmax(-1).gather(-1, new["last"][:, None])
+        new["generated_lp"] = chosen_logprobs(first, new["last"])[:, None]
         if self.rows == 0:
             self.cache = cache
             for name, value in new.items():
@@ -366,8 +366,7 @@ class DecodeBatch:
             logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
         )
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
-        chosen = logits.log_softmax(-1).gather(-1, token[:, None])
-        self.generated_lp = torch.cat([self.generated_lp, chosen], dim=1)
+        self.generated_lp = torch.cat([self.generated_lp, chosen_logprobs(logits, token)[:, None]], dim=1)
         self.positions += 1
         self.steps += 1
         self.last = token

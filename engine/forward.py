@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from .decoding import prompt_logprobs_from
+from .sampler import chosen_logprobs
 from .types import Datum
 
 LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on long batches
@@ -104,7 +105,7 @@ def token_logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> l
     """log p(target_i | input_0..i) for each datum, right-padded into one batch."""
     device = next(model.parameters()).device
     ids, mask, tgt = _right_padded([d.model_input.to_ints() for d in datums], targets, device)
-    lp = _chosen_logprobs(model(input_ids=ids, attention_mask=mask).logits.float(), tgt)
+    lp = chosen_logprobs(model(input_ids=ids, attention_mask=mask).logits.float(), tgt)
     return [lp[row, : d.model_input.length] for row, d in enumerate(datums)]
 
 
@@ -142,7 +143,7 @@ def shared_prefix_logprobs(
     logits = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
     ).logits.float()
-    suffix_lp = _chosen_logprobs(logits, tgt)
+    suffix_lp = chosen_logprobs(logits, tgt)
     result: list[list[torch.Tensor]] = [[] for _ in groups]
     for row, (datum, target, shared) in enumerate(members):
         g = owner[row]
@@ -167,11 +168,6 @@ def _right_padded(rows: list[list[int]], targets: list[torch.Tensor] | None, dev
         if tgt is not None:
             tgt[row, : len(tokens)] = targets[row].to(device=device, dtype=torch.long)
     return ids, mask, tgt
-
-
-def _chosen_logprobs(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """log-softmax of ``logits`` at the target ids ``tgt``."""
-    return logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def prompt_logprobs(model, prompt: list[int], topk: int | None):

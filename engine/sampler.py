@@ -84,6 +84,12 @@ def choose_tokens(
     return torch.where(sampled_rows, token, logits.argmax(dim=-1))
 
 
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log-softmax of ``logits`` at the ids ``tokens`` (one per row of the last dimension), without
+    materialising the whole log-softmax. The sampler and ``forward`` both report logprobs with it."""
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 SPAN = 256  # inverse_cdf's tile width
 
 
