@@ -15,12 +15,11 @@ in-process engines of these scripts stand in for one.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from sess.engine.memory import engine_env
+from sess.engine.memory import exec_as_engine
 
 T = TypeVar("T")
 
@@ -34,6 +33,4 @@ def as_engine_process() -> None:
     """Run this script with the malloc settings of an engine process (engine/memory.py): glibc
     reads them at start, so the script starts again with them if they are missing. Baselines in
     the same process run with them too, which can only help them."""
-    env = engine_env()
-    if env != dict(os.environ):
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    exec_as_engine([sys.executable, *sys.argv])

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import typer
 from rich.console import Console
@@ -35,7 +33,7 @@ def up(
     """Start the engine server (in the foreground unless --detach)."""
     from sess.engine.keys import KeyStore
     from sess.engine.local import engine_info, server_command, start_engine
-    from sess.engine.memory import engine_env
+    from sess.engine.memory import exec_as_engine
     from sess.engine.paths import sess_home
     from sess.engine.server import is_loopback, serve
 
@@ -55,9 +53,7 @@ def up(
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
-    env = engine_env()
-    if env != dict(os.environ):  # malloc settings are read at process start: run the server afresh
-        os.execve(sys.executable, server_command(home_path, host, port, device, extra), env)
+    exec_as_engine(server_command(home_path, host, port, device, extra))  # malloc settings: memory.py
     serve(home_path, host, port, device, idle_timeout, max_sessions)
 
 

@@ -49,6 +49,14 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def exec_as_engine(argv: list[str]) -> None:
+    """Replace this process with ``argv`` (``argv[0]`` the program) under :func:`engine_env`, since
+    glibc reads the settings only at start; return at once if they are in effect already."""
+    env = engine_env()
+    if env != dict(os.environ):
+        os.execve(argv[0], argv, env)
+
+
 def keep_freed_memory() -> bool:
     """Apply the settings with ``mallopt`` in this process (once); whether glibc took them."""
     global _applied

@@ -58,3 +58,20 @@ def test_engine_process_starts_with_the_settings(http_engine):
     for key, value in ENGINE_MALLOC.items():
         assert f"{key}={value}".encode() in environ
 
+
+@linux
+def test_exec_as_engine_restarts_a_process_under_the_settings_once(tmp_path):
+    """What a foreground `sess engine up` and the benchmarks do: the program starts again with the
+    settings, and in a process that has them the call returns instead of starting it again."""
+    plain = {k: v for k, v in os.environ.items() if k not in ENGINE_MALLOC and k != "SESS_MALLOC"}
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys\n"
+        "from sess.engine.memory import exec_as_engine\n"
+        "print('start', flush=True)\n"
+        "exec_as_engine([sys.executable, *sys.argv])\n"
+        "print(os.environ['MALLOC_ARENA_MAX'], os.environ['MALLOC_MMAP_MAX_'])\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], env=plain, capture_output=True, text=True, check=True)
+    started = [ENGINE_MALLOC["MALLOC_ARENA_MAX"], ENGINE_MALLOC["MALLOC_MMAP_MAX_"]]
+    assert out.stdout.split() == ["start", "start", *started]  # once as given, once under the settings
