@@ -6,7 +6,12 @@ A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
 - ``weights``: a PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``) for sampling;
 - ``merged``: a transformers model directory with the adapter folded in (the adapter it came from
   is kept under ``adapter/``, so the engine can sample from it cheaply);
-- ``state``: the adapter plus AdamW moments (``optimizer.safetensors``) and ``state.json``.
+- ``state``: the adapter plus AdamW moments (``optimizer.safetensors``) and ``state.json``;
+- ``sampler``: a PEFT adapter like ``weights``, written by ``save_weights_and_get_sampling_client``
+  without a name. These are transient: the engine keeps each session's newest
+  :data:`KEEP_SAMPLERS` and deletes older ones that no running request uses, so an RL loop that
+  publishes a sampler every step does not fill the disk (``save_weights_for_sampler`` keeps its
+  ``weights`` for good).
 
 Every directory is written through :func:`sess.engine.paths.atomic_dir`; nothing is pickled.
 """
@@ -22,10 +27,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .paths import atomic_dir
+from .paths import atomic_dir, remove_dir
 from .types import InvalidRequest, NotFound
 
-KINDS = ("weights", "merged", "state")
+KINDS = ("weights", "merged", "state", "sampler")
+KEEP_SAMPLERS = 3  # transient sampler saves kept per session (the newest)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -152,3 +158,16 @@ def adapter_dir(ref: CheckpointRef, home: Path) -> Path:
     if not directory.exists():
         raise NotFound(f"checkpoint {ref.uri} not found")
     return directory / "adapter" if ref.kind == "merged" else directory
+
+
+def sampler_saves(session: str, home: Path) -> list[CheckpointRef]:
+    """A session's transient sampler saves on disk, oldest first."""
+    root = home / "checkpoints" / session / "sampler"
+    found = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")] if root.exists() else []
+    found.sort(key=lambda d: (d.stat().st_mtime_ns, d.name))
+    return [CheckpointRef(session, "sampler", d.name) for d in found]
+
+
+def remove(ref: CheckpointRef, home: Path) -> None:
+    """Delete a checkpoint's directory (renamed away first, so its path is gone at once)."""
+    remove_dir(ref.directory(home))

@@ -401,10 +401,23 @@ class TrainingClient:
         )
 
     def save_weights_and_get_sampling_client(
-        self, description: str = "", merge_weights: bool = False
+        self, description: str = "", merge_weights: bool = False, *, name: str | None = None
     ) -> SamplingClient:
-        path = self.save_weights_for_sampler(description, merge_weights).result().path
-        return SamplingClient(self.service, {"model_path": path}, self.base_model)
+        """Save the current weights and return a sampler of them (waits for the save).
+
+        Without ``name`` or ``merge_weights`` the save is transient, ``sess://<session>/sampler/...``:
+        the engine keeps the session's newest three such saves and deletes older ones no request is
+        sampling from, so a loop that publishes a sampler every step does not fill the disk. Give a
+        ``name`` (or use :meth:`save_weights_for_sampler`) to keep the weights."""
+        if name is None and not merge_weights:
+            future = self._ordered(
+                "save_weights",
+                {"name": None, "merge": False, "transient": True},
+                SaveWeightsResponse.from_wire,
+            )
+        else:
+            future = self.save_weights_for_sampler(description, merge_weights, name=name)
+        return SamplingClient(self.service, {"model_path": future.result().path}, self.base_model)
 
     def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
         """A sampler of ``model_path``, or (None) of this session's current weights as they change."""

@@ -177,6 +177,8 @@ class ManagedEngine(Engine):
             if op.error is None and op.name in ("save_weights", "save_state") and op.result:
                 ref = ckpt.parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
+                for released in op.result.get("released", []):
+                    self.registry.remove_checkpoint(released)
         counts = {}
         if op.usage is not None:
             counts = {k: v for k, v in op.usage.to_wire().items() if k not in ("wall_time_s", "operations")}

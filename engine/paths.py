@@ -82,3 +82,17 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_dir(path: str | os.PathLike) -> None:
+    """Remove a directory: rename it to a hidden name beside it, then delete that, so a reader never
+    finds a half-deleted directory under ``path``. A missing ``path`` is not an error."""
+    path = Path(path)
+    gone = path.with_name(f".{path.name}.removed")
+    shutil.rmtree(gone, ignore_errors=True)  # left by a removal that was cut short
+    try:
+        os.replace(path, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+    _fsync_dir(path.parent)

@@ -102,6 +102,9 @@ class Registry:
             "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)", (path, session, owner, kind, time.time())
         )
 
+    def remove_checkpoint(self, path: str) -> None:
+        self._run("DELETE FROM checkpoints WHERE path=?", (path,))
+
     def checkpoints(self, session: str) -> list[dict]:
         return [
             dict(r)

@@ -336,7 +336,17 @@ class Runtime(CheckpointOps):
             host = self.host(session.base_model)
             if ref.uri in host.checkpoint_adapters:
                 return host, host.checkpoint_adapters[ref.uri], session
-            state, config = ckpt.read_adapter(ckpt.adapter_dir(ref, self.home))
+            try:
+                directory = ckpt.adapter_dir(ref, self.home)
+            except NotFound:
+                if ref.kind != "sampler":
+                    raise
+                raise NotFound(
+                    f"model_path: {ref.uri} was a transient sampler save; the engine keeps a session's "
+                    f"newest {ckpt.KEEP_SAMPLERS} and deleted it. Keep weights with "
+                    "save_weights_for_sampler or save_weights_and_get_sampling_client(name=...)"
+                ) from None
+            state, config = ckpt.read_adapter(directory)
             return host, host.checkpoint_adapter(ref.uri, state, config), session
         if target.get("base_model"):
             return self.host(target["base_model"]), None, None

@@ -49,11 +49,27 @@ class CheckpointOps:
         name = ckpt.check_name(name, "name") if name else f"step{session.step:06d}-{session.saves:03d}"
         return ckpt.CheckpointRef(session.name, kind, name)
 
-    def save_weights(self, owner: str, session: str, name: str | None = None, merge: bool = False) -> dict:
+    def save_weights(
+        self,
+        owner: str,
+        session: str,
+        name: str | None = None,
+        merge: bool = False,
+        transient: bool = False,
+    ) -> dict:
+        """Save the session's adapter for sampling (``merge``: as a merged model too).
+
+        ``transient`` (unnamed, unmerged only): a ``sampler`` save, which the engine loads for
+        sampling at once and deletes once it is older than the session's newest
+        :data:`~.checkpoints.KEEP_SAMPLERS`; ``released`` lists the paths deleted now."""
         started = time.perf_counter()
+        if not isinstance(transient, bool):
+            raise InvalidRequest(f"transient: expected true or false, got {transient!r}")
+        if transient and (name is not None or merge):
+            raise InvalidRequest("transient: a transient sampler save takes no name and no merge")
         session = self.session(owner, session)
         host = self.hosts[session.base_model]
-        ref = self._ref(session, "merged" if merge else "weights", name)
+        ref = self._ref(session, "sampler" if transient else "merged" if merge else "weights", name)
         state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
         if merge:
             merged, untie = host.merged_state(session.adapter)
@@ -64,8 +80,26 @@ class CheckpointOps:
         else:
             ckpt.save_weights(ref, self.home, state, config)
         host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
+        result = {"path": ref.uri}
+        if transient:
+            host.checkpoint_adapter(ref.uri, state, config)  # its sampler needs no read from disk
+            result["released"] = self._release_samplers(session, host)
         self._account(session, started)
-        return {"path": ref.uri}
+        return result
+
+    def _release_samplers(self, session: Session, host) -> list[str]:
+        """Delete the session's transient sampler saves beyond the newest KEEP_SAMPLERS, except
+        those a running request samples from (they go at a later save)."""
+        in_use = host.pinned()
+        released = []
+        for ref in ckpt.sampler_saves(session.name, self.home)[: -ckpt.KEEP_SAMPLERS]:
+            adapter = host.checkpoint_adapters.get(ref.uri)
+            if adapter is not None and adapter in in_use:
+                continue
+            host.release_checkpoint(ref.uri)
+            ckpt.remove(ref, self.home)
+            released.append(ref.uri)
+        return released
 
     def save_state(self, owner: str, session: str, name: str | None = None) -> dict:
         started = time.perf_counter()

@@ -300,22 +300,23 @@ class SampleResponse:
 
 
 @dataclass
-class SaveWeightsResponse:
+class SaveStateResponse:
     path: str
 
     def to_wire(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, wire: dict) -> SaveWeightsResponse:
+    def from_wire(cls, wire: dict):
         return cls(**wire)
 
 
-class SaveStateResponse(SaveWeightsResponse):
-    pass
+@dataclass
+class SaveWeightsResponse(SaveStateResponse):
+    released: list[str] = field(default_factory=list)  # transient sampler saves deleted by this save
 
 
-class LoadStateResponse(SaveWeightsResponse):
+class LoadStateResponse(SaveStateResponse):
     pass
 
 

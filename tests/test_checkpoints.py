@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 import torch
@@ -10,10 +11,10 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from sess.engine import AdamParams
+from sess.engine import AdamParams, NotFound, SamplingParams
 from sess.engine.models import load_model
 
-from helpers import SENTENCES, ce_datum
+from helpers import SENTENCES, ce_datum, forward_logprobs, train_steps
 
 
 def _train(tc, steps=2, lr=2e-2):
@@ -123,3 +124,56 @@ def test_checkpoint_listing_and_no_partial_directories(svc, sess_home):
     assert [c["path"] for c in listed] == [f"sess://{tc.name}/weights/one", f"sess://{tc.name}/state/two"]
     leftovers = [p for p in (sess_home / "checkpoints" / tc.name).rglob(".*")]
     assert leftovers == []
+
+
+def test_transient_sampler_saves_keep_the_newest_three_and_serve_their_own_weights(svc, sess_home):
+    """save_weights_and_get_sampling_client without a name writes a `sampler` save; older ones than
+    the session's newest three are deleted (files, listing and registry), and a sampler of a deleted
+    one says so. Each sampler serves the weights of its own save, including those whose adapter
+    slot was reused from a deleted save."""
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=3) as tc:
+        tok = tc.get_tokenizer()
+        prompt = tok.encode("Question: what is 3 + 4? Answer:")
+        target = tok.encode(" seven")
+        samplers = []
+        for step in range(6):
+            train_steps(tc, SENTENCES, 2e-2)
+            samplers.append(tc.save_weights_and_get_sampling_client())
+            expected = forward_logprobs(tc, prompt, target)
+            got = samplers[-1].compute_logprobs(prompt + target).result()[len(prompt) :]
+            assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, f"save {step}"
+        named = tc.save_weights_and_get_sampling_client(name="kept")
+        listed = [c["path"] for c in svc.list_checkpoints(tc.name)]
+        paths = [sc.model_path for sc in samplers]
+        assert all(f"sess://{tc.name}/sampler/" in p for p in paths)
+        assert named.model_path == f"sess://{tc.name}/weights/kept"
+        assert listed == paths[-3:] + [named.model_path]
+        assert sorted(p.name for p in (sess_home / "checkpoints" / tc.name / "sampler").iterdir()) == sorted(
+            p.rsplit("/", 1)[1] for p in paths[-3:]
+        )
+        with pytest.raises(NotFound, match="transient sampler save"):
+            samplers[0].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
+        samplers[-3].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
+    if not hasattr(svc.transport, "engine"):  # the server's registry lists what is on disk
+        with sqlite3.connect(sess_home / "registry.db") as db:
+            rows = db.execute("SELECT path FROM checkpoints WHERE session=?", (tc.name,)).fetchall()
+        assert sorted(r[0] for r in rows) == sorted(listed)
+
+
+def test_a_transient_save_in_use_outlives_newer_saves_until_its_request_ends(svc):
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=4) as tc:
+        tok = tc.get_tokenizer()
+        prompt = tok.encode("Once upon a time")
+        first = tc.save_weights_and_get_sampling_client()
+        running = first.sample(
+            prompt, num_samples=8, sampling_params=SamplingParams(max_tokens=400, temperature=1.0, seed=1)
+        )
+        for _ in range(4):  # each save would delete `first` if no request were sampling from it
+            tc.save_weights_and_get_sampling_client()
+        still = [c["path"] for c in svc.list_checkpoints(tc.name)]
+        result = running.result()
+        tc.save_weights_and_get_sampling_client()
+        after = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    assert first.model_path in still, "deleted while a request sampled from it"
+    assert sum(len(s.tokens) for s in result.sequences) > 0
+    assert first.model_path not in after and len(after) == 3

@@ -112,6 +112,8 @@ def test_engine_side_checks_keep_session_alive(svc, tc):
         ("forward_backward", {"data": [{"model_input": {}}]}, r"data\[0\]"),
         ("optim_step", {"adam_params": {"learning_rate": -1}}, "learning_rate"),
         ("optim_step", {"adam_params": {"lr": 1}}, "adam_params"),
+        ("save_weights", {"name": "x", "transient": True}, "transient"),
+        ("save_weights", {"transient": "yes"}, "transient"),
     ]
     for name, args, pattern in raw:
         seq = tc._seq = tc._seq + 1
