@@ -8,6 +8,7 @@ the HTTP transport talks to an engine server with the same four verbs.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import threading
 from pathlib import Path
@@ -44,12 +45,27 @@ _engines_lock = threading.Lock()
 
 
 def shared_engine(home: str | Path | None = None, device: str = "cpu") -> Engine:
-    """One in-process engine per home, shared by every in-process client of this Python process."""
+    """One in-process engine per home, shared by every in-process client of this Python process.
+    They are closed when the interpreter exits (see :func:`_close_shared_engines`)."""
     key = sess_home(home).resolve()
     with _engines_lock:
+        if not _engines:
+            atexit.register(_close_shared_engines)
         if key not in _engines:
             _engines[key] = Engine(home=key, device=device)
         return _engines[key]
+
+
+def _close_shared_engines() -> None:
+    """Stop each in-process engine's executor before the interpreter finalizes. Left running, the
+    executor (a daemon thread) can still be freeing a finished request's tensors then; torch takes
+    the GIL to do that, the finalizing interpreter ends the thread inside a C++ destructor, and the
+    process aborts ("terminate called without an active exception", exit status 134)."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        engine.close()
 
 
 class InProcessTransport:

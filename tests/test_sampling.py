@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from sess.engine import SamplingParams
@@ -255,3 +258,27 @@ def test_inverse_cdf_picks_what_a_full_scan_picks():
     assert bool((probs.gather(1, picks[:, None]) > 0).all())
     for row in (0, 1, 7):  # a row alone picks what it picks in the batch
         assert inverse_cdf(probs[row : row + 1], u[row : row + 1]).item() == picks[row].item()
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading
+def report():  # registered first, so it runs after sess's own exit handler
+    alive = [t.name for t in threading.enumerate() if t.name == "sess-executor"]
+    print("executor alive" if alive else "executor stopped", flush=True)
+atexit.register(report)
+from sess.engine import SamplingParams, ServiceClient
+svc = ServiceClient("inproc", home=sys.argv[1])
+tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0)
+sc = tc.save_weights_and_get_sampling_client()
+sc.sample([1, 2, 3], num_samples=4, sampling_params=SamplingParams(max_tokens=8)).result()
+"""
+
+
+def test_a_script_using_the_in_process_engine_exits_cleanly(sess_home, tmp_path):
+    """The in-process engine's executor is stopped before the interpreter finalizes: left running,
+    it could be freeing a finished request's tensors then and abort the process (status 134)."""
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(sess_home)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "executor stopped"
