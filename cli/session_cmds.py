@@ -1,4 +1,4 @@
-"""Session lifecycle: ``sess start|list|stop|resume|usage|checkpoints``.
+"""Session lifecycle: ``sess start|list|stop|resume|delete|usage|checkpoints``.
 
 Each command talks to the engine through the SDK: the local engine of ``SESS_HOME`` (started if
 needed), or ``engine=remote engine.url=... engine.api_key=...`` / ``SESS_ENGINE_URL``.
@@ -114,6 +114,22 @@ def stop(name: str) -> None:
     """Stop a session (its checkpoints stay)."""
     summary = _client().stop_session(name)
     out.print(f"session {summary.name} is {summary.status.value}")
+
+
+@app.command()
+def delete(
+    name: str,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Delete a session and all its checkpoints, files included (a running one is stopped first).
+
+    Download what you want to keep first: sess checkpoints NAME lists the paths."""
+    svc = _client()
+    found = svc.list_checkpoints(name)  # also: an unknown session fails here, before the question
+    if not yes and not typer.confirm(f"delete session {name} and its {len(found)} checkpoint(s)?"):
+        fail("nothing deleted")
+    svc.delete_session(name, stop_if_active=True)
+    out.print(f"session {name} deleted with {len(found)} checkpoint(s)")
 
 
 @app.command()

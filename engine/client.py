@@ -174,6 +174,8 @@ class ServiceClient:
         return TrainingSessionSummary.from_wire(self.transport.call("stop_session", {"name": name}))
 
     def delete_session(self, name: str, *, stop_if_active: bool = False) -> TrainingSessionSummary:
+        """Forget a session and delete its checkpoints, files included; download any you want to
+        keep first. A running session is refused unless ``stop_if_active``."""
         wire = self.transport.call("delete_session", {"name": name, "stop_if_active": stop_if_active})
         return TrainingSessionSummary.from_wire(wire)
 

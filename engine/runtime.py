@@ -22,7 +22,7 @@ from .forward import plan, prompt_logprobs, shared_prefix_logprobs, token_logpro
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
 from .models import ModelNotAvailable, list_models
-from .paths import sess_home
+from .paths import remove_dir, sess_home
 from .sampler import StopChecker
 from .saving import CheckpointOps
 from .types import (
@@ -185,6 +185,8 @@ class Runtime(CheckpointOps):
         return session.summary()
 
     def delete_session(self, owner: str, name: str, *, stop_if_active: bool = False) -> dict:
+        """Forget a session and delete its checkpoints, files included (a running one is refused
+        unless ``stop_if_active``)."""
         session = self.session(owner, name, live=False)
         if session.status == SessionStatus.Running:
             if not stop_if_active:
@@ -193,6 +195,14 @@ class Runtime(CheckpointOps):
                 )
             self.stop_session(owner, name)
         del self.sessions[name]
+        host = self.hosts.get(session.base_model)
+        if host is not None:  # its checkpoints' sampler adapters, unless a request still runs on one
+            in_use = host.pinned()
+            prefix = f"sess://{name}/"
+            for uri in [u for u, a in host.checkpoint_adapters.items() if u.startswith(prefix)]:
+                if host.checkpoint_adapters[uri] not in in_use:
+                    host.release_checkpoint(uri)
+        remove_dir(self.home / "checkpoints" / name)
         return session.summary()
 
     def list_sessions(

@@ -177,3 +177,21 @@ def test_a_transient_save_in_use_outlives_newer_saves_until_its_request_ends(svc
     assert first.model_path in still, "deleted while a request sampled from it"
     assert sum(len(s.tokens) for s in result.sequences) > 0
     assert first.model_path not in after and len(after) == 3
+
+
+def test_deleting_a_session_deletes_its_checkpoint_files(svc, sess_home):
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5)
+    _train(tc, steps=1)
+    kept = tc.save_weights_for_sampler(name="w").result().path
+    tc.save_state().result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    sampler.sample([1, 2, 3], sampling_params=SamplingParams(max_tokens=2)).result()
+    assert len(svc.list_checkpoints(tc.name)) == 3
+    svc.delete_session(tc.name, stop_if_active=True)
+    assert not (sess_home / "checkpoints" / tc.name).exists()
+    with pytest.raises(NotFound):
+        svc.list_checkpoints(tc.name)
+    with pytest.raises(NotFound):
+        sampler.sample([1, 2], sampling_params=SamplingParams(max_tokens=1)).result()
+    with pytest.raises(NotFound):
+        svc.create_sampling_client(model_path=kept)

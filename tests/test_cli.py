@@ -73,6 +73,13 @@ def test_start_list_stop_resume_checkpoints(env):
     assert bad.exit_code != 0 and "rank" in str(bad.exception or bad.output)
     for name in ("cli-one-b", "cli-one-c"):
         svc.stop_session(name)
+    declined = runner.invoke(app, ["delete", "cli-one-c"], env=env, input="n\n")
+    assert declined.exit_code == 1 and "nothing deleted" in declined.output
+    assert svc.list_sessions(name_contains="cli-one-c")
+    assert "deleted with 0 checkpoint(s)" in sess(env, "delete", "cli-one-c", "--yes")
+    assert not svc.list_sessions(name_contains="cli-one-c")
+    unknown = runner.invoke(app, ["delete", "no-such-session", "--yes"], env=env)
+    assert unknown.exit_code != 0 and "not found" in str(unknown.exception or unknown.output)
     svc.close()
 
 
