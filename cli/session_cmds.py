@@ -192,8 +192,10 @@ def usage(
 
 @app.command()
 def checkpoints(name: str) -> None:
-    """List a session's checkpoints."""
-    table = Table("path", "kind", "created")
-    for c in _client().list_checkpoints(name):
-        table.add_row(c["path"], c["kind"], _when(c["created"]))
+    """List a session's checkpoints, with their size on disk."""
+    found = _client().list_checkpoints(name)
+    table = Table("path", "kind", "created", "MB")
+    for c in found:
+        table.add_row(c["path"], c["kind"], _when(c["created"]), f"{c['bytes'] / 1e6:.1f}")
+    table.add_row("total", "", "", f"{sum(c['bytes'] for c in found) / 1e6:.1f}", style="bold")
     out.print(table)

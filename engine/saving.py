@@ -39,8 +39,14 @@ class CheckpointOps:
         for directory in sorted(root.glob("*/*")) if root.exists() else []:
             if directory.is_dir() and not directory.name.startswith("."):
                 uri = ckpt.CheckpointRef(session, directory.parent.name, directory.name).uri
+                size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
                 found.append(
-                    {"path": uri, "kind": directory.parent.name, "created": directory.stat().st_mtime}
+                    {
+                        "path": uri,
+                        "kind": directory.parent.name,
+                        "created": directory.stat().st_mtime,
+                        "bytes": size,
+                    }
                 )
         return sorted(found, key=lambda c: c["created"])
 

@@ -122,6 +122,9 @@ def test_checkpoint_listing_and_no_partial_directories(svc, sess_home):
         tc.save_state(name="two").result()
         listed = svc.list_checkpoints(tc.name)
     assert [c["path"] for c in listed] == [f"sess://{tc.name}/weights/one", f"sess://{tc.name}/state/two"]
+    for c, kind, name in zip(listed, ("weights", "state"), ("one", "two")):
+        files = (sess_home / "checkpoints" / tc.name / kind / name).iterdir()
+        assert c["bytes"] == sum(f.stat().st_size for f in files) > 0
     leftovers = [p for p in (sess_home / "checkpoints" / tc.name).rglob(".*")]
     assert leftovers == []
 

@@ -64,7 +64,8 @@ def test_start_list_stop_resume_checkpoints(env):
     state = tc.save_state(name="s1").result().path
     listed = sess(env, "list")
     assert "cli-one" in listed and "tiny-llama" in listed and "Running" in listed
-    assert state in sess(env, "checkpoints", "cli-one")
+    listing = sess(env, "checkpoints", "cli-one")
+    assert state in listing and "total" in listing
     assert "Stopped" in sess(env, "stop", "cli-one")
     assert "cli-one-b" in sess(env, "resume", "cli-one", "--name", "cli-one-b")
     assert svc.list_sessions(name_contains="cli-one-b")[0].step == 1
