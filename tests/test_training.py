@@ -238,9 +238,25 @@ def test_plan_groups_completions_where_sharing_saves_positions(system, own, grou
     assert all(shared >= (system + own if groups == 2 else system) for _, shared in batch[1])
 
 
-def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, runtime):
-    """RL batches (G completions of a prompt) run the prompt once; numbers stay those of plain torch."""
-    from sess.engine.forward import plan
+def test_shared_root_is_the_common_start_of_enough_prompts():
+    from sess.engine.forward import MIN_ROOT_GROUPS, MIN_SHARED, shared_root
+
+    start = list(range(100, 100 + MIN_SHARED + 4))
+    prompts = [start + [1000 + i] * (i + 1) for i in range(MIN_ROOT_GROUPS)]
+    assert shared_root(prompts) == len(start)
+    assert shared_root(prompts[:-1]) == 0  # too few prompts to pay for a pass of its own
+    assert shared_root([start[: MIN_SHARED - 1] + p[len(start) :] for p in prompts]) == 0  # too short
+    # a prompt that is all common start still keeps its last token for its own pass
+    assert shared_root([start] + prompts[1:]) == len(start) - 1
+
+
+def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, runtime, monkeypatch):
+    """RL batches (G completions of a prompt) run the prompt once, and the start all prompts share
+    once too; numbers stay those of plain torch."""
+    from sess.engine import forward
+    from sess.engine.forward import plan, shared_root
+
+    monkeypatch.setattr(forward, "MIN_ROOT_GROUPS", 2)  # two prompts here; the engine waits for five
 
     tok = tc.get_tokenizer()
     train_steps(tc, SENTENCES, 1e-2)
@@ -275,6 +291,8 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
     # each group shares its whole prompt, not just the system line both prompts begin with
     shared = sorted(shared for _, groups in batches for _, shared in groups)
     assert all(s >= len(p) for s, p in zip(shared, sorted(prompts, key=len))), shared
+    # and the system line both prompts begin with runs once for the two of them
+    assert shared_root([data[idx[0]].model_input.to_ints()[:s] for idx, s in batches[0][1]]) == common
     for name, config in [("ppo", None), ("cross_entropy", None), ("dro", {"beta": 1.0})]:
         out, got, total, expected = _engine_and_reference(tc, runtime, model, data, name, config)
         scale = max(1.0, max(float(g.abs().max()) for g in expected.values()))  # fp32 sums of ~250 tokens
