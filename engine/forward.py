@@ -128,10 +128,10 @@ def shared_prefix_logprobs(
     prefixes = [datums[0].model_input.to_ints()[:shared] for datums, _, shared in groups]
     root = shared_root(prefixes)
     cache = DynamicCache(config=model.config)
-    root_logits = None
+    root_lp = None
     if root:  # the prompts' common start runs once too, its KV repeated for each prompt
         out = model(input_ids=torch.tensor([prefixes[0][:root]], device=device), cache=cache, use_cache=True)
-        root_logits, cache = out.logits.float(), out.cache
+        root_lp, cache = out.logits[0].float().log_softmax(-1), out.cache
         cache.batch_select_indices(torch.zeros(len(groups), dtype=torch.long, device=device))
     prefix_ids, prefix_mask, _ = _right_padded([p[root:] for p in prefixes], None, device)
     prefix_mask = torch.cat([prefix_mask.new_ones(len(groups), root), prefix_mask], dim=1)
@@ -143,9 +143,9 @@ def shared_prefix_logprobs(
         cache=cache,
         use_cache=True,
     )
-    prefix_logits = out.logits.float()
-    prefix_logz = torch.logsumexp(prefix_logits, dim=-1)
-    root_logz = torch.logsumexp(root_logits[0], dim=-1) if root_logits is not None else None
+    # log-softmax once per prefix row; each member reads its own targets from it (the last prefix
+    # position's target is the member's first own token)
+    prefix_lp = out.logits.float().log_softmax(-1)
     owner = [g for g, (datums, _, _) in enumerate(groups) for _ in datums]
     cache = out.cache
     cache.batch_select_indices(torch.tensor(owner, device=device))  # repeat each prefix for its members
@@ -165,10 +165,9 @@ def shared_prefix_logprobs(
     result: list[list[torch.Tensor]] = [[] for _ in groups]
     for row, (datum, target, shared) in enumerate(members):
         g, target = owner[row], target[:shared].to(device=device, dtype=torch.long)
-        own = prefix_logits[g, : shared - root].gather(-1, target[root:, None]).squeeze(-1)
-        parts = [own - prefix_logz[g, : shared - root]]
+        parts = [prefix_lp[g, : shared - root].gather(-1, target[root:, None]).squeeze(-1)]
         if root:  # the root's logits exist once, for every group
-            parts.insert(0, root_logits[0].gather(-1, target[:root, None]).squeeze(-1) - root_logz)
+            parts.insert(0, root_lp.gather(-1, target[:root, None]).squeeze(-1))
         suffix = suffix_lp[row, : datum.model_input.length - shared]
         result[g].append(torch.cat([*parts, suffix]))
     return result
