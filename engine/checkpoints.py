@@ -160,12 +160,13 @@ def adapter_dir(ref: CheckpointRef, home: Path) -> Path:
     return directory / "adapter" if ref.kind == "merged" else directory
 
 
-def sampler_saves(session: str, home: Path) -> list[CheckpointRef]:
-    """A session's transient sampler saves on disk, oldest first."""
-    root = home / "checkpoints" / session / "sampler"
-    found = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")] if root.exists() else []
+def saved(session: str, home: Path, kind: str = "*") -> list[CheckpointRef]:
+    """A session's checkpoints on disk (of ``kind``, default every kind), oldest first; directories
+    being written or removed (hidden names) are not listed."""
+    root = home / "checkpoints" / session
+    found = [d for d in root.glob(f"{kind}/*") if d.is_dir() and not d.name.startswith(".")]
     found.sort(key=lambda d: (d.stat().st_mtime_ns, d.name))
-    return [CheckpointRef(session, "sampler", d.name) for d in found]
+    return [CheckpointRef(session, d.parent.name, d.name) for d in found]
 
 
 def remove(ref: CheckpointRef, home: Path) -> None:

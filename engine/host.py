@@ -173,6 +173,16 @@ class BaseHost:
             self.release_checkpoint(old_uri)
         return adapter
 
+    def release_checkpoints(self, uris: list[str]) -> set[str]:
+        """:meth:`release_checkpoint` each of ``uris`` that no running or waiting request samples
+        from; returns those that one does (they stay)."""
+        in_use = self.pinned()
+        kept = {uri for uri in uris if self.checkpoint_adapters.get(uri) in in_use}
+        for uri in uris:
+            if uri not in kept:
+                self.release_checkpoint(uri)
+        return kept
+
     def release_checkpoint(self, uri: str) -> None:
         """Stop serving ``uri`` from memory; its adapter is kept for reuse (a few at most). The
         caller makes sure no running request samples from it."""

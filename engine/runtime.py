@@ -22,7 +22,7 @@ from .forward import plan, prompt_logprobs, shared_prefix_logprobs, token_logpro
 from .host import BaseHost
 from .losses import check_data, check_loss_fn, compute_loss
 from .models import ModelNotAvailable, list_models
-from .paths import remove_dir, sess_home
+from .paths import sess_home
 from .sampler import StopChecker
 from .saving import CheckpointOps
 from .types import (
@@ -195,14 +195,7 @@ class Runtime(CheckpointOps):
                 )
             self.stop_session(owner, name)
         del self.sessions[name]
-        host = self.hosts.get(session.base_model)
-        if host is not None:  # its checkpoints' sampler adapters, unless a request still runs on one
-            in_use = host.pinned()
-            prefix = f"sess://{name}/"
-            for uri in [u for u, a in host.checkpoint_adapters.items() if u.startswith(prefix)]:
-                if host.checkpoint_adapters[uri] not in in_use:
-                    host.release_checkpoint(uri)
-        remove_dir(self.home / "checkpoints" / name)
+        self._delete_checkpoints(session)
         return session.summary()
 
     def list_sessions(
@@ -344,20 +337,7 @@ class Runtime(CheckpointOps):
             ref = ckpt.parse_path(target["model_path"], field="model_path")
             session = self.session(owner, ref.session, live=False)
             host = self.host(session.base_model)
-            if ref.uri in host.checkpoint_adapters:
-                return host, host.checkpoint_adapters[ref.uri], session
-            try:
-                directory = ckpt.adapter_dir(ref, self.home)
-            except NotFound:
-                if ref.kind != "sampler":
-                    raise
-                raise NotFound(
-                    f"model_path: {ref.uri} was a transient sampler save; the engine keeps a session's "
-                    f"newest {ckpt.KEEP_SAMPLERS} and deleted it. Keep weights with "
-                    "save_weights_for_sampler or save_weights_and_get_sampling_client(name=...)"
-                ) from None
-            state, config = ckpt.read_adapter(directory)
-            return host, host.checkpoint_adapter(ref.uri, state, config), session
+            return host, self._checkpoint_sampler(host, ref), session
         if target.get("base_model"):
             return self.host(target["base_model"]), None, None
         raise InvalidRequest("sampling client: give model_path or base_model")

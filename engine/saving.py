@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import checkpoints as ckpt
+from .paths import remove_dir
 from .types import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
@@ -34,21 +35,14 @@ class CheckpointOps:
 
     def list_checkpoints(self, owner: str, session: str) -> list[dict]:
         self.session(owner, session, live=False)
-        root = self.home / "checkpoints" / session
         found = []
-        for directory in sorted(root.glob("*/*")) if root.exists() else []:
-            if directory.is_dir() and not directory.name.startswith("."):
-                uri = ckpt.CheckpointRef(session, directory.parent.name, directory.name).uri
-                size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-                found.append(
-                    {
-                        "path": uri,
-                        "kind": directory.parent.name,
-                        "created": directory.stat().st_mtime,
-                        "bytes": size,
-                    }
-                )
-        return sorted(found, key=lambda c: c["created"])
+        for ref in ckpt.saved(session, self.home):
+            directory = ref.directory(self.home)
+            size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+            found.append(
+                {"path": ref.uri, "kind": ref.kind, "created": directory.stat().st_mtime, "bytes": size}
+            )
+        return found
 
     def _ref(self, session: Session, kind: str, name: str | None) -> ckpt.CheckpointRef:
         session.saves += 1
@@ -95,17 +89,39 @@ class CheckpointOps:
 
     def _release_samplers(self, session: Session, host) -> list[str]:
         """Delete the session's transient sampler saves beyond the newest KEEP_SAMPLERS, except
-        those a running request samples from (they go at a later save)."""
-        in_use = host.pinned()
-        released = []
-        for ref in ckpt.sampler_saves(session.name, self.home)[: -ckpt.KEEP_SAMPLERS]:
-            adapter = host.checkpoint_adapters.get(ref.uri)
-            if adapter is not None and adapter in in_use:
-                continue
-            host.release_checkpoint(ref.uri)
+        those a request samples from (they go at a later save)."""
+        older = ckpt.saved(session.name, self.home, "sampler")[: -ckpt.KEEP_SAMPLERS]
+        in_use = host.release_checkpoints([ref.uri for ref in older])
+        released = [ref for ref in older if ref.uri not in in_use]
+        for ref in released:
             ckpt.remove(ref, self.home)
-            released.append(ref.uri)
-        return released
+        return [ref.uri for ref in released]
+
+    def _checkpoint_sampler(self, host, ref: ckpt.CheckpointRef) -> str:
+        """The adapter serving checkpoint ``ref`` for sampling, loaded from disk if need be."""
+        if ref.uri in host.checkpoint_adapters:
+            return host.checkpoint_adapters[ref.uri]
+        try:
+            directory = ckpt.adapter_dir(ref, self.home)
+        except NotFound:
+            if ref.kind != "sampler":
+                raise
+            raise NotFound(
+                f"model_path: {ref.uri} was a transient sampler save; the engine keeps a session's "
+                f"newest {ckpt.KEEP_SAMPLERS} and deleted it. Keep weights with "
+                "save_weights_for_sampler or save_weights_and_get_sampling_client(name=...)"
+            ) from None
+        state, config = ckpt.read_adapter(directory)
+        return host.checkpoint_adapter(ref.uri, state, config)
+
+    def _delete_checkpoints(self, session: Session) -> None:
+        """A deleted session's checkpoints: out of memory (unless a request samples from one) and
+        off the disk."""
+        host = self.hosts.get(session.base_model)
+        if host is not None:
+            prefix = f"sess://{session.name}/"
+            host.release_checkpoints([uri for uri in host.checkpoint_adapters if uri.startswith(prefix)])
+        remove_dir(self.home / "checkpoints" / session.name)
 
     def save_state(self, owner: str, session: str, name: str | None = None) -> dict:
         started = time.perf_counter()
