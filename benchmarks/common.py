@@ -5,7 +5,7 @@ team that belongs to the calling thread, and a team's workers stay after the cal
 in-process engine computes on its executor thread; a baseline run on any other thread of the same
 process starts a second team, and on a small machine (2 cores here) every parallel region of
 either then waits for sleeping workers to be woken: measured, both sides ran 1.3-2x slower than
-alone, so a ratio would depend on which side ran first. ``Engine.run_local`` runs the baseline
+alone, so a ratio would depend on which side ran first. ``Executor.run`` runs the baseline
 between engine ops on the executor thread, so both sides share one team.
 
 Why scripts start again under :func:`as_engine_process`: an engine process (``sess engine up``,
@@ -19,14 +19,14 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from sess.engine.memory import exec_as_engine
+from sess.engine.runtime.memory import exec_as_engine
 
 T = TypeVar("T")
 
 
 def on_engine(svc, fn: Callable[..., T], *args, **kwargs) -> T:
     """``fn(*args, **kwargs)`` on the executor thread of ``svc``'s in-process engine."""
-    return svc.transport.engine.run_local(lambda: fn(*args, **kwargs))
+    return svc.transport.engine.run(lambda runtime: fn(*args, **kwargs))
 
 
 def as_engine_process() -> None:

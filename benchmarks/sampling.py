@@ -33,7 +33,6 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
-from sess.engine.invariant import InvariantLinear, invariant_rows  # noqa: E402
 
 from common import as_engine_process, on_engine  # noqa: E402
 
@@ -103,18 +102,19 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
     return count, elapsed
 
 
-def matmul_floor(model, rows: int, repeats: int = 7) -> float:
-    """Median seconds for one pass of ``model``'s frozen base linear layers over ``rows`` rows, as
-    a decode step runs them (inside :func:`invariant_rows`: oneDNN, prepacked weights)."""
-    layers = [m for m in model.modules() if isinstance(m, InvariantLinear) and m.frozen]
+def matmul_floor(host, rows: int, repeats: int = 7) -> float:
+    """Median seconds for one pass of the base model's linear layers over ``rows`` rows, in model
+    order, through the kernels the lean decoder uses (oneDNN, prepacked weights)."""
+    linear = host.decoder.linear
+    layers = [m for name, m in host.model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in name]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(rows, n, generator=gen) for n in {m.in_features for m in layers}}
     times = []
-    with torch.no_grad(), invariant_rows():
+    with torch.no_grad():
         for _ in range(repeats + 1):  # the first pass packs any weight not yet packed
             start = time.perf_counter()
             for m in layers:
-                m(inputs[m.in_features])
+                linear(inputs[m.in_features], m.weight, m.bias)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -179,7 +179,7 @@ def main() -> None:
             f"{figures['batch']:.2f}x",
         )
         rows = args.prompts * args.samples
-        floor = on_engine(svc, matmul_floor, host.model, rows)
+        floor = on_engine(svc, matmul_floor, host, rows)
         table.add_row(
             f"matmul floor: base linears only, {rows} rows ({floor * 1e3:.1f} ms/step)",
             f"{rows / floor:.1f}",

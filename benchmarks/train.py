@@ -24,7 +24,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
-from sess.engine.models import load_model, lora_targets  # noqa: E402
+from sess.engine.runtime.catalog import load_model, lora_targets  # noqa: E402
 
 from common import as_engine_process, on_engine  # noqa: E402
 

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from sess.cli.main import app, fail
+from sess.engine.server import settings
 
 engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys of the engine home.", no_args_is_help=True)
@@ -26,16 +27,18 @@ def up(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     detach: bool = typer.Option(False, "--detach", help="Start in the background and return."),
     idle_timeout: float = typer.Option(
-        600.0, help="Seconds without heartbeats before a session is saved and stopped."
+        settings.IDLE_TIMEOUT_S,
+        help="Seconds a session may go without an op or a client heartbeat; then its state is saved "
+        "and it is stopped (sess resume NAME continues it).",
     ),
-    max_sessions: int = typer.Option(8, help="Live sessions per API key."),
+    max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key."),
 ) -> None:
     """Start the engine server (in the foreground unless --detach)."""
-    from sess.engine.keys import KeyStore
-    from sess.engine.local import engine_info, server_command, start_engine
-    from sess.engine.memory import exec_as_engine
-    from sess.engine.paths import sess_home
-    from sess.engine.server import is_loopback, serve
+    from sess.engine.runtime.memory import exec_as_engine
+    from sess.engine.sdk.home import sess_home
+    from sess.engine.server.keys import KeyStore
+    from sess.engine.server.launcher import engine_info, server_command, start_engine
+    from sess.engine.server.serve import is_loopback, serve
 
     home_path = sess_home(home)
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -60,8 +63,8 @@ def up(
 @engine_app.command("status")
 def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> None:
     """Show whether the engine of the home is running, and where."""
-    from sess.engine.local import engine_info
-    from sess.engine.paths import sess_home
+    from sess.engine.sdk.home import sess_home
+    from sess.engine.server.launcher import engine_info
 
     info = engine_info(sess_home(home))
     if info is None:
@@ -78,8 +81,8 @@ def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> N
 @engine_app.command("down")
 def down(home: str = HOME) -> None:
     """Stop the engine of the home; live sessions become Interrupted (resume them with sess resume)."""
-    from sess.engine.local import stop_engine
-    from sess.engine.paths import sess_home
+    from sess.engine.sdk.home import sess_home
+    from sess.engine.server.launcher import stop_engine
 
     info = stop_engine(sess_home(home))
     if info is None:
@@ -94,7 +97,7 @@ def keys_add(
     home: str = HOME,
 ) -> None:
     """Create an API key and print it (a key sees only its owner's sessions and checkpoints)."""
-    from sess.engine.keys import KeyStore
+    from sess.engine.server.keys import KeyStore
 
     entry = KeyStore(home).add(owner, max_sessions=max_sessions)
     print(entry["key"])
@@ -104,7 +107,7 @@ def keys_add(
 @keys_app.command("list")
 def keys_list(home: str = HOME) -> None:
     """List key owners (keys shown shortened)."""
-    from sess.engine.keys import KeyStore
+    from sess.engine.server.keys import KeyStore
 
     for entry in KeyStore(home).load().values():
         out.print(f"{entry['key'][:10]}…  owner={entry['owner']}  max_sessions={entry.get('max_sessions')}")

@@ -68,7 +68,7 @@ def run(
 
 def _source(base_model: str) -> str:
     try:
-        from sess.engine.models import resolve
+        from sess.engine.runtime.catalog import resolve
 
         spec = resolve(base_model)
     except Exception:

@@ -3,27 +3,36 @@
 Everything in the SDK contract (API.md) is importable from here::
 
     from sess.engine import ServiceClient, SamplingParams, AdamParams, Datum, ModelInput
+
+The package is layered, each layer a subpackage that imports only the ones below it:
+
+- ``sdk/``: what a client machine needs (clients, futures, transports, typed requests and wire
+  types); importing it, and this package, loads no torch, transformers or peft;
+- ``server/``: the engine as an HTTP service (routes, keys, registry, the local-engine launcher);
+- ``runtime/``: the executor thread and the ops it runs on torch (sessions, training, checkpoints,
+  the model catalog and the host of one base model with its adapters);
+- ``sampling/``: the continuous decode batch and the decoders that do a step's arithmetic.
 """
 
-from .client import SamplingClient, ServiceClient, TrainingClient
-from .futures import APIFuture
-from .types import (
+from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.sdk.futures import APIFuture
+from sess.engine.sdk.sampling_client import SamplingClient
+from sess.engine.sdk.service_client import ServiceClient
+from sess.engine.sdk.training_client import TrainingClient
+from sess.engine.sdk.types import (
     AdamParams,
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
-    InvalidRequest,
     LoadStateResponse,
     LossFunction,
     ModelInput,
-    NotFound,
     OptimStepResponse,
     SampledSequence,
     SampleResponse,
     SamplingParams,
     SaveStateResponse,
     SaveWeightsResponse,
-    SessError,
     SessionStatus,
     TensorData,
     TrainingSessionSummary,

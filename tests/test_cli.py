@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.local import engine_info
+from sess.engine.server.launcher import engine_info
 
 from helpers import SENTENCES, ce_datum
 

@@ -1,4 +1,4 @@
-"""The sampler's lean decode step (engine/llama_decode.py) against the model's own modules."""
+"""The lean llama decoder (engine/sampling/llama_decoder.py) against the model's own modules."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
     """The same requests (rows of two adapters and of the base model, prompts of different lengths)
     decoded by the lean step and by the modules: same tokens, logprobs equal to rounding. With
     ``packed``, every LoRA B goes through oneDNN (as the large ones of real models do)."""
-    from sess.engine import llama_decode
-    from sess.engine.decoding import DecodeBatch, SampleJob
-    from sess.engine.sampler import StopChecker
+    from sess.engine.sampling import llama_decoder
+    from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
+    from sess.engine.sampling.module_decoder import ModuleDecoder
+    from sess.engine.sampling.token_choice import StopChecker
 
     if packed:
-        monkeypatch.setattr(llama_decode, "PACK_FROM", 0)
+        monkeypatch.setattr(llama_decoder, "PACK_FROM", 0)
 
     sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
@@ -31,15 +32,15 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
         train_steps(tc, [SENTENCES[i]], 5e-2)
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
     host = runtime.host(model)
-    assert host.decoder is not None and host.plain_lora
+    assert isinstance(host.decoder, llama_decoder.LlamaDecoder)
     requests = [
         (tok.encode("Question: what is 3 + 4? Answer:"), 3, adapters[0]),
         (tok.encode("A longer prompt, about numbers and letters, " * 2), 2, adapters[1]),
         (tok.encode("Hi"), 2, None),
     ]
 
-    def run(fast_step):
-        batch = DecodeBatch(host.rows_model, True, fast_step)
+    def run(decoder):
+        batch = DecodeBatch(decoder)
         results = {}
         for i, (prompt, samples, adapter) in enumerate(requests):
             batch.submit(
@@ -58,11 +59,17 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
 
     calls = []
 
-    def lean(*args):
-        calls.append(1)
-        return host.decode_step(*args)
+    class Counted:
+        merges = True
 
-    fast, modules = run(lean), run(None)
+        def prefill(self, jobs):
+            return host.decoder.prefill(jobs)
+
+        def step(self, *args):
+            calls.append(1)
+            return host.decoder.step(*args)
+
+    fast, modules = run(Counted()), run(ModuleDecoder(host.activate))
     assert len(calls) == 15  # every decode step after the prefill went the lean way
     for got, expected in zip(fast, modules):
         for a, b in zip(got, expected):
@@ -73,7 +80,10 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
 
 
 def test_other_architectures_keep_the_module_path(runtime):
-    assert runtime.host("tiny-gpt-oss").decoder is None
+    from sess.engine.sampling.module_decoder import ModuleDecoder
+
+    host = runtime.host("tiny-gpt-oss")
+    assert isinstance(host.decoder, ModuleDecoder) and "gpt_oss" in host.lean_unsupported
 
 
 def test_a_live_sampler_follows_its_session_through_training(svc):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sess.engine.memory import ENGINE_MALLOC, engine_env
+from sess.engine.runtime.memory import ENGINE_MALLOC, engine_env
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -67,7 +67,7 @@ def test_exec_as_engine_restarts_a_process_under_the_settings_once(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys\n"
-        "from sess.engine.memory import exec_as_engine\n"
+        "from sess.engine.runtime.memory import exec_as_engine\n"
         "print('start', flush=True)\n"
         "exec_as_engine([sys.executable, *sys.argv])\n"
         "print(os.environ['MALLOC_ARENA_MAX'], os.environ['MALLOC_MMAP_MAX_'])\n"

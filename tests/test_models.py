@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from sess.engine import models
-from sess.engine.models import (
+from sess.engine.runtime import catalog as models
+from sess.engine.runtime.catalog import (
     CATALOG,
     ModelNotAvailable,
     list_models,

@@ -188,10 +188,13 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     """The decode batch is driven step by step so each composition surely happens: the same seeded
     request alone, after a one-row request (its rows at odd offsets of a 5-row batch), prefilled
     together with a long prompt, and joined later by rows of another adapter. Tokens and logprobs
-    must be identical to the bit, which is what makes whole runs reproducible. Both decode paths:
-    the lean llama step the engine uses and the model's modules (other architectures)."""
-    from sess.engine.decoding import DecodeBatch, SampleJob
-    from sess.engine.sampler import StopChecker
+    must be identical to the bit, which is what makes whole runs reproducible. Both decoders: the
+    lean llama decoder the engine uses here (merging requests) and the model's modules (other
+    architectures, one request at a time)."""
+    from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
+    from sess.engine.sampling.llama_decoder import LlamaDecoder
+    from sess.engine.sampling.module_decoder import ModuleDecoder
+    from sess.engine.sampling.token_choice import StopChecker
 
     sessions = [svc.create_lora_training_client("tiny-llama", rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
@@ -199,13 +202,13 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         train_steps(tc, [SENTENCES[i]], 5e-2)  # waited for: the weights stay put from here
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
     host = runtime.host("tiny-llama")
-    assert host.decoder is not None
-    fast = host.decode_step if path == "lean step" else None
+    assert isinstance(host.decoder, LlamaDecoder)
+    decoder = host.decoder if path == "lean step" else ModuleDecoder(host.activate)
     x = tok.encode("Question: what is 3 + 4? Answer:")
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
     def run(plan):
-        batch = DecodeBatch(host.rows_model, True, fast)
+        batch = DecodeBatch(decoder)
         results, step = {}, 0
         while plan or batch.active:
             for item in [p for p in plan if p[0] == step]:
@@ -243,7 +246,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
 def test_inverse_cdf_picks_what_a_full_scan_picks():
     import torch
 
-    from sess.engine.sampler import SPAN, inverse_cdf
+    from sess.engine.sampling.token_choice import SPAN, inverse_cdf
 
     gen = torch.Generator().manual_seed(0)
     vocab = 5 * SPAN + 17  # not a whole number of tiles

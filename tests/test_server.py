@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from sess.engine import AdamParams, InvalidRequest, NotFound, ServiceClient, SessError
-from sess.engine.keys import KeyStore
-from sess.engine.local import start_engine, stop_engine
+from sess.engine.server.keys import KeyStore
+from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 
@@ -250,23 +250,23 @@ def test_sdk_retries_transient_failures_but_not_4xx(monkeypatch, http):
 
 
 def test_engine_unreachable_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr("sess.engine.http_transport.RETRY_DEADLINE_S", 0.3)
+    monkeypatch.setattr("sess.engine.sdk.http_transport.RETRY_DEADLINE_S", 0.3)
     with ServiceClient("http://127.0.0.1:9", api_key="x") as svc:
         with pytest.raises(SessError, match="cannot reach the engine"):
             svc.list_base_models()
 
 
-def test_run_local_runs_on_the_executor_thread_and_no_client_can_reach_it(sess_home):
+def test_run_runs_on_the_executor_thread_and_no_client_can_reach_it(sess_home):
     import threading
 
-    from sess.engine.transport import shared_engine
-    from sess.engine.types import InvalidRequest
+    from sess.engine.sdk.errors import InvalidRequest
+    from sess.engine.sdk.transport import shared_engine
 
     engine = shared_engine(sess_home)
-    assert engine.run_local(lambda: threading.current_thread().name) == "sess-executor"
+    assert engine.run(lambda runtime: threading.current_thread().name) == "sess-executor"
     with pytest.raises(ZeroDivisionError):
-        engine.run_local(lambda: 1 / 0)
-    assert engine.run_local(lambda: 7) == 7  # the executor carries on
+        engine.run(lambda runtime: 1 / 0)
+    assert engine.run(lambda runtime: 7) == 7  # the executor carries on
     with pytest.raises(InvalidRequest):
         engine.submit("local", "__local__", {"fn": "print"})
     with pytest.raises(InvalidRequest):

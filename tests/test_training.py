@@ -221,7 +221,7 @@ def test_token_list_data_means_cross_entropy(tc):
     ],
 )
 def test_plan_groups_completions_where_sharing_saves_positions(system, own, groups):
-    from sess.engine.forward import plan
+    from sess.engine.runtime.batched_forward import plan
 
     rng = np.random.default_rng(0)
     head = list(rng.integers(10, 1000, system))
@@ -239,7 +239,7 @@ def test_plan_groups_completions_where_sharing_saves_positions(system, own, grou
 
 
 def test_shared_root_is_the_common_start_of_enough_prompts():
-    from sess.engine.forward import MIN_ROOT_GROUPS, MIN_SHARED, shared_root
+    from sess.engine.runtime.batched_forward import MIN_ROOT_GROUPS, MIN_SHARED, shared_root
 
     start = list(range(100, 100 + MIN_SHARED + 4))
     prompts = [start + [1000 + i] * (i + 1) for i in range(MIN_ROOT_GROUPS)]
@@ -253,8 +253,8 @@ def test_shared_root_is_the_common_start_of_enough_prompts():
 def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, runtime, monkeypatch):
     """RL batches (G completions of a prompt) run the prompt once, and the start all prompts share
     once too; numbers stay those of plain torch."""
-    from sess.engine import forward
-    from sess.engine.forward import plan, shared_root
+    from sess.engine.runtime import batched_forward as forward
+    from sess.engine.runtime.batched_forward import plan, shared_root
 
     monkeypatch.setattr(forward, "MIN_ROOT_GROUPS", 2)  # two prompts here; the engine waits for five
 

@@ -1,0 +1,185 @@
+"""Checkpoint ops: save sampler weights (PEFT or merged), save and load state, list and fetch files.
+
+Paths are ``sess://<session>/<kind>/<name>``; a checkpoint of another key's session is not found.
+Transient ``sampler`` saves (``save_weights_and_get_sampling_client`` without a name) are loaded
+for sampling at once and deleted once a session has more than
+:data:`~.checkpoints.KEEP_SAMPLERS` newer ones, unless a request still samples from them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from sess.engine.runtime import checkpoints as ckpt
+from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session import Session
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import CheckpointRef, check_name, parse_path
+from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.sdk.home import remove_dir
+
+
+def checkpoint_dir(runtime: Runtime, owner: str, path: str) -> Path:
+    """The directory of ``owner``'s checkpoint ``path`` (NotFound for another key's)."""
+    ref = parse_path(path)
+    runtime.session(owner, ref.session, live=False)
+    directory = ref.directory(runtime.home)
+    if not directory.exists():
+        raise NotFound(f"checkpoint {ref.uri} not found")
+    return directory
+
+
+def checkpoint_files(runtime: Runtime, owner: str, request: rq.CheckpointPath) -> list[tuple[str, Path]]:
+    directory = checkpoint_dir(runtime, owner, request.path)
+    return [(str(f.relative_to(directory)), f) for f in sorted(directory.rglob("*")) if f.is_file()]
+
+
+def list_checkpoints(runtime: Runtime, owner: str, request: rq.ListCheckpoints) -> list[dict]:
+    runtime.session(owner, request.session, live=False)
+    found = []
+    for ref in ckpt.saved(request.session, runtime.home):
+        directory = ref.directory(runtime.home)
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        found.append({"path": ref.uri, "kind": ref.kind, "created": directory.stat().st_mtime, "bytes": size})
+    return found
+
+
+def _new_ref(session: Session, kind: str, name: str | None) -> CheckpointRef:
+    session.saves += 1
+    name = check_name(name, "name") if name else f"step{session.step:06d}-{session.saves:03d}"
+    return CheckpointRef(session.name, kind, name)
+
+
+def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
+    """Save the session's adapter for sampling (``merge``: as a merged model too).
+
+    ``transient`` (unnamed, unmerged only): a ``sampler`` save, which the engine loads for sampling
+    at once; ``released`` lists the older transient saves deleted now."""
+    started = time.perf_counter()
+    session = runtime.session(owner, request.session)
+    host = runtime.hosts[session.base_model]
+    kind = "sampler" if request.transient else "merged" if request.merge else "weights"
+    ref = _new_ref(session, kind, request.name)
+    state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
+    if request.merge:
+        merged, untie = host.merged_state(session.adapter)
+        model_config = host.peft.get_base_model().config
+        if untie:
+            model_config = _replace_config(model_config, tie_word_embeddings=False)
+        ckpt.save_merged(ref, runtime.home, model_config, merged, host.path, state, config)
+    else:
+        ckpt.save_weights(ref, runtime.home, state, config)
+    host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
+    result = {"path": ref.uri}
+    if request.transient:
+        host.checkpoint_adapter(ref.uri, state, config)  # its sampler needs no read from disk
+        result["released"] = _release_samplers(runtime, session, host)
+    session.account(started)
+    return result
+
+
+def _release_samplers(runtime: Runtime, session: Session, host: ModelHost) -> list[str]:
+    """Delete the session's transient sampler saves beyond the newest KEEP_SAMPLERS, except those a
+    request samples from (they go at a later save)."""
+    older = ckpt.saved(session.name, runtime.home, "sampler")[: -ckpt.KEEP_SAMPLERS]
+    in_use = host.release_checkpoints([ref.uri for ref in older])
+    released = [ref for ref in older if ref.uri not in in_use]
+    for ref in released:
+        ckpt.remove(ref, runtime.home)
+    return [ref.uri for ref in released]
+
+
+def checkpoint_sampler(runtime: Runtime, host: ModelHost, ref: CheckpointRef) -> str:
+    """The adapter serving checkpoint ``ref`` for sampling, loaded from disk if need be."""
+    if ref.uri in host.checkpoint_adapters:
+        return host.checkpoint_adapters[ref.uri]
+    try:
+        directory = ckpt.adapter_dir(ref, runtime.home)
+    except NotFound:
+        if ref.kind != "sampler":
+            raise
+        raise NotFound(
+            f"model_path: {ref.uri} was a transient sampler save; the engine keeps a session's "
+            f"newest {ckpt.KEEP_SAMPLERS} and deleted it. Keep weights with "
+            "save_weights_for_sampler or save_weights_and_get_sampling_client(name=...)"
+        ) from None
+    state, config = ckpt.read_adapter(directory)
+    return host.checkpoint_adapter(ref.uri, state, config)
+
+
+def delete_checkpoints(runtime: Runtime, session: Session) -> None:
+    """A deleted session's checkpoints: out of memory (unless a request samples from one) and off
+    the disk."""
+    host = runtime.hosts.get(session.base_model)
+    if host is not None:
+        prefix = f"sess://{session.name}/"
+        host.release_checkpoints([uri for uri in host.checkpoint_adapters if uri.startswith(prefix)])
+    remove_dir(runtime.home / "checkpoints" / session.name)
+
+
+def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
+    started = time.perf_counter()
+    session = runtime.session(owner, request.session)
+    host = runtime.hosts[session.base_model]
+    ref = _new_ref(session, "state", request.name)
+    moments, steps = {}, {}
+    for key, param in _canonical(session.params, session.adapter).items():
+        state = session.optimizer.state.get(param, {})
+        if state:
+            moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
+            steps[key] = float(state["step"])
+    meta = {
+        "base_model": session.base_model,
+        "lora": session.lora,
+        "step": session.step,
+        "param_steps": steps,
+        "format": 1,
+    }
+    adapter_state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
+    ckpt.save_state(ref, runtime.home, adapter_state, config, moments, meta)
+    session.account(started)
+    return {"path": ref.uri}
+
+
+def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
+    session = runtime.session(owner, request.session)
+    host = runtime.hosts[session.base_model]
+    adapter_state, _, moments, meta = ckpt.read_state(checkpoint_dir(runtime, owner, request.path))
+    if meta["base_model"] != session.base_model or meta["lora"]["rank"] != session.lora["rank"]:
+        raise InvalidRequest(
+            f"path: {request.path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
+            f"this session is {session.base_model} rank {session.lora['rank']}"
+        )
+    try:
+        host.set_state(session.adapter, adapter_state)
+    except ValueError as exc:
+        raise InvalidRequest(f"path: {exc}") from None
+    session.new_optimizer()
+    if request.with_optimizer:
+        for key, param in _canonical(session.params, session.adapter).items():
+            if key in meta["param_steps"]:
+                session.optimizer.state[param] = {
+                    "step": torch.tensor(meta["param_steps"][key]),
+                    "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
+                    "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
+                }
+        session.step = int(meta["step"])
+    for param in session.params.values():
+        param.grad = None
+    return {"path": request.path}
+
+
+def _replace_config(config, **changes):
+    config = type(config).from_dict(config.to_dict())
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def _canonical(params: dict[str, torch.nn.Parameter], adapter: str) -> dict[str, torch.nn.Parameter]:
+    """Parameter names without the adapter name, the same for any session of one layout."""
+    return {name.replace(f".{adapter}.", "."): p for name, p in params.items()}

@@ -1,0 +1,135 @@
+"""Checkpoints on disk: PEFT adapters, optimizer state and merged models, all safetensors + JSON.
+
+A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
+``<home>/checkpoints/<session>/<kind>/<name>/``. Kinds:
+
+- ``weights``: a PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``) for sampling;
+- ``merged``: a transformers model directory with the adapter folded in (the adapter it came from
+  is kept under ``adapter/``, so the engine can sample from it cheaply);
+- ``state``: the adapter plus AdamW moments (``optimizer.safetensors``) and ``state.json``;
+- ``sampler``: a PEFT adapter like ``weights``, written by ``save_weights_and_get_sampling_client``
+  without a name. These are transient: the engine keeps each session's newest
+  :data:`KEEP_SAMPLERS` and deletes older ones that no running request uses, so an RL loop that
+  publishes a sampler every step does not fill the disk (``save_weights_for_sampler`` keeps its
+  ``weights`` for good).
+
+Every directory is written through :func:`sess.engine.sdk.home.atomic_dir`; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sess.engine.sdk.checkpoint_paths import CheckpointRef
+from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.sdk.home import atomic_dir, remove_dir
+
+KEEP_SAMPLERS = 3  # transient sampler saves kept per session (the newest)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors wants contiguous CPU tensors that share no storage (tied weights do)."""
+    copies = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    save_file(copies, str(path), metadata={"format": "pt"})
+
+
+def write_adapter(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
+    """Write a PEFT-format adapter into an existing (temp) directory."""
+    _save_tensors(state, directory / "adapter_model.safetensors")
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def read_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    if not (directory / "adapter_model.safetensors").exists():
+        raise NotFound(f"checkpoint {directory.name}: adapter files are missing")
+    state = load_file(str(directory / "adapter_model.safetensors"))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return state, config
+
+
+def save_weights(ref: CheckpointRef, home: Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        write_adapter(tmp, state, config)
+    return target
+
+
+def save_state(
+    ref: CheckpointRef,
+    home: Path,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict,
+    optimizer_tensors: dict[str, torch.Tensor],
+    meta: dict,
+) -> Path:
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        write_adapter(tmp, adapter_state, adapter_config)
+        _save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return target
+
+
+def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor], dict]:
+    if not (directory / "state.json").exists():
+        raise InvalidRequest(f"path: {directory.name} is not a state checkpoint (save it with save_state)")
+    adapter_state, adapter_config = read_adapter(directory)
+    optimizer = load_file(str(directory / "optimizer.safetensors"))
+    meta = json.loads((directory / "state.json").read_text())
+    return adapter_state, adapter_config, optimizer, meta
+
+
+def save_merged(
+    ref: CheckpointRef,
+    home: Path,
+    model_config,
+    merged_state: dict[str, torch.Tensor],
+    base_dir: Path,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict,
+) -> Path:
+    """A transformers directory: config.json, model.safetensors, tokenizer files, and adapter/."""
+    target = ref.directory(home)
+    with atomic_dir(target) as tmp:
+        model_config.save_pretrained(tmp)
+        _save_tensors(merged_state, tmp / "model.safetensors")
+        for name in TOKENIZER_FILES:
+            if (base_dir / name).exists():
+                shutil.copy2(base_dir / name, tmp / name)
+        (tmp / "adapter").mkdir()
+        write_adapter(tmp / "adapter", adapter_state, adapter_config)
+    return target
+
+
+def adapter_dir(ref: CheckpointRef, home: Path) -> Path:
+    """The directory holding the PEFT adapter of a checkpoint of any kind."""
+    directory = ref.directory(home)
+    if not directory.exists():
+        raise NotFound(f"checkpoint {ref.uri} not found")
+    return directory / "adapter" if ref.kind == "merged" else directory
+
+
+def saved(session: str, home: Path, kind: str = "*") -> list[CheckpointRef]:
+    """A session's checkpoints on disk (of ``kind``, default every kind), oldest first; directories
+    being written or removed (hidden names) are not listed."""
+    root = home / "checkpoints" / session
+    found = [d for d in root.glob(f"{kind}/*") if d.is_dir() and not d.name.startswith(".")]
+    found.sort(key=lambda d: (d.stat().st_mtime_ns, d.name))
+    return [CheckpointRef(session, d.parent.name, d.name) for d in found]
+
+
+def remove(ref: CheckpointRef, home: Path) -> None:
+    """Delete a checkpoint's directory (renamed away first, so its path is gone at once)."""
+    remove_dir(ref.directory(home))

@@ -1,0 +1,327 @@
+"""The engine's executor: one thread owns torch and runs every op of the runtime.
+
+Transports (in-process, HTTP) call :meth:`Executor.submit`, :meth:`Executor.wait` (or
+:meth:`Executor.wait_async`) and :meth:`Executor.call`. Each reads the op's request with its type
+from the ops table (:mod:`.ops`) on the caller's thread, so bad input is refused before anything is
+queued. A session's ordered ops carry the sequence number its client stamped at call time and run
+strictly in that order (an early arrival waits for the ones before it); a resubmitted op with the
+same client token returns the first op instead of running twice. Sample requests join their base
+model's decode batch; the loop interleaves one other op with each decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sess.engine.runtime.ops import OPS, Kind
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.sdk.requests import Request
+from sess.engine.sdk.types import Usage
+
+log = logging.getLogger("sess.engine")
+T = TypeVar("T")
+SEQUENCE_WAIT_S = 120.0  # how long an op may wait for an earlier sequence number to arrive
+KEEP_RESULTS = 20_000
+
+
+@dataclass
+class Operation:
+    id: str
+    owner: str
+    name: str  # a key of OPS, or "" for a callable of the engine's own (``run``)
+    request: Request | None = None
+    session: str | None = None
+    seq: int | None = None
+    fn: Callable[[Runtime], Any] | None = None  # ``run``'s callable: never built from client input
+    created: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: SessError | None = None
+    usage: Usage | None = None  # the op's own token counts where the runtime reports them (sample)
+    usage_before: Usage | None = None  # its session's usage when it started (for its delta)
+
+    def finish(self, result: Any = None, error: SessError | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class Executor:
+    """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
+    through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
+
+    def __init__(self, home: str | Path | None = None, device: str = "cpu", runtime: Runtime | None = None):
+        self.runtime = runtime or Runtime(home, device)
+        self._cv = threading.Condition()
+        self._ready: deque[Operation] = deque()
+        self._ops: OrderedDict[str, Operation] = OrderedDict()
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._next_seq: dict[str, int] = {}
+        self._parked: dict[str, dict[int, Operation]] = {}
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sess-executor", daemon=True)
+        self._thread.start()
+
+    # entry points ----------------------------------------------------------------------------------
+    def submit(
+        self,
+        owner: str,
+        name: str,
+        args: Any,
+        *,
+        session: str | None = None,
+        seq: int | None = None,
+        client_token: str | None = None,
+    ) -> str:
+        """Queue an op and return its id at once; its result comes from :meth:`wait`, and so does an
+        error in its arguments (found here, before it is queued)."""
+        spec = OPS.get(name) if isinstance(name, str) else None
+        if spec is None or spec.kind is Kind.CONTROL:
+            raise InvalidRequest(f"name: unknown operation {str(name)[:64]!r}")
+        if not isinstance(args, dict):
+            raise InvalidRequest(f"args: expected an object, got {type(args).__name__}")
+        if spec.kind is Kind.ORDERED:
+            if not isinstance(session, str) or isinstance(seq, bool) or not isinstance(seq, int):
+                raise InvalidRequest(f"{name}: needs a session name and an integer sequence number")
+            args = {**args, "session": session}
+        with self._cv:
+            if client_token is not None and (owner, client_token) in self._tokens:
+                return self._tokens[(owner, client_token)]
+        op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq)
+        try:
+            op.request = spec.request.from_wire(args)
+        except InvalidRequest as exc:  # answered at once, and still takes its place in the order
+            op.finish(error=exc)
+        with self._cv:
+            if client_token is not None and (owner, client_token) in self._tokens:
+                return self._tokens[(owner, client_token)]  # the same op, sent twice at once
+            if spec.kind is Kind.ORDERED:
+                self._order(op)
+            else:
+                self._ready.append(op)
+            self._remember(op, client_token)
+            self._cv.notify_all()
+        return op.id
+
+    def wait(self, owner: str, op_id: str, timeout: float | None = None) -> Operation | None:
+        """The finished op, or None if it is still pending after ``timeout`` seconds."""
+        op = self._owned(owner, op_id)
+        return op if op.done.wait(timeout) else None
+
+    async def wait_async(self, owner: str, op_id: str, timeout: float) -> Operation | None:
+        """:meth:`wait` for an asyncio server: the waiter is woken the moment the op finishes,
+        without a thread of its own."""
+        op = self._owned(owner, op_id)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cv:
+            if op.done.is_set():
+                return op
+            self._waiters.setdefault(op_id, []).append((loop, future))
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cv:
+                waiters = self._waiters.get(op_id, [])
+                if (loop, future) in waiters:
+                    waiters.remove((loop, future))
+                if not waiters:
+                    self._waiters.pop(op_id, None)
+        return op if op.done.is_set() else None
+
+    def call(self, owner: str, name: str, args: Any = None) -> Any:
+        """Run a control op (create/list/stop sessions, ...) on the executor and return its result."""
+        spec = OPS.get(name) if isinstance(name, str) else None
+        if spec is None or spec.kind is not Kind.CONTROL:
+            raise InvalidRequest(f"name: unknown control operation {str(name)[:64]!r}")
+        op = Operation(uuid.uuid4().hex, owner, name, spec.request.from_wire(args or {}))
+        return self._run_and_wait(op)
+
+    def run(self, fn: Callable[[Runtime], T], *, owner: str = "", wait: bool = True) -> T | Operation:
+        """Run ``fn(runtime)`` on the executor thread, between ops, and return its result (or raise
+        its error); ``wait=False`` queues it and returns at once.
+
+        For the engine's own work (idle stops, preparing an OpenAI request) and for code in the
+        engine's process that does heavy torch work of its own, such as a baseline model in a
+        benchmark: torch kernels run on an OpenMP thread team of the calling thread, and a second
+        team in the process makes every parallel region of both wait for woken workers on a small
+        machine. Run here, the work shares the engine's team."""
+        op = Operation(uuid.uuid4().hex, owner, "", fn=fn)
+        if not wait:
+            self._enqueue(op)
+            return op
+        return self._run_and_wait(op)
+
+    def next_seq(self, session: str) -> int:
+        """The sequence number the session's next ordered op must carry."""
+        with self._cv:
+            return self._next_seq.get(session, 1)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # observers (subclasses) ------------------------------------------------------------------------
+    def admit(self, op: Operation) -> None:
+        """Called on the executor thread before ``op`` runs; raise a SessError to refuse it."""
+
+    def finished(self, op: Operation) -> None:
+        """Called on the executor thread once ``op`` has its result or error."""
+
+    # queueing --------------------------------------------------------------------------------------
+    def _owned(self, owner: str, op_id: Any) -> Operation:
+        with self._cv:
+            op = self._ops.get(op_id) if isinstance(op_id, str) else None
+        if op is None or op.owner != owner:
+            raise NotFound(f"operation {str(op_id)[:64]!r} not found")
+        return op
+
+    def _enqueue(self, op: Operation) -> None:
+        with self._cv:
+            self._ready.append(op)
+            self._cv.notify_all()
+
+    def _run_and_wait(self, op: Operation) -> Any:
+        self._enqueue(op)
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    def _order(self, op: Operation) -> None:
+        expected = self._next_seq.get(op.session, 1)
+        if op.seq < expected or op.seq in self._parked.get(op.session, {}):
+            raise InvalidRequest(
+                f"seq: sequence number {op.seq} of session {op.session!r} was already used "
+                f"(next expected {expected}); resubmit with the same client token to fetch its result",
+                status=409,
+            )
+        parked = self._parked.setdefault(op.session, {})
+        parked[op.seq] = op
+        while expected in parked:
+            self._ready.append(parked.pop(expected))
+            expected += 1
+        self._next_seq[op.session] = expected
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        for session, parked in self._parked.items():
+            for seq, op in list(parked.items()):
+                if now - op.created > SEQUENCE_WAIT_S:
+                    del parked[seq]
+                    expected = self._next_seq.get(session, 1)
+                    error = InvalidRequest(
+                        f"seq: op {seq} of session {session!r} waited for {expected}, which never arrived",
+                        status=409,
+                    )
+                    self._finish(op, error=error)
+
+    def _remember(self, op: Operation, client_token: str | None) -> None:
+        self._ops[op.id] = op
+        if client_token is not None:
+            self._tokens[(op.owner, client_token)] = op.id
+        while len(self._ops) > KEEP_RESULTS:
+            old_id, old = self._ops.popitem(last=False)
+            if not old.done.is_set():  # never drop a pending op
+                self._ops[old_id] = old
+                self._ops.move_to_end(old_id, last=False)
+                break
+        if len(self._tokens) > 2 * KEEP_RESULTS:
+            self._tokens = {k: v for k, v in self._tokens.items() if v in self._ops}
+
+    # the executor thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Interleave ops with decode steps: new sample requests join the running batch, then one
+        other op runs, then every running row decodes one token; a training op waits one step at most."""
+        while True:
+            with self._cv:
+                while not self._ready and not self.runtime.decoding and not self._closed:
+                    self._cv.wait(timeout=1.0)
+                    self._expire_parked()
+                if self._closed:
+                    return
+                samples = [op for op in self._ready if op.name and OPS[op.name].kind is Kind.BATCHED]
+                if samples:
+                    self._ready = deque(
+                        op for op in self._ready if not op.name or OPS[op.name].kind is not Kind.BATCHED
+                    )
+                op = self._ready.popleft() if self._ready else None
+            for sample in samples:
+                self._guarded(sample, self._start_sample)
+            if op is not None:
+                self._guarded(op, self._execute)
+            if self.runtime.decoding:
+                try:
+                    self.runtime.decode_step()
+                except Exception as exc:  # a failed step ends the requests in it, never the executor
+                    log.error("decode step failed:\n%s", traceback.format_exc())
+                    message = f"sampling failed inside the engine: {type(exc).__name__}: {exc}"
+                    self.runtime.fail_decoding(SessError(message, status=500))
+
+    def _guarded(self, op: Operation, run: Callable[[Operation], None]) -> None:
+        """Run ``op``; its failure (a SessError, or an engine bug as a 500) is its result, never the
+        executor's end. An op refused at submit only reaches its observers."""
+        if op.done.is_set():
+            self._observe(op)
+            return
+        try:
+            if op.name:
+                self.admit(op)
+            run(op)
+        except SessError as exc:
+            self._finish(op, error=exc)
+        except Exception as exc:
+            log.error("op %s failed:\n%s", op.name or "internal", traceback.format_exc())
+            message = f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}"
+            self._finish(op, error=SessError(message, status=500))
+
+    def _execute(self, op: Operation) -> None:
+        if op.fn is not None:
+            try:
+                result = op.fn(self.runtime)
+            except Exception as exc:  # the engine's own callable: its caller gets the error as it is
+                self._finish(op, error=exc)
+                return
+            self._finish(op, result=result)
+            return
+        result = OPS[op.name].handler(self.runtime, op.owner, op.request)
+        if op.name == "session_info":  # the executor's ordering state belongs in the answer
+            result = {**result, "next_seq": self.next_seq(op.request.name)}
+        self._finish(op, result=result)
+
+    def _start_sample(self, op: Operation) -> None:
+        def done(result, error, usage) -> None:
+            op.usage = usage
+            self._finish(op, result=result, error=error)
+
+        OPS[op.name].handler(self.runtime, op.owner, op.request, done)
+
+    def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
+        op.finish(result, error)
+        self._observe(op)
+
+    def _observe(self, op: Operation) -> None:
+        if op.name:
+            try:
+                self.finished(op)
+            except Exception:  # an observer must never take the executor down
+                log.exception("observing op %s failed", op.name)
+        with self._cv:
+            waiters = self._waiters.pop(op.id, [])
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(True))

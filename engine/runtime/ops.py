@@ -1,0 +1,59 @@
+"""The engine's ops: one table from op name to its request type, its handler and how it is scheduled.
+
+Kinds: ``control`` ops run on the executor and answer their caller directly (create, list, stop
+sessions, ...); ``ordered`` ops belong to one session and run in the order of the sequence numbers
+its client stamped (training, saves, loads); ``unordered`` ops run as they come; ``batched`` ops
+(sampling) join their base model's continuous decode batch and finish from the decode loop. The
+executor checks a request against its type before queueing it (:mod:`sess.engine.sdk.requests`),
+so a handler only ever sees well-typed input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sess.engine.runtime import checkpoint_ops, sampling_ops, session_ops, training_ops
+from sess.engine.sdk import requests as rq
+
+
+class Kind(enum.Enum):
+    CONTROL = "control"
+    ORDERED = "ordered"
+    UNORDERED = "unordered"
+    BATCHED = "batched"
+
+
+@dataclass(frozen=True)
+class Op:
+    request: type[rq.Request]
+    handler: Callable
+    kind: Kind
+    recorded: bool = True  # whether the registry records it as an operation of its session
+
+
+OPS: dict[str, Op] = {
+    "list_base_models": Op(rq.NoArgs, session_ops.list_base_models, Kind.CONTROL, recorded=False),
+    "create_session": Op(rq.CreateSession, session_ops.create_session, Kind.CONTROL),
+    "create_session_from_state": Op(
+        rq.CreateSessionFromState, session_ops.create_session_from_state, Kind.CONTROL
+    ),
+    "stop_session": Op(rq.SessionName, session_ops.stop_session, Kind.CONTROL),
+    "delete_session": Op(rq.DeleteSession, session_ops.delete_session, Kind.CONTROL),
+    "list_sessions": Op(rq.ListSessions, session_ops.list_sessions, Kind.CONTROL, recorded=False),
+    "get_usage": Op(rq.GetUsage, session_ops.get_usage, Kind.CONTROL, recorded=False),
+    "session_info": Op(rq.SessionName, session_ops.session_info, Kind.CONTROL, recorded=False),
+    "tokenizer_files": Op(rq.TokenizerFiles, session_ops.tokenizer_files, Kind.CONTROL, recorded=False),
+    "list_checkpoints": Op(rq.ListCheckpoints, checkpoint_ops.list_checkpoints, Kind.CONTROL, recorded=False),
+    "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, recorded=False),
+    "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED),
+    "forward_backward": Op(rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED),
+    "optim_step": Op(rq.OptimStep, training_ops.optim_step, Kind.ORDERED),
+    "save_weights": Op(rq.SaveWeights, checkpoint_ops.save_weights, Kind.ORDERED),
+    "save_state": Op(rq.SaveState, checkpoint_ops.save_state, Kind.ORDERED),
+    "load_state": Op(rq.LoadState, checkpoint_ops.load_state, Kind.ORDERED),
+    "noop": Op(rq.Noop, session_ops.noop, Kind.ORDERED, recorded=False),
+    "sample": Op(rq.SampleRequest, sampling_ops.start_sample, Kind.BATCHED),
+    "compute_logprobs": Op(rq.ComputeLogprobs, sampling_ops.compute_logprobs, Kind.UNORDERED),
+}

@@ -1,0 +1,82 @@
+"""The runtime's state: base models in memory, sessions, and each base model's decode batch.
+
+The ops themselves are functions over this state, one module per area (``session_ops``,
+``training_ops``, ``checkpoint_ops``, ``sampling_ops``), listed with their request types in
+:mod:`.ops`. The runtime is not thread-safe by design: one executor thread owns torch and calls it
+(:mod:`.executor`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sess.engine.runtime.catalog import ModelNotAvailable
+from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.session import Session
+from sess.engine.sampling.decode_batch import DecodeBatch
+from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.sdk.home import sess_home
+
+
+class Runtime:
+    def __init__(self, home: str | Path | None = None, device: str = "cpu"):
+        self.home = sess_home(home)
+        self.device = device
+        self.hosts: dict[str, ModelHost] = {}
+        self.sessions: dict[str, Session] = {}
+        self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
+        self._adapters = 0
+
+    # lookups ---------------------------------------------------------------------------------------
+    def host(self, base_model: str) -> ModelHost:
+        """The base model ``base_model`` in memory, loaded on first use."""
+        if base_model not in self.hosts:
+            try:
+                self.hosts[base_model] = ModelHost(base_model, self.home, self.device)
+            except ModelNotAvailable as exc:
+                raise NotFound(f"base_model: {exc}") from None
+        return self.hosts[base_model]
+
+    def session(self, owner: str, name: str, *, live: bool = True) -> Session:
+        """``owner``'s session ``name`` (another key's is not found); ``live``: it must be running."""
+        session = self.find_session(owner, name)
+        if session is None:
+            raise NotFound(f"session {name!r} not found")
+        if live and not session.live:
+            raise InvalidRequest(
+                f"session {name!r} is {session.status.value}; resume it to continue", status=409
+            )
+        return session
+
+    def find_session(self, owner: str, name: str) -> Session | None:
+        session = self.sessions.get(name)
+        return session if session is not None and session.owner == owner else None
+
+    def new_adapter_name(self) -> str:
+        """A peft adapter name for a new session (session names may hold '.' or 'lora', so the
+        engine picks its own)."""
+        self._adapters += 1
+        return f"session{self._adapters}"
+
+    # decoding --------------------------------------------------------------------------------------
+    def batch(self, host: ModelHost) -> DecodeBatch:
+        """The running decode batch of ``host``'s base model."""
+        if host.name not in self.batches:
+            self.batches[host.name] = DecodeBatch(host.decoder)
+            host.pinned = self.batches[host.name].adapters_in_use
+        return self.batches[host.name]
+
+    @property
+    def decoding(self) -> bool:
+        return any(batch.active for batch in self.batches.values())
+
+    def decode_step(self) -> None:
+        """Admit waiting sample requests and decode one token for every running row."""
+        for batch in list(self.batches.values()):
+            if batch.active:
+                batch.step()
+
+    def fail_decoding(self, error: BaseException) -> None:
+        """End every running and waiting sample request with ``error`` (after a failed step)."""
+        for batch in self.batches.values():
+            batch.fail_all(error)

@@ -1,0 +1,100 @@
+"""Sampling ops: ``sample`` (joins its base model's continuous decode batch) and ``compute_logprobs``.
+
+A target is a live session's current weights, a checkpoint (its adapter loaded once and kept, LRU
+bounded) or a base model with no adapter. A sample request is checked at once and then finishes
+from the decode loop: its callback runs on the executor thread when its last row is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sess.engine.runtime.batched_forward import prompt_logprobs
+from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
+from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session import Session
+from sess.engine.sampling.decode_batch import SampleJob
+from sess.engine.sampling.token_choice import StopChecker
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import parse_path
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.types import SampleResponse, Usage
+
+OnDone = Callable[[dict | None, BaseException | None, Usage], None]
+
+
+def resolve_target(
+    runtime: Runtime, owner: str, target: rq.Target
+) -> tuple[ModelHost, str | None, Session | None]:
+    """(host, adapter to sample through or None for the base model, session to account to or None)."""
+    if target.session is not None:
+        session = runtime.session(owner, target.session)
+        return runtime.hosts[session.base_model], session.adapter, session
+    if target.model_path is not None:
+        ref = parse_path(target.model_path, field="model_path")
+        session = runtime.session(owner, ref.session, live=False)
+        host = runtime.host(session.base_model)
+        return host, checkpoint_sampler(runtime, host, ref), session
+    return runtime.host(target.base_model), None, None
+
+
+def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone) -> None:
+    """Check a sample request and add it to its base model's decode batch.
+
+    Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the executor
+    thread when the request's last row finishes."""
+    started = time.perf_counter()
+    host, adapter, session = resolve_target(runtime, owner, request.target)
+    params, prompt = request.sampling_params, request.prompt
+    check_prompt(prompt, host.vocab_size)
+    if len(prompt) + params.max_tokens > host.max_context:
+        raise InvalidRequest(
+            f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+            f"exceeds the model's context of {host.max_context} tokens"
+        )
+
+    def finished(sequences, error) -> None:
+        if error is not None:
+            on_done(None, error, Usage())
+            return
+        response = SampleResponse(sequences=sequences)
+        if job.prompt_result is not None:
+            logprobs, top = job.prompt_result
+            response.prompt_logprobs = logprobs if request.include_prompt_logprobs else None
+            response.topk_prompt_logprobs = top
+        sampled = sum(len(s.tokens) for s in sequences)
+        if session is not None:
+            session.account(started, prefill_tokens=len(prompt), sampled_tokens=sampled)
+        on_done(response.to_wire(), None, Usage(prefill_tokens=len(prompt), sampled_tokens=sampled))
+
+    wants_prompt = request.include_prompt_logprobs or request.topk_prompt_logprobs
+    job = SampleJob(
+        prompt=prompt,
+        num_samples=request.num_samples,
+        params=params,
+        adapter=adapter,
+        stopper=StopChecker(params.stop, host.eos_ids, host.tokenizer.decode),
+        on_done=finished,
+        prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
+    )
+    runtime.batch(host).submit(job)
+
+
+def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) -> dict:
+    """Each prompt token's logprob given the ones before it (the first is None)."""
+    started = time.perf_counter()
+    host, adapter, session = resolve_target(runtime, owner, request.target)
+    check_prompt(request.prompt, host.vocab_size)
+    with host.activate(adapter) as model:
+        logprobs, _ = prompt_logprobs(model, request.prompt, None)
+    if session is not None:
+        session.account(started, prefill_tokens=len(request.prompt))
+    return {"logprobs": logprobs}
+
+
+def check_prompt(prompt: list[int], vocab_size: int) -> None:
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")

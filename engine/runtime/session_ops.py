@@ -1,0 +1,132 @@
+"""Session ops: create (fresh or from a state checkpoint), stop, delete, list, usage, and the models.
+
+Each op is a function ``(runtime, owner, request) -> wire dict`` over a typed request (see
+:mod:`sess.engine.sdk.requests`), listed in :mod:`.ops`. A key sees only its own sessions.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from sess.engine.runtime import checkpoint_ops
+from sess.engine.runtime.catalog import list_models
+from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session import Session
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import check_name
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.types import SessionStatus, Usage
+
+
+def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[str]:
+    return sorted(set(list_models()) | set(runtime.hosts))
+
+
+def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) -> dict[str, str]:
+    path = runtime.host(request.base_model).path
+    return {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).exists()}
+
+
+def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
+    base_model = request.base_model
+    name = check_name(
+        request.name or f"{base_model.replace('/', '-')[:40]}-{secrets.token_hex(3)}", "training_session_name"
+    )
+    if name in runtime.sessions:
+        raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
+    host = runtime.host(base_model)
+    seed = secrets.randbits(31) if request.seed is None else request.seed
+    lora = {
+        "rank": request.rank,
+        "alpha": request.alpha,
+        "seed": seed,
+        "train_mlp": request.train_mlp,
+        "train_attn": request.train_attn,
+        "train_unembed": request.train_unembed,
+    }
+    adapter = runtime.new_adapter_name()
+    config = host.lora_config(
+        request.rank, request.alpha, request.train_attn, request.train_mlp, request.train_unembed
+    )
+    host.add_adapter(adapter, config, seed)
+    session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=request.user_metadata)
+    session.params = host.adapter_params(adapter)
+    session.new_optimizer()
+    runtime.sessions[name] = session
+    return session.summary()
+
+
+def create_session_from_state(runtime: Runtime, owner: str, request: rq.CreateSessionFromState) -> dict:
+    """A new session whose adapter (and, ``with_optimizer``, AdamW state and step) come from a state
+    checkpoint of one of ``owner``'s sessions."""
+    _, _, _, meta = read_state(checkpoint_ops.checkpoint_dir(runtime, owner, request.path))
+    lora = meta["lora"]
+    summary = create_session(
+        runtime, owner, rq.CreateSession(base_model=meta["base_model"], name=request.name, **lora)
+    )
+    load = rq.LoadState(session=summary["name"], path=request.path, with_optimizer=request.with_optimizer)
+    try:
+        checkpoint_ops.load_state(runtime, owner, load)
+    except BaseException:
+        delete_session(runtime, owner, rq.DeleteSession(name=summary["name"], stop_if_active=True))
+        raise
+    return runtime.sessions[summary["name"]].summary()
+
+
+def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
+    session = runtime.session(owner, request.name, live=False)
+    if session.live:
+        if session.base_model in runtime.batches:
+            stopped = InvalidRequest(
+                f"session {session.name!r} was stopped while this request was sampling from it", status=409
+            )
+            runtime.batches[session.base_model].fail_adapter(session.adapter, stopped)
+        runtime.hosts[session.base_model].remove_adapter(session.adapter)
+        session.optimizer, session.params = None, {}
+        session.status = SessionStatus.Stopped
+    return session.summary()
+
+
+def delete_session(runtime: Runtime, owner: str, request: rq.DeleteSession) -> dict:
+    """Forget a session and delete its checkpoints, files included (a running one is refused
+    unless ``stop_if_active``)."""
+    session = runtime.session(owner, request.name, live=False)
+    if session.live:
+        if not request.stop_if_active:
+            raise InvalidRequest(
+                f"session {session.name!r} is running; stop it first or pass stop_if_active=True", status=409
+            )
+        stop_session(runtime, owner, rq.SessionName(name=session.name))
+    del runtime.sessions[session.name]
+    checkpoint_ops.delete_checkpoints(runtime, session)
+    return session.summary()
+
+
+def list_sessions(runtime: Runtime, owner: str, request: rq.ListSessions) -> list[dict]:
+    found = [
+        s.summary()
+        for s in sorted(runtime.sessions.values(), key=lambda s: s.created)
+        if s.owner == owner
+        and (request.name_contains is None or request.name_contains in s.name)
+        and (request.status_equals is None or s.status.value == request.status_equals)
+    ]
+    return found[: request.max_results] if request.max_results else found
+
+
+def session_info(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
+    return runtime.session(owner, request.name, live=False).summary()
+
+
+def get_usage(runtime: Runtime, owner: str, request: rq.GetUsage) -> dict:
+    if request.name is not None:
+        return runtime.session(owner, request.name, live=False).usage.to_wire()
+    total = Usage()
+    for session in runtime.sessions.values():
+        if session.owner == owner:
+            total = total.add(session.usage)
+    return total.to_wire()
+
+
+def noop(runtime: Runtime, owner: str, request: rq.Noop) -> dict:
+    return {}

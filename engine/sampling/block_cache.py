@@ -1,0 +1,115 @@
+"""The decode batch's KV cache: per layer, preallocated buffers [blocks, rows, kv heads, BLOCK, dim].
+
+Row ``r``'s entries fill columns ``[0, positions[r])`` (column c lives in block c // BLOCK) and a
+decode step writes its new token at column ``positions[r]``; the rest is zeros. Blocks lead so that
+the first few are one contiguous tensor for :func:`~.row_invariant.decode_attention`, whatever the
+capacity, and a decode step copies nothing that grows with length. Rows join (:meth:`append`) and
+leave (:meth:`keep`) between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sess.engine.sampling.row_invariant import BLOCK, decode_bias
+
+
+class WriteStep:
+    """Where one decode step writes each row's new entry: the same for every layer, so made once,
+    together with attention's mask bias."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self.last = int(positions.max())
+        self.blocks = self.last // BLOCK + 1
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        self.block, self.column = positions // BLOCK, positions % BLOCK
+        self._bias: torch.Tensor | None = None
+
+    def bias(self, kv_heads: int) -> torch.Tensor:
+        """:func:`~.row_invariant.decode_bias` of this step's positions."""
+        if self._bias is None:
+            self._bias = decode_bias(self.positions, self.blocks, kv_heads)
+        return self._bias
+
+
+class BlockCache:
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values  # per layer [blocks, rows, kv heads, BLOCK, dim]
+        self.step: WriteStep | None = None
+
+    @classmethod
+    def from_prompts(
+        cls,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        spans: list[tuple[int, int, int]],
+        capacity: int,
+    ) -> BlockCache:
+        """From a prefill's per-layer entries [tokens, kv heads, dim] of prompts laid end to end:
+        ``spans`` gives each prompt's (first token, length, rows it gets); each of its rows starts
+        with the prompt's entries at column 0, with room for ``capacity`` columns."""
+        blocks = -(-capacity // BLOCK)
+        rows = sum(count for _, _, count in spans)
+
+        def blocked(entries: torch.Tensor) -> torch.Tensor:
+            _, heads, dim = entries.shape
+            out = entries.new_zeros(blocks, rows, heads, BLOCK, dim)
+            row = 0
+            for start, length, count in spans:
+                prompt = _pad(entries[start : start + length].transpose(0, 1), blocks * BLOCK, dim=1)
+                prompt = prompt.reshape(heads, blocks, BLOCK, dim).permute(1, 0, 2, 3)
+                out[:, row : row + count] = prompt[:, None]
+                row += count
+            return out
+
+        return cls([blocked(k) for k in keys], [blocked(v) for v in values])
+
+    @property
+    def blocks(self) -> int:
+        return self.keys[0].shape[0]
+
+    def set_positions(self, positions: torch.Tensor) -> WriteStep:
+        """Where this step writes (every layer's :meth:`update` uses it)."""
+        self.step = WriteStep(positions)
+        if self.step.blocks > self.blocks:
+            grown = max(self.step.blocks, self.blocks + (self.blocks + 3) // 4)
+            self.keys = [_pad(k, grown, dim=0) for k in self.keys]
+            self.values = [_pad(v, grown, dim=0) for v in self.values]
+        return self.step
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's new entry [rows, kv heads, dim] of ``layer``; its keys and values up to
+        this step's last block."""
+        step = self.step
+        self.keys[layer][step.block, step.rows, :, step.column] = key
+        self.values[layer][step.block, step.rows, :, step.column] = value
+        return self.keys[layer][: step.blocks], self.values[layer][: step.blocks]
+
+    def keep(self, rows: torch.Tensor, width: int) -> None:
+        """Keep ``rows``, and of their blocks enough for ``width`` columns and some growth."""
+        keep = min(self.blocks, 2 * (width // BLOCK + 1))
+        self.keys = [k[:keep, rows] for k in self.keys]
+        self.values = [v[:keep, rows] for v in self.values]
+
+    def append(self, other: BlockCache) -> None:
+        """Add ``other``'s rows after this cache's."""
+        blocks = max(self.blocks, other.blocks)
+        self.keys = [
+            torch.cat([_pad(a, blocks, dim=0), _pad(b, blocks, dim=0)], dim=1)
+            for a, b in zip(self.keys, other.keys)
+        ]
+        self.values = [
+            torch.cat([_pad(a, blocks, dim=0), _pad(b, blocks, dim=0)], dim=1)
+            for a, b in zip(self.values, other.values)
+        ]
+
+
+def _pad(t: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:
+    """``t`` padded with zeros at the end of ``dim`` to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)

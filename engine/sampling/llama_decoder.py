@@ -1,0 +1,299 @@
+"""The lean decoder for llama-family models (llama, qwen3): prefill and decode steps on the weights.
+
+A decode step of 64 rows on smollm2-135m does ~1,900 small tensor ops through transformers' and
+peft's modules; the matmuls of the base model are about half of its time and the rest is module
+machinery (masks built and ignored, per-layer hooks and bookkeeping, a LoRA call per projection).
+This decoder runs the same arithmetic directly on the same weights: the base projections through
+:class:`~.row_invariant.RowInvariantLinears`, one LoRA ``A`` matmul for the projections that read
+the same input (q/k/v, gate/up), the ``B`` matmuls per projection, and attention over the batch's
+:class:`~.block_cache.BlockCache`. A prefill lays the new prompts end to end (no padding), runs
+each prompt's attention on its own, and writes each prompt's keys and values into the rows of its
+samples; each group of rows goes through its own adapter (None: the base weights).
+
+Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
+result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
+row, and each group of rows adds its own adapter's LoRA terms. So the batch is invariant, and the
+sampled logprobs equal ``forward``'s to rounding (the parity tests).
+
+It computes exactly the models :func:`unsupported` accepts: the architecture, activation, biases,
+rotary embedding type, attention windows and module classes are checked, and anything else (rope
+scaling, attention bias, sliding windows, other architectures) decodes through the model's own
+modules instead (:mod:`.module_decoder`), so no model silently takes a path that computes something
+else. The decoder reads the model's modules but never changes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sess.engine.sampling.block_cache import BlockCache
+from sess.engine.sampling.decoder import Prefill, full_attention_only
+from sess.engine.sampling.row_invariant import (
+    RowInvariantLinears,
+    decode_attention,
+    onednn_available,
+    pack_weight,
+    packed_linear,
+    pad_rows,
+    row_padding,
+)
+from sess.engine.sampling.rows import Groups, add_to_rows, groups_of, take_rows
+
+MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
+PACK_FROM = 1024  # LoRA B matrices with this many outputs or more go through oneDNN, prepacked
+# projections that read the same input share one LoRA A matmul
+BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the lean decoder does not compute ``model`` exactly (None: it does)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODELS:
+        return f"architecture {model_type!r} (the lean decoder covers {', '.join(MODELS)})"
+    if type(model).__name__ != MODELS[model_type]:
+        return f"model class {type(model).__name__} (expected {MODELS[model_type]})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "attention or MLP biases"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope scaling {rope.get('rope_type', rope.get('type'))!r}"
+    if not full_attention_only(model):
+        return "sliding-window attention"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "tensor-parallel pretraining slices (pretraining_tp)"
+    if getattr(config, "quantization_config", None):
+        return "quantized weights"
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+@dataclass
+class _Lora:
+    """One adapter's LoRA terms for a bundle of projections that read the same input: their A
+    matrices stacked, and per projection its B, scaling and columns of the stacked A's output."""
+
+    a: torch.Tensor
+    parts: list[tuple[str, torch.Tensor, float, slice, bool]]  # the last: B prepacked and scaled
+
+
+class LlamaDecoder:
+    """Prefill and decode steps of one base model, merging every request into one batch.
+    ``model_of()`` gives the model at each call, since peft wraps and unwraps its layers as
+    adapters come and go."""
+
+    merges = True
+
+    def __init__(self, model_of: Callable[[], torch.nn.Module]):
+        self.model_of = model_of
+        config = model_of().config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        self.qk_norm = config.model_type == "qwen3"
+        self.linear = RowInvariantLinears()
+        self._plans: dict[str, tuple[list, tuple, list]] = {}  # adapter -> (modules, versions, plan)
+
+    # prefill ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, jobs: list) -> Prefill:
+        """Run the prompts of ``jobs`` (each with ``prompt``, ``num_samples``, ``adapter`` and
+        ``prompt_logprobs``); a job that wants prompt logprobs comes alone."""
+        model = self.model_of()
+        inner = model.model
+        device = inner.embed_tokens.weight.device
+        lengths = [len(job.prompt) for job in jobs]
+        starts = [sum(lengths[:i]) for i in range(len(jobs))]
+        tokens = torch.tensor([t for job in jobs for t in job.prompt], device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        groups = groups_of([job.adapter for job, n in zip(jobs, lengths) for _ in range(n)], device)
+        keys, values = [], []
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys.append(k)
+            values.append(v)
+            out = torch.empty_like(q)
+            for start, n in zip(starts, lengths):  # each prompt on its own, shaped as if alone
+                span = slice(start, start + n)
+                out[span] = F.scaled_dot_product_attention(
+                    q[span].transpose(0, 1)[None].contiguous(),
+                    k[span].transpose(0, 1)[None].contiguous(),
+                    v[span].transpose(0, 1)[None].contiguous(),
+                    is_causal=True,
+                    scale=self.scaling,
+                    enable_gqa=True,
+                )[0].transpose(0, 1)
+            return out
+
+        h = self._layers(model, groups, tokens, positions, attend, scale_queries=False)
+        rows = (
+            list(range(lengths[0]))
+            if jobs[0].prompt_logprobs
+            else [start + n - 1 for start, n in zip(starts, lengths)]
+        )
+        owner = [job.adapter for job, n in zip(jobs, lengths) for _ in range(n)]
+        logits = self._output(model, h[rows], [owner[row] for row in rows])
+        spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
+        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + 16)
+        if jobs[0].prompt_logprobs:
+            return Prefill(cache, logits[-1:], logits)
+        return Prefill(cache, logits)
+
+    def _output(self, model, h: torch.Tensor, adapters: list[str | None]) -> torch.Tensor:
+        """Logits of the final-normed states ``h``, row ``r`` through ``adapters[r]``'s lm_head."""
+        groups = groups_of(adapters, h.device)
+        plans = [(rows, self._plan(model, adapter)[-1:]) for adapter, rows in groups if adapter is not None]
+        (logits,) = self._project(model, ("lm_head",), h, plans, 0)
+        return logits
+
+    # decode step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self, cache: BlockCache, adapters: list[str | None], tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] for one new token per row (row ``r`` through ``adapters[r]``),
+        written into ``cache`` at ``positions``."""
+        model = self.model_of()
+        step = cache.set_positions(positions)
+        bias = step.bias(self.kv_heads)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.update(layer, k, v)
+            return decode_attention(q[:, :, None], keys, values, bias).view(q.shape)
+
+        h = self._layers(
+            model, groups_of(adapters, tokens.device), tokens, positions, attend, scale_queries=True
+        )
+        return self._output(model, h, adapters)
+
+    def _layers(
+        self, model, groups: Groups, tokens, positions, attend, *, scale_queries: bool
+    ) -> torch.Tensor:
+        """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), with
+        ``attend(layer, q, k, v)`` ([rows, heads, dim] each) doing attention; returns the final-normed
+        states."""
+        inner = model.model
+        plans = [(rows, self._plan(model, adapter)) for adapter, rows in groups if adapter is not None]
+        count = tokens.shape[0]
+        h = inner.embed_tokens(tokens)  # [rows, hidden]
+        cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
+        # decode attention takes its queries scaled, so the rotation scales them on the way
+        q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
+        for index, layer in enumerate(inner.layers):
+            lora = [(rows, plan[index]) for rows, plan in plans]
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k, v = self._project(attn, BUNDLES[0], x, lora, 0)
+            q = q.view(count, self.heads, self.head_dim)
+            k = k.view(count, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q = q * q_cos + q.roll(half, dims=-1) * q_sin  # rotary embedding, as apply_rotary_pos_emb
+            k = k * cos + k.roll(half, dims=-1) * sin
+            out = attend(index, q, k, v.view(count, self.kv_heads, self.head_dim))
+            (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
+            h = h + o
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            gate, up = self._project(mlp, BUNDLES[2], x, lora, 2)
+            (down,) = self._project(mlp, BUNDLES[3], F.silu(gate) * up, lora, 3)
+            h = h + down
+        return _rms_norm(inner.norm, h)
+
+    def _project(self, parent, names, x: torch.Tensor, lora, bundle: int) -> list[torch.Tensor]:
+        """The projections ``names`` of ``parent`` on ``x``, plus each group of rows' LoRA terms."""
+        outs = []
+        for name in names:
+            base = _base(getattr(parent, name))
+            outs.append(self.linear(x, base.weight, base.bias))
+        for rows, layer_plan in lora:
+            terms = layer_plan[bundle]
+            if terms is not None:
+                _add_lora(outs, x, rows, terms, names)
+        return outs
+
+    # per-adapter LoRA plans ------------------------------------------------------------------------
+    def _plan(self, model, adapter: str) -> list:
+        """Per layer, per bundle, the adapter's :class:`_Lora` (or None); last, the lm_head's.
+        Rebuilt when any of the adapter's weights changed (a training session's after optim_step)."""
+        cached = self._plans.get(adapter)
+        if cached is not None and all(adapter in m.lora_A for m in cached[0]):
+            if _versions(cached[0], adapter) == cached[1]:
+                return cached[2]
+        modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
+        plan = []
+        for layer in model.model.layers:
+            parents = (layer.self_attn, layer.self_attn, layer.mlp, layer.mlp)
+            plan.append([_bundle(parent, names, adapter) for parent, names in zip(parents, BUNDLES)])
+        plan.append(_bundle(model, ("lm_head",), adapter))
+        bundles = [terms for layer_plan in plan[:-1] for terms in layer_plan] + [plan[-1]]
+        if sum(len(terms.parts) for terms in bundles if terms is not None) != len(modules):
+            raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
+        live = {a for m in modules[:1] for a in m.lora_A}
+        self._plans = {a: p for a, p in self._plans.items() if a in live}
+        self._plans[adapter] = (modules, _versions(modules, adapter), plan)
+        return plan
+
+
+def _versions(modules, adapter: str) -> tuple:
+    return tuple(
+        (id(w), w._version) for m in modules for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)
+    )
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "base_layer", module)
+
+
+def _bundle(parent, names, adapter: str) -> _Lora | None:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    present = [
+        (name, getattr(parent, name))
+        for name in names
+        if adapter in getattr(getattr(parent, name), "lora_A", {})
+    ]
+    if not present:
+        return None
+    a_parts, parts, start = [], [], 0
+    for name, module in present:
+        if not isinstance(module, LoraLinear) or module.merged or module.lora_variant.get(adapter):
+            raise RuntimeError(f"adapter {adapter}: {name} is not a plain LoRA linear layer")
+        a = module.lora_A[adapter].weight
+        a_parts.append(a)
+        b, scaling = module.lora_B[adapter].weight, float(module.scaling[adapter])
+        packed = b.is_cpu and b.shape[0] >= PACK_FROM and onednn_available()
+        if packed:  # oneDNN is faster than the BLAS for these; scaling goes into the copy
+            b = pack_weight(b.detach() * scaling)
+        parts.append((name, b, scaling, slice(start, start + a.shape[0]), packed))
+        start += a.shape[0]
+    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts).contiguous()
+    return _Lora(a=a, parts=parts)
+
+
+def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
+    """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
+    part = take_rows(x, rows)
+    padded, count = pad_rows(part, row_padding(part.device.type))
+    low = F.linear(padded, terms.a)  # [padded rows, sum of ranks]
+    for name, b, scaling, columns, packed in terms.parts:
+        out = outs[names.index(name)]
+        if packed:
+            delta = packed_linear(low[:count, columns].contiguous(), b)
+        else:
+            delta = F.linear((low[:, columns] * scaling).contiguous(), b)[:count]
+        add_to_rows(out, rows, delta)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm (x * rsqrt(mean(x^2) + eps) * weight), in one op."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)

@@ -1,0 +1,92 @@
+"""Checks of a training batch, shared by the SDK (before a request leaves) and the engine.
+
+A loss names the ``loss_fn_inputs`` it needs (:data:`REQUIRED_INPUTS`) and the options it takes with
+their defaults (:data:`DEFAULT_CONFIG`); every datum's inputs must be finite and as long as its
+``model_input``, and token ids must lie in the vocabulary. Errors name the datum index and the key.
+The losses themselves are computed on the engine (:mod:`sess.engine.runtime.losses`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from sess.engine.sdk.types import Datum, InvalidRequest, LossFunction
+
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+}
+
+DEFAULT_CONFIG: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+}
+
+
+def check_loss_fn(loss_fn: str | LossFunction, loss_fn_config: dict | None) -> tuple[str, dict[str, float]]:
+    """Normalise the loss name and merge ``loss_fn_config`` over its defaults; unknown names are errors."""
+    name = loss_fn.value if isinstance(loss_fn, LossFunction) else loss_fn
+    if name not in REQUIRED_INPUTS:
+        raise InvalidRequest(f"loss_fn: unknown loss {name!r}; choose one of {', '.join(REQUIRED_INPUTS)}")
+    config = dict(DEFAULT_CONFIG[name])
+    for key, value in (loss_fn_config or {}).items():
+        if key not in config:
+            known = ", ".join(config) or "none"
+            raise InvalidRequest(f"loss_fn_config.{key}: not an option of {name} (options: {known})")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidRequest(f"loss_fn_config.{key}: expected a finite number, got {value!r}")
+        config[key] = float(value)
+    return name, config
+
+
+def check_data(
+    data: Sequence[Datum], loss_fn: str, *, vocab_size: int | None = None, require_targets: bool = True
+) -> None:
+    """Raise InvalidRequest naming the datum index and key for the first problem in ``data``."""
+    if not isinstance(data, list | tuple) or len(data) == 0:
+        raise InvalidRequest("data: expected a non-empty list of Datum")
+    required = REQUIRED_INPUTS[loss_fn] if require_targets else ("target_tokens",)
+    for i, datum in enumerate(data):
+        if not isinstance(datum, Datum):
+            raise InvalidRequest(f"data[{i}]: expected a Datum, got {type(datum).__name__}")
+        tokens = datum.model_input.to_ints()
+        if not tokens:
+            raise InvalidRequest(f"data[{i}].model_input: empty")
+        _check_tokens(tokens, f"data[{i}].model_input", vocab_size)
+        for key in required:
+            if key not in datum.loss_fn_inputs:
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs: missing {key!r} (required by {loss_fn})")
+        for key, value in datum.loss_fn_inputs.items():
+            array = value.to_numpy()
+            if array.ndim != 1 or array.shape[0] != len(tokens):
+                raise InvalidRequest(
+                    f"data[{i}].loss_fn_inputs[{key!r}]: length {array.shape} does not match "
+                    f"model_input.length {len(tokens)}"
+                )
+            if not np.all(np.isfinite(array)):
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]: contains NaN or infinity")
+        if "target_tokens" in datum.loss_fn_inputs:
+            targets = datum.loss_fn_inputs["target_tokens"].to_numpy()
+            if targets.dtype.kind == "f" and not np.all(targets == np.round(targets)):
+                raise InvalidRequest(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be integers")
+            _check_tokens(
+                targets.astype(np.int64).tolist(), f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size
+            )
+
+
+def _check_tokens(tokens: Sequence[int], where: str, vocab_size: int | None) -> None:
+    low, high = min(tokens), max(tokens)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise InvalidRequest(
+            f"{where}: token id {bad} is outside the vocabulary (0..{(vocab_size or 0) - 1})"
+        )

@@ -1,0 +1,200 @@
+"""The HTTP transport: the four transport verbs over keep-alive HTTP to an engine server.
+
+One pooled ``httpx`` client with TCP_NODELAY (a request's header and body go out as separate writes;
+Nagle plus delayed ACKs would add ~40 ms to each). Transient failures (connection refused or reset,
+503) are retried with exponential backoff; a 4xx never is. A submitted op always carries a client
+token, so a retry after a lost answer returns the first op instead of running it twice. Live
+training sessions of this client are kept alive by a heartbeat thread, so the engine's idle timeout
+only stops sessions whose client went away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.sdk.home import read_local_key
+
+log = logging.getLogger("sess.engine")
+RETRY_DEADLINE_S = float(os.environ.get("SESS_RETRY_DEADLINE_S", 60.0))
+IDEMPOTENT_CALLS = {
+    "list_sessions",
+    "get_usage",
+    "list_base_models",
+    "tokenizer_files",
+    "list_checkpoints",
+    "session_info",
+}
+SESSION_STARTS = {"create_session", "create_session_from_state", "session_info"}
+SESSION_ENDS = {"stop_session", "delete_session"}
+
+
+class EngineUnavailable(SessError):
+    status = 503
+
+
+def error_from(response: httpx.Response) -> SessError:
+    try:
+        message = response.json()["error"]["message"]
+    except Exception:
+        message = response.text[:500] or response.reason_phrase
+    status = response.status_code
+    if status == 404:
+        return NotFound(message)
+    if 400 <= status < 500:
+        return InvalidRequest(message, status=status)
+    return SessError(message, status=status)
+
+
+class HttpTransport:
+    def __init__(self, url: str, api_key: str | None = None, *, home: str | os.PathLike | None = None):
+        self.url = url.rstrip("/")
+        self.api_key = api_key or os.environ.get("SESS_API_KEY") or read_local_key(home)
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            transport=httpx.HTTPTransport(
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                limits=httpx.Limits(max_connections=128, max_keepalive_connections=64),
+            ),
+            timeout=httpx.Timeout(60.0, connect=10.0),
+        )
+        self._live: set[str] = set()
+        self._live_lock = threading.Lock()
+        self._heartbeat_every = 10.0
+        self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # plumbing -------------------------------------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        idempotent: bool,
+        timeout: float | None = None,
+        **kw,
+    ) -> httpx.Response:
+        """Send with retries on transient failures; raise the engine's error for any 4xx/5xx."""
+        content = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        deadline, delay = time.monotonic() + RETRY_DEADLINE_S, 0.05
+        while True:
+            try:
+                response = self._http.request(
+                    method, path, content=content, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw
+                )
+                if response.status_code != 503:
+                    break
+                failure: Exception = error_from(response)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached the engine
+                failure = exc
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                if not idempotent:
+                    raise EngineUnavailable(
+                        f"lost the connection to the engine at {self.url}: {exc}"
+                    ) from None
+                failure = exc
+            if time.monotonic() + delay > deadline:
+                if isinstance(failure, SessError):
+                    raise failure
+                raise EngineUnavailable(f"cannot reach the engine at {self.url}: {failure}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        if response.status_code >= 400:
+            raise error_from(response)
+        return response
+
+    def _post(self, path: str, body: dict, *, idempotent: bool, timeout: float | None = None) -> dict:
+        return self.request("POST", path, body, idempotent=idempotent, timeout=timeout).json()
+
+    # transport verbs ------------------------------------------------------------------------------
+    def call(self, name: str, args: dict | None = None) -> Any:
+        result = self._post(
+            "/api/call", {"name": name, "args": args or {}}, idempotent=name in IDEMPOTENT_CALLS, timeout=600
+        )["result"]
+        if name in SESSION_STARTS and isinstance(result, dict) and result.get("status") == "Running":
+            self.keep_alive(result["name"])
+        elif name in SESSION_ENDS and args:
+            self.forget(args.get("name"))
+        return result
+
+    def submit(self, name, args, *, session=None, seq=None, client_token=None) -> str:
+        body = {
+            "name": name,
+            "args": args,
+            "session": session,
+            "seq": seq,
+            "client_token": client_token or uuid.uuid4().hex,  # makes the retry below safe
+        }
+        return self._post("/api/submit", body, idempotent=True)["op_id"]
+
+    def wait(self, op_id: str, timeout: float) -> tuple[bool, Any]:
+        answer = self._post(
+            "/api/wait", {"op_id": op_id, "timeout": timeout}, idempotent=True, timeout=timeout + 30
+        )
+        return (True, answer["result"]) if answer["done"] else (False, None)
+
+    def download(self, path: str, dest_dir: Path) -> Path:
+        listing = self.request("GET", "/api/checkpoints/files", idempotent=True, params={"path": path}).json()
+        dest_dir = Path(dest_dir)
+        for relative, _size in listing["files"]:
+            target = dest_dir / relative
+            if not target.resolve().is_relative_to(dest_dir.resolve()):
+                raise InvalidRequest(f"checkpoint file {relative!r} escapes the destination")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._http.stream(
+                "GET", "/api/checkpoints/file", params={"path": path, "file": relative}, timeout=600
+            ) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise error_from(response)
+                with open(target, "wb") as f:
+                    for chunk in response.iter_bytes(1 << 20):
+                        f.write(chunk)
+        return dest_dir
+
+    def usage(self, name: str | None = None) -> dict:
+        params = {"name": name} if name else {}
+        return self.request("GET", "/api/usage", idempotent=True, params=params).json()
+
+    # heartbeats -----------------------------------------------------------------------------------
+    def keep_alive(self, session: str) -> None:
+        with self._live_lock:
+            self._live.add(session)
+            if self._heartbeat is None:
+                self._heartbeat = threading.Thread(target=self._beat, name="sess-heartbeat", daemon=True)
+                self._heartbeat.start()
+
+    def forget(self, session: str | None) -> None:
+        with self._live_lock:
+            self._live.discard(session)
+
+    def _beat(self) -> None:
+        while not self._closed.is_set():
+            with self._live_lock:
+                sessions = sorted(self._live)
+            if sessions:
+                try:
+                    answer = self._post("/api/heartbeat", {"sessions": sessions}, idempotent=True, timeout=10)
+                    self._heartbeat_every = max(0.2, min(30.0, float(answer["idle_timeout"]) / 4))
+                except Exception as exc:  # the engine may be restarting; the next beat retries
+                    log.debug("heartbeat failed: %s", exc)
+            self._closed.wait(self._heartbeat_every)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._http.close()

@@ -1,0 +1,78 @@
+"""``SamplingClient``: samples from a checkpoint, a live session's current weights, or a base model.
+
+Every ``sample`` returns an :class:`~.futures.APIFuture` at once; many requests are in flight
+together and the engine decodes them in one continuous batch. Each sampled token carries its
+logprob, which (at temperature 1, untruncated) equals what ``forward`` computes for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.futures import APIFuture, with_async_twins
+from sess.engine.sdk.types import ModelInput, SampleResponse, SamplingParams
+
+if TYPE_CHECKING:
+    from sess.engine.sdk.service_client import ServiceClient
+
+
+@with_async_twins("sample", "compute_logprobs")
+class SamplingClient:
+    """Samples from a checkpoint, a live session's weights, or the base model (adapter off)."""
+
+    def __init__(self, service: ServiceClient, target: rq.Target, base_model: str):
+        self.service = service
+        self.target = target
+        self.base_model = base_model
+        self.model_path = target.model_path
+
+    def get_tokenizer(self):
+        return self.service.get_tokenizer(self.base_model)
+
+    def _prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, ModelInput):
+            return prompt.to_ints()
+        if isinstance(prompt, str):
+            return list(self.get_tokenizer().encode(prompt))
+        if isinstance(prompt, Sequence) and all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
+        ):
+            return [int(t) for t in prompt]
+        raise InvalidRequest("prompt: expected a ModelInput, a list of token ids or a string")
+
+    def sample(
+        self,
+        prompt,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        *,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int | None = None,
+    ) -> APIFuture[SampleResponse]:
+        request = rq.SampleRequest(
+            target=self.target,
+            prompt=self._prompt(prompt),
+            num_samples=num_samples,
+            sampling_params=sampling_params or SamplingParams(),
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )
+        request.check()
+        return self.service._submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)
+
+    def compute_logprobs(self, prompt) -> APIFuture[list[float | None]]:
+        """Each prompt token's logprob given the ones before it (the first is None)."""
+        request = rq.ComputeLogprobs(target=self.target, prompt=self._prompt(prompt))
+        request.check()
+        return self.service._submitter.submit("compute_logprobs", request.to_wire(), lambda r: r["logprobs"])
+
+    def stop(self) -> None:
+        """Release this client; checkpoints it sampled from stay on the engine."""
+
+    def __repr__(self) -> str:
+        return f"<SamplingClient {self.target.to_wire()}>"

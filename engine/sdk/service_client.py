@@ -1,0 +1,179 @@
+"""The SDK's entry point: ``ServiceClient`` finds or starts an engine and makes the other clients.
+
+``ServiceClient()`` talks to the local engine of ``SESS_HOME`` (started in the background when none
+runs), ``ServiceClient("http://host:port", api_key=...)`` to a remote one, and
+``ServiceClient("inproc")`` to an engine inside this Python process. ``SESS_ENGINE_URL`` and
+``SESS_API_KEY`` fill in what is not given. Inputs are checked here, with the same typed requests
+the engine reads (:mod:`.requests`), before anything leaves the client.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import parse_path
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.futures import Submitter
+from sess.engine.sdk.sampling_client import SamplingClient
+from sess.engine.sdk.training_client import TrainingClient
+from sess.engine.sdk.transport import InProcessTransport, Transport, shared_engine
+from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
+
+
+class ServiceClient:
+    """Entry point: finds or starts an engine and creates training and sampling clients."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, *, home: str | os.PathLike | None = None
+    ):
+        url = url or os.environ.get("SESS_ENGINE_URL") or "local"
+        api_key = api_key or os.environ.get("SESS_API_KEY")
+        if url == "local":  # the engine of SESS_HOME, started in the background if none runs
+            from sess.engine.server.launcher import ensure_local_engine
+
+            url = ensure_local_engine(home)
+        self.url = url
+        if url == "inproc":
+            self.transport: Transport = InProcessTransport(shared_engine(home), owner=api_key or "local")
+        else:
+            from sess.engine.sdk.http_transport import HttpTransport
+
+            self.transport = HttpTransport(url, api_key=api_key, home=home)
+        self._submitter = Submitter(self.transport)
+        self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_lock = threading.Lock()
+
+    def _call(self, name: str, request: rq.Request) -> Any:
+        request.check()
+        return self.transport.call(name, request.to_wire())
+
+    # models and sessions ---------------------------------------------------------------------------
+    def list_base_models(self) -> list[str]:
+        return self._call("list_base_models", rq.NoArgs())
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        *,
+        rank: int = 32,
+        alpha: float = 64,
+        training_session_name: str | None = None,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict | None = None,
+    ) -> TrainingClient:
+        request = rq.CreateSession(
+            base_model=base_model,
+            name=training_session_name,
+            rank=rank,
+            alpha=alpha,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+            user_metadata=user_metadata,
+        )
+        summary = self._call("create_session", request)
+        return TrainingClient(self, summary["name"], summary["base_model"], next_seq=1)
+
+    def create_training_client_from_state(
+        self, path: str, *, training_session_name: str | None = None
+    ) -> TrainingClient:
+        """A new session whose adapter starts from the weights of a state checkpoint (fresh optimizer)."""
+        return self._from_state(path, training_session_name, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, training_session_name: str | None = None
+    ) -> TrainingClient:
+        """A new session that continues a state checkpoint: weights, AdamW moments and step count."""
+        return self._from_state(path, training_session_name, with_optimizer=True)
+
+    def _from_state(self, path: str, name: str | None, *, with_optimizer: bool) -> TrainingClient:
+        request = rq.CreateSessionFromState(path=path, name=name, with_optimizer=with_optimizer)
+        summary = self._call("create_session_from_state", request)
+        return TrainingClient(self, summary["name"], summary["base_model"], next_seq=1)
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        if (model_path is None) == (base_model is None):
+            raise InvalidRequest("create_sampling_client: give exactly one of model_path or base_model")
+        if model_path is not None:
+            session = parse_path(model_path, field="model_path").session
+            info = self._call("session_info", rq.SessionName(name=session))
+            return SamplingClient(self, rq.Target(model_path=model_path), info["base_model"])
+        if base_model not in self.list_base_models():
+            raise InvalidRequest(f"base_model: unknown model {base_model!r}; see list_base_models()")
+        return SamplingClient(self, rq.Target(base_model=base_model), base_model)
+
+    def get_training_client(self, training_session_name: str) -> TrainingClient:
+        """Re-attach to a live session (its sequence numbers continue where they are)."""
+        info = self._call("session_info", rq.SessionName(name=training_session_name))
+        if info["status"] != SessionStatus.Running.value:
+            raise InvalidRequest(
+                f"session {training_session_name!r} is {info['status']}; resume it to continue"
+            )
+        return TrainingClient(self, info["name"], info["base_model"], next_seq=info["next_seq"])
+
+    def list_sessions(
+        self,
+        *,
+        name_contains: str | None = None,
+        status_equals: str | SessionStatus | None = None,
+        max_results: int | None = None,
+    ) -> list[TrainingSessionSummary]:
+        status = status_equals.value if isinstance(status_equals, SessionStatus) else status_equals
+        request = rq.ListSessions(name_contains=name_contains, status_equals=status, max_results=max_results)
+        return [TrainingSessionSummary.from_wire(s) for s in self._call("list_sessions", request)]
+
+    def stop_session(self, name: str) -> TrainingSessionSummary:
+        return TrainingSessionSummary.from_wire(self._call("stop_session", rq.SessionName(name=name)))
+
+    def delete_session(self, name: str, *, stop_if_active: bool = False) -> TrainingSessionSummary:
+        """Forget a session and delete its checkpoints, files included; download any you want to
+        keep first. A running session is refused unless ``stop_if_active``."""
+        request = rq.DeleteSession(name=name, stop_if_active=stop_if_active)
+        return TrainingSessionSummary.from_wire(self._call("delete_session", request))
+
+    def get_usage(self, name: str | None = None) -> Usage:
+        return Usage.from_wire(self._call("get_usage", rq.GetUsage(name=name)))
+
+    def list_checkpoints(self, name: str) -> list[dict]:
+        return self._call("list_checkpoints", rq.ListCheckpoints(session=name))
+
+    def download_checkpoint(self, path: str, dest_dir: str | os.PathLike) -> Path:
+        """Copy a sess:// checkpoint's files into ``dest_dir`` (created) and return that directory."""
+        parse_path(path)
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        return self.transport.download(path, dest)
+
+    def get_tokenizer(self, base_model: str):
+        """The base model's tokenizer (a ``transformers`` tokenizer, built from the engine's files)."""
+        from transformers import AutoTokenizer
+
+        with self._tokenizer_lock:
+            if base_model not in self._tokenizers:
+                files = self._call("tokenizer_files", rq.TokenizerFiles(base_model=base_model))
+                directory = Path(tempfile.mkdtemp(prefix="sess-tokenizer-"))
+                for name, text in files.items():
+                    (directory / Path(name).name).write_text(text)
+                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(directory)
+            return self._tokenizers[base_model]
+
+    def close(self) -> None:
+        self._submitter.close()
+        self.transport.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

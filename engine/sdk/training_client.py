@@ -1,0 +1,255 @@
+"""``TrainingClient``: a live training session; its LoRA adapter and AdamW state live on the engine.
+
+Each method that talks to the engine returns an :class:`~.futures.APIFuture` at once (and has an
+``_async`` twin). The client stamps a sequence number on each op at call time; the engine runs a
+session's ops in that order, so ``optim_step`` queued right after ``forward_backward`` applies its
+gradients. ``forward_backward_custom`` runs a loss written in torch here, on the client, and is the
+only method that imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.futures import APIFuture, with_async_twins
+from sess.engine.sdk.sampling_client import SamplingClient
+from sess.engine.sdk.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadStateResponse,
+    LossFunction,
+    ModelInput,
+    OptimStepResponse,
+    SaveStateResponse,
+    SaveWeightsResponse,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from sess.engine.sdk.service_client import ServiceClient
+
+CustomLoss = Callable[[list[Datum], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]]
+
+
+def to_datums(data: Any) -> list[Datum]:
+    """Accept a list of Datum, one token-id list, or a list of token-id lists (-> cross_entropy, weight 1)."""
+    if isinstance(data, Datum):
+        return [data]
+    if isinstance(data, list | tuple) and data and all(isinstance(t, int | np.integer) for t in data):
+        data = [data]
+    if not isinstance(data, list | tuple) or not data:
+        raise InvalidRequest("data: expected a non-empty list of Datum or of token-id lists")
+    datums = []
+    for i, item in enumerate(data):
+        if isinstance(item, Datum):
+            datums.append(item)
+        elif isinstance(item, list | tuple | ModelInput):
+            tokens = item.to_ints() if isinstance(item, ModelInput) else [int(t) for t in item]
+            if len(tokens) < 2:
+                raise InvalidRequest(f"data[{i}]: a token list needs at least 2 tokens to predict one")
+            datums.append(
+                Datum(
+                    model_input=ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": np.array(tokens[1:]),
+                        "weights": np.ones(len(tokens) - 1, np.float32),
+                    },
+                )
+            )
+        else:
+            raise InvalidRequest(f"data[{i}]: expected a Datum or a token-id list, got {type(item).__name__}")
+    return datums
+
+
+@with_async_twins(
+    "forward",
+    "forward_backward",
+    "forward_backward_custom",
+    "optim_step",
+    "save_weights_for_sampler",
+    "save_state",
+    "load_state",
+    "load_state_with_optimizer",
+)
+class TrainingClient:
+    """A live training session: its LoRA adapter and optimizer live on the engine."""
+
+    def __init__(self, service: ServiceClient, name: str, base_model: str, *, next_seq: int):
+        self.service = service
+        self.name = name
+        self.training_session_name = name
+        self.base_model = base_model
+        self._seq = next_seq - 1
+        self._lock = threading.Lock()
+
+    @property
+    def current_sequence_number(self) -> int:
+        return self._seq
+
+    def _ordered(self, name: str, request: rq.SessionOp, convert: Callable) -> APIFuture:
+        request.check()
+        with self._lock:  # stamping and queueing under one lock keeps sequence numbers in send order
+            self._seq += 1
+            return self._send(name, request, convert, self._seq)
+
+    def _send(self, name: str, request: rq.SessionOp, convert: Callable, seq: int) -> APIFuture:
+        return self.service._submitter.submit(
+            name, request.to_wire(), convert, session=self.name, seq=seq, client_token=uuid.uuid4().hex
+        )
+
+    def get_tokenizer(self):
+        return self.service.get_tokenizer(self.base_model)
+
+    def forward(
+        self, data, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Per-token logprobs of ``data`` under the current weights, and the loss's metrics."""
+        return self._training_op("forward", data, loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self, data, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """:meth:`forward`, and the loss's gradients added to the adapter's (token-sum losses)."""
+        return self._training_op("forward_backward", data, loss_fn, loss_fn_config)
+
+    def _training_op(self, op: str, data, loss_fn, loss_fn_config) -> APIFuture[ForwardBackwardOutput]:
+        loss_fn = loss_fn.value if isinstance(loss_fn, LossFunction) else loss_fn
+        request = rq.ForwardRequest(
+            session=self.name, data=to_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config
+        )
+        return self._ordered(op, request, ForwardBackwardOutput.from_wire)
+
+    def forward_backward_custom(self, data, loss_fn: CustomLoss) -> APIFuture[ForwardBackwardOutput]:
+        """Run ``loss_fn(data, logprobs)`` here, on logprobs from an engine forward pass, then send its
+        gradient back as the per-token weights of a cross-entropy pass (same gradients, one round trip more)."""
+        import torch
+
+        datums = to_datums(data)
+        probe = [
+            Datum(
+                d.model_input,
+                {
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": np.zeros(d.model_input.length, np.float32),
+                }
+                if "target_tokens" in d.loss_fn_inputs
+                else {},
+            )
+            for d in datums
+        ]
+        forward_request = rq.ForwardRequest(session=self.name, data=probe)
+        forward_request.check()
+        with self._lock:  # reserve two consecutive sequence numbers: forward now, backward later
+            forward_seq, backward_seq = self._seq + 1, self._seq + 2
+            self._seq += 2
+            forward = self._send("forward", forward_request, ForwardBackwardOutput.from_wire, forward_seq)
+        outer: APIFuture[ForwardBackwardOutput] = APIFuture()
+
+        def after_forward(done: APIFuture) -> None:
+            try:
+                output = done.result()
+                logprobs = [o["logprobs"].to_torch().float().requires_grad_() for o in output.loss_fn_outputs]
+                loss, metrics = loss_fn(datums, logprobs)
+                loss.backward()
+                weights = [
+                    (-lp.grad if lp.grad is not None else torch.zeros_like(lp)).detach() for lp in logprobs
+                ]
+            except BaseException as exc:
+                self._send("noop", rq.Noop(session=self.name), lambda r: r, backward_seq)
+                outer._future.set_exception(exc)
+                return
+            backward_data = [
+                Datum(
+                    d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": w.numpy()}
+                )
+                for d, w in zip(datums, weights)
+            ]
+            backward_request = rq.ForwardRequest(session=self.name, data=backward_data)
+            backward = self._send(
+                "forward_backward", backward_request, ForwardBackwardOutput.from_wire, backward_seq
+            )
+
+            def finish(b: APIFuture) -> None:
+                error = b.exception()
+                if error is not None:
+                    outer._future.set_exception(error)
+                    return
+                result_metrics = {
+                    "loss:sum": float(loss.detach()),
+                    **{k: float(v) for k, v in metrics.items()},
+                }
+                outer._future.set_result(ForwardBackwardOutput(output.loss_fn_outputs, result_metrics))
+
+            backward.add_done_callback(finish)
+
+        forward.add_done_callback(after_forward)
+        return outer
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        request = rq.OptimStep(session=self.name, adam_params=adam_params or AdamParams())
+        return self._ordered("optim_step", request, OptimStepResponse.from_wire)
+
+    def save_weights_for_sampler(
+        self, description: str = "", merge_weights: bool = False, *, name: str | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
+        request = rq.SaveWeights(session=self.name, name=name, merge=merge_weights)
+        return self._ordered("save_weights", request, SaveWeightsResponse.from_wire)
+
+    def save_state(self, description: str = "", *, name: str | None = None) -> APIFuture[SaveStateResponse]:
+        return self._ordered(
+            "save_state", rq.SaveState(session=self.name, name=name), SaveStateResponse.from_wire
+        )
+
+    def load_state(self, path: str) -> APIFuture[LoadStateResponse]:
+        """Load a state checkpoint's weights; the optimizer starts fresh."""
+        request = rq.LoadState(session=self.name, path=path, with_optimizer=False)
+        return self._ordered("load_state", request, LoadStateResponse.from_wire)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadStateResponse]:
+        request = rq.LoadState(session=self.name, path=path, with_optimizer=True)
+        return self._ordered("load_state", request, LoadStateResponse.from_wire)
+
+    def save_weights_and_get_sampling_client(
+        self, description: str = "", merge_weights: bool = False, *, name: str | None = None
+    ) -> SamplingClient:
+        """Save the current weights and return a sampler of them (waits for the save).
+
+        Without ``name`` or ``merge_weights`` the save is transient, ``sess://<session>/sampler/...``:
+        the engine keeps the session's newest three such saves and deletes older ones no request is
+        sampling from, so a loop that publishes a sampler every step does not fill the disk. Give a
+        ``name`` (or use :meth:`save_weights_for_sampler`) to keep the weights."""
+        if name is None and not merge_weights:
+            request = rq.SaveWeights(session=self.name, transient=True)
+            future = self._ordered("save_weights", request, SaveWeightsResponse.from_wire)
+        else:
+            future = self.save_weights_for_sampler(description, merge_weights, name=name)
+        return SamplingClient(self.service, rq.Target(model_path=future.result().path), self.base_model)
+
+    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
+        """A sampler of ``model_path``, or (None) of this session's current weights as they change."""
+        target = rq.Target(model_path=model_path) if model_path else rq.Target(session=self.name)
+        return SamplingClient(self.service, target, self.base_model)
+
+    def stop(self) -> None:
+        self.service.stop_session(self.name)
+
+    def delete(self) -> None:
+        self.service.delete_session(self.name, stop_if_active=True)
+
+    def __enter__(self) -> TrainingClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<TrainingClient {self.name} on {self.base_model}>"

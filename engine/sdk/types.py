@@ -1,0 +1,348 @@
+"""Wire and SDK types: what a loop builds and what the engine answers.
+
+Plain dataclasses with ``to_wire``/``from_wire`` so every type crosses the in-process and HTTP
+transports as JSON-able data (no pickle). Number arrays travel as base64 of little-endian bytes,
+which keeps a batch of token ids or logprobs compact on the wire.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
+
+_DTYPES = {"float32": np.float32, "int64": np.int64}
+
+
+class SessionStatus(str, enum.Enum):
+    Starting = "Starting"
+    Running = "Running"
+    Stopping = "Stopping"
+    Stopped = "Stopped"
+    Failed = "Failed"
+    Interrupted = "Interrupted"
+
+
+class LossFunction(str, enum.Enum):
+    cross_entropy = "cross_entropy"
+    importance_sampling = "importance_sampling"
+    ppo = "ppo"
+    cispo = "cispo"
+    dro = "dro"
+
+
+@dataclass
+class EncodedTextChunk:
+    tokens: list[int]
+    type: str = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ModelInput:
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def append_int(self, token: int) -> ModelInput:
+        return ModelInput.from_ints([*self.to_ints(), int(token)])
+
+    def to_ints(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def to_wire(self) -> dict:
+        return {"tokens": encode_array(np.asarray(self.to_ints(), dtype=np.int64))}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> ModelInput:
+        return cls.from_ints(decode_array(wire["tokens"]).tolist())
+
+
+@dataclass
+class TensorData:
+    data: list | np.ndarray
+    dtype: str = "float32"
+    shape: list[int] | None = None
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise InvalidRequest(f"TensorData.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        array = np.asarray(array)
+        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        return cls(data=array.astype(_DTYPES[dtype]), dtype=dtype, shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor) -> TensorData:
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        array = np.asarray(self.data, dtype=_DTYPES[self.dtype])
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_torch(self):
+        import torch
+
+        return torch.from_numpy(self.to_numpy().copy())
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    def to_wire(self) -> dict:
+        array = self.to_numpy()
+        return {"dtype": self.dtype, "shape": list(array.shape), "data": encode_array(array)}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TensorData:
+        array = decode_array(wire["data"], wire["dtype"]).reshape(wire["shape"])
+        return cls(data=array, dtype=wire["dtype"], shape=list(wire["shape"]))
+
+
+def as_tensor_data(value: Any, key: str = "value") -> TensorData:
+    """Accept TensorData, numpy, torch, or nested lists (ints -> int64, otherwise float32)."""
+    if isinstance(value, TensorData):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return TensorData.from_torch(value)
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{key}: cannot be read as an array ({exc})") from None
+    if array.dtype == object or not (
+        np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.bool_)
+    ):
+        raise InvalidRequest(f"{key}: expected numbers, got {array.dtype}")
+    return TensorData.from_numpy(array)
+
+
+def encode_array(array: np.ndarray) -> str:
+    dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+    return base64.b64encode(
+        np.ascontiguousarray(array, dtype=np.dtype(_DTYPES[dtype]).newbyteorder("<")).tobytes()
+    ).decode()
+
+
+def decode_array(text: str, dtype: str = "int64") -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.dtype(_DTYPES[dtype]).newbyteorder("<")).astype(
+        _DTYPES[dtype]
+    )
+
+
+@dataclass
+class Datum:
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.model_input, list | tuple):
+            self.model_input = ModelInput.from_ints(self.model_input)
+        self.loss_fn_inputs = {k: as_tensor_data(v, k) for k, v in self.loss_fn_inputs.items()}
+
+    def to_wire(self) -> dict:
+        return {
+            "model_input": self.model_input.to_wire(),
+            "loss_fn_inputs": {k: v.to_wire() for k, v in self.loss_fn_inputs.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> Datum:
+        return cls(
+            model_input=ModelInput.from_wire(wire["model_input"]),
+            loss_fn_inputs={k: TensorData.from_wire(v) for k, v in wire["loss_fn_inputs"].items()},
+        )
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = bounded(512, 1)  # the engine bounds it by the model's context
+    temperature: float = bounded(1.0, 0.0)
+    top_p: float = bounded(1.0, above=0.0, hi=1.0)
+    top_k: int = bounded(-1, -1)  # -1: off
+    seed: int | None = bounded(None, 0)
+    stop: str | list[str] | list[int] | None = bounded(None, max_items=64)
+
+    def check(self, where: str = "sampling_params") -> None:
+        check_instance(self, where)
+        if self.top_k == 0:
+            raise InvalidRequest(f"{where}.top_k: must be -1 (off) or >= 1, got 0")
+
+    validate = check
+
+    @classmethod
+    def from_wire(cls, wire: dict, where: str = "sampling_params") -> SamplingParams:
+        params = cls(**check_fields(cls, wire, where))
+        params.check(where)
+        return params
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = bounded(1e-4, 0.0)
+    beta1: float = bounded(0.9, 0.0)
+    beta2: float = bounded(0.95, 0.0)
+    eps: float = bounded(1e-8, 0.0)
+    weight_decay: float = bounded(0.0, 0.0)
+    grad_clip_norm: float = bounded(0.0, 0.0)  # 0: no clipping
+
+    def check(self, where: str = "adam_params") -> None:
+        check_instance(self, where)
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise InvalidRequest(f"{where}.{name}: must be below 1, got {getattr(self, name)!r}")
+
+    validate = check
+
+    @classmethod
+    def from_wire(cls, wire: dict, where: str = "adam_params") -> AdamParams:
+        params = cls(**check_fields(cls, wire, where))
+        params.check(where)
+        return params
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float]
+
+    def to_wire(self) -> dict:
+        return {
+            "loss_fn_outputs": [{k: v.to_wire() for k, v in out.items()} for out in self.loss_fn_outputs],
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> ForwardBackwardOutput:
+        outputs = [{k: TensorData.from_wire(v) for k, v in out.items()} for out in wire["loss_fn_outputs"]]
+        return cls(loss_fn_outputs=outputs, metrics=wire["metrics"])
+
+
+@dataclass
+class OptimStepResponse:
+    metrics: dict[str, float]
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> OptimStepResponse:
+        return cls(**wire)
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> SampleResponse:
+        topk = wire.get("topk_prompt_logprobs")
+        if topk is not None:
+            topk = [None if row is None else [tuple(pair) for pair in row] for row in topk]
+        return cls(
+            sequences=[SampledSequence(**s) for s in wire["sequences"]],
+            prompt_logprobs=wire.get("prompt_logprobs"),
+            topk_prompt_logprobs=topk,
+        )
+
+
+@dataclass
+class SaveStateResponse:
+    path: str
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict):
+        return cls(**wire)
+
+
+@dataclass
+class SaveWeightsResponse(SaveStateResponse):
+    released: list[str] = field(default_factory=list)  # transient sampler saves deleted by this save
+
+
+class LoadStateResponse(SaveStateResponse):
+    pass
+
+
+@dataclass
+class Usage:
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
+    training_tokens: int = 0
+    wall_time_s: float = 0.0
+    operations: int = 0
+
+    def add(self, other: Usage) -> Usage:
+        return Usage(**{k: getattr(self, k) + getattr(other, k) for k in asdict(self)})
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> Usage:
+        return cls(**wire)
+
+
+@dataclass
+class TrainingSessionSummary:
+    name: str
+    base_model: str
+    status: SessionStatus
+    created: float
+    last_active: float
+    step: int
+    usage: Usage
+    user_metadata: dict | None = None
+    lora: dict | None = None
+
+    def to_wire(self) -> dict:
+        wire = asdict(self)
+        wire["status"] = self.status.value
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TrainingSessionSummary:
+        wire = dict(wire)
+        wire["status"] = SessionStatus(wire["status"])
+        wire["usage"] = Usage.from_wire(wire["usage"])
+        return cls(**wire)

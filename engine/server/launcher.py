@@ -1,0 +1,134 @@
+"""Finding, starting and stopping the local engine of an engine home.
+
+A running engine writes ``engine.json`` (url, pid, port) into its home. :func:`ensure_local_engine`
+returns that engine's URL when it answers, and otherwise starts one in the background (a new session
+leader, logging to ``engine.log``) under a file lock, so two clients starting at once share one engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from sess.engine.runtime.memory import engine_env
+from sess.engine.sdk.errors import SessError
+from sess.engine.sdk.home import sess_home
+from sess.engine.server.settings import ENGINE_FILE, LOG_FILE, START_TIMEOUT_S
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) -> dict | None:
+    """The running engine of ``home`` ({url, pid, port, ...}) if it answers its health check."""
+    path = sess_home(home) / ENGINE_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not _alive(int(info.get("pid", -1))):
+        return None
+    try:
+        health = httpx.get(f"{info['url']}/healthz", timeout=timeout).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return info if health.get("pid") == info["pid"] else None
+
+
+@contextlib.contextmanager
+def _start_lock(home: Path):
+    with open(home / "engine.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def server_command(
+    home: Path, host: str, port: int, device: str, extra_args: list[str] | None = None
+) -> list[str]:
+    """The command line of an engine server process."""
+    command = [sys.executable, "-m", "sess.engine.server", "--home", str(home), "--host", host]
+    return command + ["--port", str(port), "--device", device, *(extra_args or [])]
+
+
+def start_engine(
+    home: str | os.PathLike | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    device: str = "cpu",
+    extra_args: list[str] | None = None,
+    timeout: float = START_TIMEOUT_S,
+) -> dict:
+    """Start an engine process for ``home`` in the background and wait until it answers."""
+    home = sess_home(home)
+    (home / ENGINE_FILE).unlink(missing_ok=True)
+    command = server_command(home, host, port, device, extra_args)
+    with open(home / LOG_FILE, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env=engine_env(),  # malloc keeps freed memory for the next step: see memory.py
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = (home / LOG_FILE).read_text(errors="replace").strip().splitlines()[-3:]
+            raise SessError(f"the engine exited at start (code {process.returncode}): {' | '.join(tail)}")
+        info = engine_info(home, timeout=1.0)
+        if info is not None and info["pid"] == process.pid:
+            return info
+        time.sleep(0.1)
+    process.terminate()
+    raise SessError(f"the engine did not answer within {timeout:.0f} s; see {home / LOG_FILE}")
+
+
+def ensure_local_engine(home: str | os.PathLike | None = None, **start_options) -> str:
+    """The URL of the local engine of ``home``, started in the background if none is running."""
+    home = sess_home(home)
+    info = engine_info(home)
+    if info is not None:
+        return info["url"]
+    with _start_lock(home):
+        info = engine_info(home) or start_engine(home, **start_options)
+    return info["url"]
+
+
+def stop_engine(home: str | os.PathLike | None = None, *, timeout: float = 20.0) -> dict | None:
+    """Stop the engine of ``home`` (SIGTERM, then SIGKILL after ``timeout``); its info, or None."""
+    home = sess_home(home)
+    info = engine_info(home)
+    if info is None:
+        return None
+    pid = int(info["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    (home / ENGINE_FILE).unlink(missing_ok=True)
+    return info

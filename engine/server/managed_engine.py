@@ -1,0 +1,192 @@
+"""The engine as a server runs it: the executor plus registry records, session limits and idle stops.
+
+:class:`ManagedEngine` records every session, checkpoint and op (with its own token counts) in the
+SQLite registry, restores the sessions of a previous process as ``Interrupted`` (their checkpoints
+stay usable), refuses a key's session beyond its live-session limit, and stops sessions whose
+clients stopped heart-beating for ``idle_timeout`` seconds after saving their state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sess.engine.runtime import checkpoint_ops, session_ops
+from sess.engine.runtime.executor import Executor, Operation
+from sess.engine.runtime.memory import keep_freed_memory
+from sess.engine.runtime.ops import OPS
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session import Session
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import parse_path
+from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.sdk.types import SessionStatus, Usage
+from sess.engine.server.registry import Registry
+from sess.engine.server.settings import IDLE_TIMEOUT_S, MAX_SESSIONS
+
+log = logging.getLogger("sess.engine")
+SESSION_STARTS = ("create_session", "create_session_from_state")
+
+
+class ManagedEngine(Executor):
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        device: str = "cpu",
+        *,
+        idle_timeout: float = IDLE_TIMEOUT_S,
+        max_sessions: int = MAX_SESSIONS,
+        session_limits: Callable[[str], int | None] | None = None,
+    ):
+        keep_freed_memory()  # an engine process keeps freed memory for its next step: see memory.py
+        runtime = Runtime(home, device)
+        self.registry = Registry(runtime.home)
+        self.idle_timeout = idle_timeout
+        self.max_sessions = max_sessions
+        self.session_limits = session_limits  # owner -> its limit, or None for the engine's
+        self.heartbeats: dict[str, float] = {}
+        self.interrupted = self.registry.interrupt_live()
+        for row in self.registry.sessions():
+            runtime.sessions[row["name"]] = Session(
+                name=row["name"],
+                owner=row["owner"],
+                base_model=row["base_model"],
+                lora=row["lora"] or {},
+                user_metadata=row["user_metadata"],
+                status=SessionStatus(row["status"]),
+                created=row["created"],
+                last_active=row["last_active"],
+                step=row["step"] or 0,
+                usage=Usage.from_wire(row["usage"]) if row["usage"] else Usage(),
+            )
+        super().__init__(runtime=runtime)
+        self._idle_thread = threading.Thread(target=self._watch_idle, name="sess-idle", daemon=True)
+        self._idle_thread.start()
+
+    def submit(self, owner: str, name: str, args, *, session=None, seq=None, client_token=None) -> str:
+        # Another key's session must look absent, not busy: check before sequence ordering answers.
+        if isinstance(session, str) and self.runtime.find_session(owner, session) is None:
+            raise NotFound(f"session {session!r} not found")
+        return super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+
+    def heartbeat(self, owner: str, sessions: list[str]) -> None:
+        now = time.time()
+        for name in sessions:
+            if self.runtime.find_session(owner, name) is not None:
+                self.heartbeats[name] = now
+
+    # observing ops ---------------------------------------------------------------------------------
+    def admit(self, op: Operation) -> None:
+        if op.name in SESSION_STARTS:
+            live = [s.name for s in self.runtime.sessions.values() if s.owner == op.owner and s.live]
+            limit = self._limit_for(op.owner)
+            if len(live) >= limit:
+                raise InvalidRequest(
+                    f"session limit: this key already has {len(live)} live sessions (limit {limit}); "
+                    f"stop one first (sess stop NAME): {', '.join(live)}",
+                    status=429,
+                )
+        session = self._session(op)
+        op.usage_before = session.usage if session is not None else None
+
+    def finished(self, op: Operation) -> None:
+        if OPS[op.name].recorded:
+            self._record(op)
+
+    def _limit_for(self, owner: str) -> int:
+        limit = self.session_limits(owner) if self.session_limits else None
+        return self.max_sessions if limit is None else limit
+
+    def _session(self, op: Operation) -> Session | None:
+        """The session an op works on or is accounted to, if it is the op's owner's."""
+        name = _session_name(op)
+        return self.runtime.find_session(op.owner, name) if name else None
+
+    def _record(self, op: Operation) -> None:
+        if op.name in SESSION_STARTS and op.error is None:
+            name = op.result["name"]
+        else:
+            name = _session_name(op)
+        session = self.runtime.find_session(op.owner, name) if name else None
+        if op.name == "delete_session" and op.error is None:
+            self.registry.forget_session(name)
+            session = None
+        if session is not None:
+            self.registry.save_session(session.summary(), session.owner)
+            if op.error is None and op.name in ("save_weights", "save_state"):
+                ref = parse_path(op.result["path"])
+                self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
+                for released in op.result.get("released", []):
+                    self.registry.remove_checkpoint(released)
+        counts = {}
+        if op.usage is not None:  # sample requests report their own counts
+            counts = {k: v for k, v in op.usage.to_wire().items() if k not in ("wall_time_s", "operations")}
+        elif session is not None and op.usage_before is not None:
+            after, before = session.usage, op.usage_before
+            counts = {k: getattr(after, k) - getattr(before, k) for k in Usage.__dataclass_fields__}
+        error = str(op.error) if op.error is not None else None
+        self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, counts)
+
+    # idle sessions ---------------------------------------------------------------------------------
+    def _watch_idle(self) -> None:
+        period = max(0.2, min(5.0, self.idle_timeout / 4))
+        while not self._closed:
+            time.sleep(period)
+            for name in self._idle_sessions():
+                self.run(lambda runtime, n=name: self._stop_idle(runtime, n), wait=False)
+
+    def _idle_sessions(self) -> list[str]:
+        now = time.time()
+        return [
+            s.name
+            for s in list(self.runtime.sessions.values())
+            if s.live and now - self._last_seen(s) > self.idle_timeout
+        ]
+
+    def _last_seen(self, session: Session) -> float:
+        return max(session.last_active, session.created, self.heartbeats.get(session.name, 0.0))
+
+    def _stop_idle(self, runtime: Runtime, name: str) -> None:
+        session = runtime.sessions.get(name)
+        if session is None or not session.live:
+            return
+        if time.time() - self._last_seen(session) <= self.idle_timeout:
+            return  # an op or a heartbeat arrived while this stop waited in the queue
+        owner = session.owner
+        try:
+            saved = rq.SaveState(session=name, name=f"idle-step{session.step:06d}")
+            path = checkpoint_ops.save_state(runtime, owner, saved)["path"]
+            self.registry.add_checkpoint(path, name, owner, "state")
+        except SessError as exc:
+            log.warning("idle session %s: saving its state failed: %s", name, exc)
+        session_ops.stop_session(runtime, owner, rq.SessionName(name=name))
+        self.registry.save_session(session.summary(), owner)
+        log.warning(
+            "session %s was idle for over %.0f s: state saved, session stopped", name, self.idle_timeout
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.registry.close()
+
+
+def _session_name(op: Operation) -> str | None:
+    """The session an op works on or is accounted to, if any."""
+    if op.session:
+        return op.session
+    request = op.request
+    if isinstance(request, rq.SampleRequest | rq.ComputeLogprobs):
+        target = request.target
+        if target.session is not None:
+            return target.session
+        if target.model_path is not None:
+            try:
+                return parse_path(target.model_path).session
+            except SessError:
+                return None
+        return None
+    name = getattr(request, "name", None)
+    return name if isinstance(request, rq.SessionName | rq.DeleteSession) else None

@@ -1,0 +1,158 @@
+"""The engine's registry: SQLite in the engine home (``registry.db``) that outlives the process.
+
+Tables: ``sessions`` (one row per session, its status, step and usage), ``checkpoints`` (every
+saved ``sess://`` path), ``operations`` (one row per op with its own token counts and wall time) and
+``usage`` (per session and op name, summed). When an engine starts, sessions the previous process
+left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from sess.engine.sdk.home import sess_home
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    name TEXT PRIMARY KEY, owner TEXT NOT NULL, base_model TEXT NOT NULL, status TEXT NOT NULL,
+    created REAL, last_active REAL, step INTEGER, lora TEXT, user_metadata TEXT, usage TEXT
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    path TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, kind TEXT NOT NULL, created REAL
+);
+CREATE TABLE IF NOT EXISTS operations (
+    id TEXT PRIMARY KEY, session TEXT, owner TEXT NOT NULL, name TEXT NOT NULL, ok INTEGER,
+    error TEXT, finished REAL, wall_time_s REAL, prefill_tokens INTEGER, sampled_tokens INTEGER,
+    training_tokens INTEGER
+);
+CREATE INDEX IF NOT EXISTS operations_session ON operations(session);
+CREATE TABLE IF NOT EXISTS usage (
+    session TEXT NOT NULL, owner TEXT NOT NULL, operation TEXT NOT NULL, count INTEGER,
+    prefill_tokens INTEGER, sampled_tokens INTEGER, training_tokens INTEGER, wall_time_s REAL,
+    PRIMARY KEY (session, operation)
+);
+"""
+LIVE = ("Starting", "Running", "Stopping")
+COUNTS = ("prefill_tokens", "sampled_tokens", "training_tokens", "wall_time_s")
+
+
+class Registry:
+    def __init__(self, home: str | os.PathLike | None = None):
+        self.path = Path(sess_home(home)) / "registry.db"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def _run(self, sql: str, params=()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # sessions -------------------------------------------------------------------------------------
+    def interrupt_live(self) -> list[str]:
+        """Mark sessions a dead engine left live as Interrupted; return their names."""
+        marks = ",".join("?" * len(LIVE))
+        names = [r["name"] for r in self._run(f"SELECT name FROM sessions WHERE status IN ({marks})", LIVE)]
+        self._run(f"UPDATE sessions SET status='Interrupted' WHERE status IN ({marks})", LIVE)
+        return names
+
+    def sessions(self) -> list[dict]:
+        rows = self._run("SELECT * FROM sessions ORDER BY created")
+        return [
+            {
+                **dict(r),
+                "lora": json.loads(r["lora"] or "null"),
+                "user_metadata": json.loads(r["user_metadata"] or "null"),
+                "usage": json.loads(r["usage"] or "{}"),
+            }
+            for r in rows
+        ]
+
+    def save_session(self, summary: dict, owner: str) -> None:
+        self._run(
+            "INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                summary["name"],
+                owner,
+                summary["base_model"],
+                summary["status"],
+                summary["created"],
+                summary["last_active"],
+                summary["step"],
+                json.dumps(summary.get("lora")),
+                json.dumps(summary.get("user_metadata")),
+                json.dumps(summary["usage"]),
+            ),
+        )
+
+    def forget_session(self, name: str) -> None:
+        for table, column in (("sessions", "name"), ("checkpoints", "session"), ("usage", "session")):
+            self._run(f"DELETE FROM {table} WHERE {column}=?", (name,))
+
+    # checkpoints and operations -------------------------------------------------------------------
+    def add_checkpoint(self, path: str, session: str, owner: str, kind: str) -> None:
+        self._run(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)", (path, session, owner, kind, time.time())
+        )
+
+    def remove_checkpoint(self, path: str) -> None:
+        self._run("DELETE FROM checkpoints WHERE path=?", (path,))
+
+    def checkpoints(self, session: str) -> list[dict]:
+        return [
+            dict(r)
+            for r in self._run("SELECT * FROM checkpoints WHERE session=? ORDER BY created", (session,))
+        ]
+
+    def record_operation(
+        self, op_id: str, owner: str, name: str, session: str | None, error: str | None, counts: dict
+    ) -> None:
+        values = [counts.get(k, 0) for k in COUNTS]
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (op_id, session, owner, name, error is None, error, time.time(), values[3], *values[:3]),
+                )
+                if session is not None:
+                    self._db.execute(
+                        "INSERT INTO usage VALUES (?,?,?,1,?,?,?,?) ON CONFLICT(session, operation) DO UPDATE "
+                        "SET count=count+1, prefill_tokens=prefill_tokens+excluded.prefill_tokens, "
+                        "sampled_tokens=sampled_tokens+excluded.sampled_tokens, "
+                        "training_tokens=training_tokens+excluded.training_tokens, "
+                        "wall_time_s=wall_time_s+excluded.wall_time_s",
+                        (session, owner, name, *values),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def usage_by_operation(self, owner: str, session: str | None = None) -> dict[str, dict]:
+        """{operation name: {count, prefill_tokens, sampled_tokens, training_tokens, wall_time_s}}."""
+        where, params = ("owner=? AND session=?", (owner, session)) if session else ("owner=?", (owner,))
+        rows = self._run(
+            "SELECT operation, SUM(count) AS count, SUM(prefill_tokens) AS prefill_tokens, "
+            "SUM(sampled_tokens) AS sampled_tokens, SUM(training_tokens) AS training_tokens, "
+            f"SUM(wall_time_s) AS wall_time_s FROM usage WHERE {where} GROUP BY operation",
+            params,
+        )
+        return {r["operation"]: {k: r[k] for k in r.keys() if k != "operation"} for r in rows}
+
+    def operations(self, session: str) -> list[dict]:
+        return [
+            dict(r)
+            for r in self._run("SELECT * FROM operations WHERE session=? ORDER BY finished", (session,))
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

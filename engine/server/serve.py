@@ -1,0 +1,139 @@
+"""The engine process: bind a socket, build the managed engine and its app, serve until a signal.
+
+Run it with ``sess engine up`` or ``python -m sess.engine.server --home DIR --port N``. The running
+engine writes ``engine.json`` (url, pid, port) into its home, which the launcher and the CLI read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from sess.engine.sdk.home import atomic_write_bytes, sess_home
+from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_SESSIONS
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when it is explicit; without
+    # it a response's header and body writes wait ~40 ms on the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    home: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    device: str = "cpu",
+    idle_timeout: float = IDLE_TIMEOUT_S,
+    max_sessions: int = MAX_SESSIONS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> None:
+    """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home."""
+    import uvicorn
+
+    from sess.engine.server.app import create_app
+    from sess.engine.server.keys import KeyStore
+    from sess.engine.server.managed_engine import ManagedEngine
+
+    home = sess_home(home)
+    keys = KeyStore(home)
+    if not is_loopback(host) and not keys.load():
+        raise SystemExit(
+            f"refusing to listen on {host} without API keys: add one first (sess engine keys add --home {home})"
+        )
+    keys.ensure_local_key()
+    sock = bind(host, port)
+    port = sock.getsockname()[1]
+    engine = ManagedEngine(
+        home,
+        device,
+        idle_timeout=idle_timeout,
+        max_sessions=max_sessions,
+        session_limits=lambda owner: next(
+            (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
+        ),
+    )
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    info = {
+        "url": f"http://{url_host}:{port}",
+        "pid": os.getpid(),
+        "host": host,
+        "port": port,
+        "started": time.time(),
+    }
+    atomic_write_bytes(home / ENGINE_FILE, json.dumps(info).encode())
+    app = create_app(engine, keys, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_keep_alive=120,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=3,
+    )
+    server = uvicorn.Server(config)
+    print(f"sess engine serving {info['url']} (home {home}, pid {os.getpid()})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        try:
+            if json.loads((home / ENGINE_FILE).read_text()).get("pid") == os.getpid():
+                (home / ENGINE_FILE).unlink()
+        except (OSError, ValueError):
+            pass
+        engine.close()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sess.engine.server", description=__doc__.splitlines()[0])
+    parser.add_argument("--home", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("SESS_PORT", 0)))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S)
+    parser.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="live sessions per key")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after a graceful shutdown
+    try:
+        serve(
+            args.home,
+            args.host,
+            args.port,
+            args.device,
+            args.idle_timeout,
+            args.max_sessions,
+            args.max_body_bytes,
+        )
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)
