@@ -106,7 +106,9 @@ def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     """Median seconds for one pass of the base model's linear layers over ``rows`` rows, in model
     order, through the kernels the lean decoder uses (oneDNN, prepacked weights)."""
     linear = host.decoder.linear
-    layers = [m for name, m in host.model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in name]
+    layers = [
+        m for name, m in host.model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in name
+    ]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(rows, n, generator=gen) for n in {m.in_features for m in layers}}
     times = []

@@ -100,7 +100,7 @@ def test_tiny_models_are_deterministic(tmp_path, home):
 
 def test_cached_build_is_reused(home, monkeypatch):
     path = prepare("tiny-llama", home)
-    monkeypatch.setattr(models, "_build_random", lambda *a: pytest.fail("rebuilt a cached model"))
+    monkeypatch.setattr(models, "build_random", lambda *a: pytest.fail("rebuilt a cached model"))
     assert prepare("tiny-llama", home) == path
 
 
