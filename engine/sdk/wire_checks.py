@@ -23,6 +23,7 @@ from sess.engine.sdk.errors import InvalidRequest, SessError, WrongType
 
 MAX_STRING = 4096  # characters of a name, path or loss option, unless a field says otherwise
 MAX_ITEMS = 1 << 20  # items of a list field, unless a field says otherwise
+MAX_DEPTH = 16  # nesting of a free-form object field (user metadata)
 
 
 def bounded(default: Any = dataclasses.MISSING, lo: float | None = None, hi: float | None = None, **meta):
@@ -118,10 +119,12 @@ def check_value(value: Any, kind: Any, where: str, meta: Any = None) -> Any:
         limit = meta.get("max_length", MAX_STRING)
         if len(value) > limit:
             raise _invalid(f"{where}: {len(value)} characters is over the limit of {limit}")
-        return value
+        return check_text(value, where)
     if kind is dict:
         if not isinstance(value, dict):
             raise _error(where, "an object", value)
+        if _depth(value, MAX_DEPTH + 1) > MAX_DEPTH:
+            raise _invalid(f"{where}: nested more than {MAX_DEPTH} levels deep")
         return value
     if isinstance(kind, type) and hasattr(kind, "from_wire"):
         if isinstance(value, kind):
@@ -132,6 +135,25 @@ def check_value(value: Any, kind: Any, where: str, meta: Any = None) -> Any:
             raise _error(where, "an object", value)
         return kind.from_wire(value, where) if _takes_where(kind) else _from_wire(kind, value, where)
     raise TypeError(f"wire_checks: no check for {kind!r} at {where}")  # a programming error here
+
+
+def check_text(value: str, where: str) -> str:
+    """``value`` if it is text a tokenizer or a file name can take: valid Unicode, no NUL."""
+    if "\x00" in value:
+        raise _invalid(f"{where}: contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(f"{where}: not valid Unicode text (a lone surrogate)") from None
+    return value
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deeply ``value`` nests objects and lists, counted up to ``limit``."""
+    if limit <= 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(child, limit - 1) for child in children), default=0)
 
 
 def _from_wire(kind: type, value: dict, where: str) -> Any:

@@ -20,6 +20,7 @@ from sess.engine.runtime.sampling_ops import resolve_target
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Target
 from sess.engine.sdk.types import SamplingParams, SessionStatus
+from sess.engine.sdk.wire_checks import check_text
 
 SAMPLE_TIMEOUT_S = 600.0
 
@@ -52,7 +53,10 @@ def _prepare(engine, owner: str, target: dict, messages: list | None, prompt: An
         host, _, _ = resolve_target(runtime, owner, Target.from_wire(target, "model"))
         tokenizer = host.tokenizer
         if messages is not None:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # the model's template refuses these messages (jinja raises)
+                raise InvalidRequest(f"messages: the model's chat template refused them: {exc}") from None
             return tokenizer, list(tokenizer.encode(text, add_special_tokens=False))
         if isinstance(prompt, str):
             return tokenizer, list(tokenizer.encode(prompt))
@@ -69,6 +73,8 @@ def _check_messages(messages: Any) -> list[dict]:
             raise InvalidRequest(f"messages[{i}]: expected an object with a string 'role'")
         if not isinstance(message.get("content"), str):
             raise InvalidRequest(f"messages[{i}].content: expected a string")
+        check_text(message["role"], f"messages[{i}].role")
+        check_text(message["content"], f"messages[{i}].content")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -117,6 +123,8 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
         stops = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise InvalidRequest("stop: expected a string or a list of strings")
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
         params = SamplingParams(
             max_tokens=_number(body, "max_tokens", 16, int),
             temperature=float(_number(body, "temperature", 1.0)),
