@@ -6,6 +6,7 @@ Each op is a function ``(runtime, owner, request) -> wire dict`` over a typed re
 
 from __future__ import annotations
 
+import re
 import secrets
 
 from sess.engine.runtime import checkpoint_ops
@@ -30,9 +31,7 @@ def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) ->
 
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
     base_model = request.base_model
-    name = check_name(
-        request.name or f"{base_model.replace('/', '-')[:40]}-{secrets.token_hex(3)}", "training_session_name"
-    )
+    name = check_name(request.name or _default_name(base_model), "training_session_name")
     if name in runtime.sessions:
         raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
     host = runtime.host(base_model)
@@ -55,6 +54,12 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
     session.new_optimizer()
     runtime.sessions[name] = session
     return session.summary()
+
+
+def _default_name(base_model: str) -> str:
+    """``<model>-<6 hex>``: a hub id's name part, a local directory's last part, made name-safe."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", base_model.rstrip("/").rsplit("/", 1)[-1]).strip("-.")
+    return f"{(stem or 'model')[:40]}-{secrets.token_hex(3)}"
 
 
 def create_session_from_state(runtime: Runtime, owner: str, request: rq.CreateSessionFromState) -> dict:
