@@ -2,85 +2,16 @@
 
 from __future__ import annotations
 
-import random
-import re
+import seed_loop
 
-import numpy as np
-
-from sess.engine import Datum, ModelInput, SessionStatus
-
-NUM_STEPS = 3
-PROMPTS_PER_STEP = 2
-K = 4
-BASE_MODEL = "tiny-llama"
-
-
-def draw(n, _rng=random.Random(0)):
-    for _ in range(n):
-        a, b = _rng.randint(1, 9), _rng.randint(1, 9)
-        yield f"What is {a} + {b}?", a + b
-
-
-def build_prompt(question):
-    return f"Q: {question}\nA:"
-
-
-def compute_reward(text, truth):
-    numbers = re.findall(r"-?\d+", text)
-    return 1.0 if numbers and int(numbers[0]) == truth else 0.0
-
-
-def compute_advantages(rewards):
-    mean = sum(rewards) / len(rewards)
-    return [r - mean for r in rewards]
-
-
-def build_training_datum(prompt, sequence, advantage):
-    tokens = prompt + sequence.tokens
-    n_prompt = len(prompt) - 1
-    return Datum(
-        model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": np.array(tokens[1:]),
-            "logprobs": np.array([0.0] * n_prompt + sequence.logprobs, dtype=np.float32),
-            "advantages": np.array([0.0] * n_prompt + [advantage] * len(sequence.tokens), dtype=np.float32),
-        },
-    )
+from sess.engine import SessionStatus
 
 
 def test_seed_loop_runs_as_written(monkeypatch, sess_home):
     monkeypatch.setenv("SESS_ENGINE_URL", "inproc")
-    from sess.engine import AdamParams, SamplingParams, ServiceClient
-
-    # fmt: off
-    # ---- from API.md, "The seed loop, as a user writes it" (model name, sizes and max_tokens scaled down) ----
-    svc = ServiceClient()
-    training_client = svc.create_lora_training_client(BASE_MODEL, training_session_name="gsm8k-grpo", rank=32, alpha=64)
-    tokenizer = training_client.get_tokenizer()
-    sampling_client = training_client.create_sampling_client()
-    for step in range(NUM_STEPS):  # noqa: B007 (as written in API.md)
-        datums, pending = [], []
-        for question, truth in draw(PROMPTS_PER_STEP):
-            prompt = tokenizer.encode(build_prompt(question), add_special_tokens=False)
-            pending.append((prompt, truth, sampling_client.sample(prompt, num_samples=K,
-                            sampling_params=SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9))))
-        for prompt, truth, future in pending:
-            result = future.result()
-            rewards = [compute_reward(tokenizer.decode(s.tokens), truth) for s in result.sequences]
-            advantages = compute_advantages(rewards)
-            datums += [build_training_datum(prompt, s, a) for s, a in zip(result.sequences, advantages)]
-        fwd_bwd = training_client.forward_backward(datums, loss_fn="ppo")
-        optim = training_client.optim_step(AdamParams(learning_rate=1e-5))
-        fwd_bwd.result(), optim.result()
-        sampling_client = training_client.save_weights_and_get_sampling_client()
-    training_client.save_weights_for_sampler(merge_weights=True).result()
-    training_client.save_state().result()
-    training_client.stop()
-    # ---- end of the seed loop ----
-    # fmt: on
-
+    svc = seed_loop.run("gsm8k-grpo")
     [summary] = svc.list_sessions(name_contains="gsm8k-grpo")
-    assert summary.status == SessionStatus.Stopped and summary.step == NUM_STEPS
+    assert summary.status == SessionStatus.Stopped and summary.step == seed_loop.NUM_STEPS
     kinds = sorted({c["kind"] for c in svc.list_checkpoints("gsm8k-grpo")})
     assert kinds == ["merged", "sampler", "state"]  # the loop's samplers are transient saves
     assert summary.usage.sampled_tokens > 0 and summary.usage.training_tokens > 0

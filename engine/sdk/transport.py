@@ -50,6 +50,9 @@ _engines_lock = threading.Lock()
 def shared_engine(home: str | Path | None = None, device: str = "cpu") -> Executor:
     """One in-process engine per home, shared by every in-process client of this Python process.
     They are closed when the interpreter exits (see :func:`_close_shared_engines`)."""
+    from sess.engine.server.launcher import require_engine_install
+
+    require_engine_install()
     from sess.engine.runtime.executor import Executor
 
     key = sess_home(home).resolve()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -69,6 +70,20 @@ def server_command(
     return command + ["--port", str(port), "--device", device, *(extra_args or [])]
 
 
+ENGINE_MODULES = ("torch", "peft", "fastapi", "uvicorn")
+
+
+def require_engine_install() -> None:
+    """Raise a clear error when this Python has the client only (no ``sess[engine]``)."""
+    missing = [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SessError(
+            f"this Python has no engine installed (missing {', '.join(missing)}): install it with "
+            "pip install 'sess[engine]', or use a remote engine: ServiceClient(url, api_key=...), "
+            "SESS_ENGINE_URL, or sess run engine=remote engine.url=..."
+        )
+
+
 def start_engine(
     home: str | os.PathLike | None = None,
     *,
@@ -79,6 +94,7 @@ def start_engine(
     timeout: float = START_TIMEOUT_S,
 ) -> dict:
     """Start an engine process for ``home`` in the background and wait until it answers."""
+    require_engine_install()
     home = sess_home(home)
     (home / ENGINE_FILE).unlink(missing_ok=True)
     command = server_command(home, host, port, device, extra_args)
