@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sess.engine.sdk.requests import Noop
+
 from common import as_engine_process
 
 
@@ -34,7 +36,7 @@ def trivial_rtts(tc, n: int) -> list[float]:
     rtts = []
     for _ in range(n):
         started = time.perf_counter()
-        tc._ordered("noop", {}, lambda r: r).result()
+        tc._ordered("noop", Noop(session=tc.name), lambda r: r).result()
         rtts.append(time.perf_counter() - started)
     return rtts
 
