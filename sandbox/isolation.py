@@ -6,12 +6,15 @@ prefix and nothing else (no home, no project, no host /tmp), a private size-capp
 directory, and rlimits set by `prlimit` inside the sandbox: address space, CPU seconds (SIGXCPU at the
 limit, SIGKILL a second later if that is caught), processes, open files, file size, no core dumps.
 
-As an ordinary user, bwrap also makes a user namespace and drops every capability. As root it would
+As an ordinary user, bwrap also makes a user namespace (`--unshare-user --disable-userns`) and drops
+every capability (`--cap-drop ALL`, which bwrap does by default for non-root callers). As root it would
 not: bwrap run by uid 0 hands the sandbox all of root's capabilities, and the kernel never applies
 RLIMIT_NPROC to uid 0. So a root caller's sandbox drops to an unused uid with `setpriv` (no
 capabilities, an empty bounding set, no_new_privs), one uid per concurrent slot so that a fork bomb in
-one run cannot use up another run's process count. The limits are set inside the namespaces on
-purpose: RLIMIT_NPROC set outside a user namespace would also count the caller's own processes.
+one run cannot use up another run's process count. Root inside a user namespace that maps only a few
+uids (a rootless container) cannot switch to such a uid, and takes the ordinary user's path. The
+limits are set inside the namespaces on purpose: RLIMIT_NPROC set outside a user namespace would also
+count the caller's own processes.
 
 There is no fallback: without a working bwrap, constructing a `Sandbox` raises `SandboxUnavailable`
 with the command that installs one.
@@ -105,6 +108,17 @@ def _interpreter(python: str | None) -> tuple[str, str]:
     return executable, prefix
 
 
+def _can_drop_to_any_uid() -> bool:
+    """Root of the host's user namespace: every uid is mapped, so setpriv can switch to an unused one."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
 def _view_args(prefix: str) -> list[str]:
     """bwrap arguments for the read-only system view: /usr, the /lib* and /bin links, the interpreter."""
     args = ["--ro-bind", "/usr", "/usr"]
@@ -137,9 +151,8 @@ class Sandbox:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         self.bwrap = find_bwrap(bwrap)
         self.python, self.prefix = _interpreter(python)
-        self.as_root = os.geteuid() == 0
         self._prlimit = _util_linux("prlimit")
-        self._setpriv = _util_linux("setpriv") if self.as_root else None
+        self._setpriv = _util_linux("setpriv") if _can_drop_to_any_uid() else None
         self._view = _view_args(self.prefix)
         # A random block of uids per Sandbox, so two graders (or a grader and a server) never share
         # one uid's process count.
@@ -164,8 +177,10 @@ class Sandbox:
             "--unshare-uts",
         ]
         args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
-        if not self.as_root:
-            args += ["--unshare-user", "--disable-userns"]  # no nested namespaces to rearrange mounts in
+        if self._setpriv is None:
+            # No nested namespaces to rearrange mounts in, and no capabilities in its own (a root
+            # caller's bwrap would otherwise keep them, enough to remount its read-only binds).
+            args += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
         args += ["--die-with-parent", "--new-session"]  # dies with the grader; no terminal to inject into
         args += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
         args += ["--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]

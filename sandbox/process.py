@@ -53,18 +53,23 @@ def run_bounded(
     """
     start = time.monotonic()
     deadline = start + wall_s
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        pass_fds=pass_fds + ((status_pipe[1],) if status_pipe else ()),
-        start_new_session=True,  # its own process group, so one killpg reaches every process it starts
-    )
-    status_fd = None
-    if status_pipe is not None:
-        os.close(status_pipe[1])
-        status_fd = status_pipe[0]
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds + ((status_pipe[1],) if status_pipe else ()),
+            start_new_session=True,  # its own process group: one killpg reaches every process it starts
+        )
+    except BaseException:
+        if status_pipe is not None:
+            os.close(status_pipe[0])
+        raise
+    finally:
+        if status_pipe is not None:
+            os.close(status_pipe[1])  # bwrap holds its own copy now
+    status_fd = status_pipe[0] if status_pipe is not None else None
     status = b""
     init_fd = None  # a pidfd on the sandbox's init, once bwrap has said its pid
     out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
