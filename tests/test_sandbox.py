@@ -7,6 +7,7 @@ connection made. The hostile and bad-input sets are graded once each, concurrent
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -81,140 +82,119 @@ def host():
 
 
 def _hostile_jobs(host) -> dict[str, tuple[GradeJob, set[str]]]:
-    root, port, me = host["root"], host["port"], os.getpid()
-    expect_failed = {"tests failed"}
-    return {
-        "infinite_loop": (_job("while True:\n    pass", "pass"), {"timeout"}),
-        "sleep_forever": (_job("import time\ntime.sleep(3600)", "pass"), {"timeout"}),
-        "fork_bomb": (_job("import os\nwhile True:\n    os.fork()", "pass"), {"solution error", "timeout"}),
+    """name -> (job, the reason kinds it may get). Each job's tests pass only if its attack worked."""
+    root, port, me, project_file = host["root"], host["port"], os.getpid(), sess.sandbox.__file__
+    table = {
+        "infinite_loop": ("while True:\n    pass", "pass", {"timeout"}),
+        "sleep_forever": ("import time\ntime.sleep(3600)", "pass", {"timeout"}),
+        "fork_bomb": ("import os\nwhile True:\n    os.fork()", "pass", {"solution error", "timeout"}),
         "resilient_fork_bomb": (
-            _job(
-                """
-                import os
-                while True:
-                    try:
-                        os.fork()
-                    except OSError:
-                        pass
-                """,
-                "pass",
-            ),
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "pass",
             {"timeout"},
         ),
-        "allocate_10_gb": (_job("x = bytearray(10 * 1024**3)", "assert len(x) > 0"), {"memory limit"}),
+        "allocate_10_gb": ("x = bytearray(10 * 1024**3)", "assert len(x) > 0", {"memory limit"}),
         "print_1_gb": (
-            _job("chunk = 'x' * 65535\nfor _ in range(1 << 14):\n    print(chunk)", "pass"),
+            "chunk = 'x' * 65535\nfor _ in range(1 << 14):\n    print(chunk)",
+            "pass",
             {"output limit"},
         ),
         "connect_to_host": (
-            _job(
-                f"""
-                import socket
-                try:
-                    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
-                    connected = True
-                except OSError as exc:
-                    connected = False
-                    print("connect failed:", exc)
-                """,
-                "assert connected",
-            ),
-            expect_failed,
+            f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+                connected = True
+            except OSError as exc:
+                connected = False
+                print("connect failed:", exc)
+            """,
+            "assert connected",
+            {"tests failed"},
         ),
         "read_outside": (
-            _job(
-                f"""
-                import os
-                seen = []
-                for path in [{str(root / "secret.txt")!r}, {str(root / "home" / ".ssh" / "id_rsa")!r},
-                             os.path.expanduser("~/.ssh/id_rsa"), "/root/.ssh/id_rsa", "/etc/shadow"]:
-                    try:
-                        seen.append(open(path).read())
-                    except OSError as exc:
-                        print("read failed:", exc)
-                print(seen)
-                """,
-                f"assert {SECRET!r} in seen",
-            ),
-            expect_failed,
+            f"""
+            import os
+            seen = []
+            for path in [{str(root / "secret.txt")!r}, {str(root / "home" / ".ssh" / "id_rsa")!r}, {project_file!r},
+                         os.path.expanduser("~/.ssh/id_rsa"), "/root/.ssh/id_rsa", "/etc/shadow", "/etc/hostname"]:
+                try:
+                    seen.append(open(path).read())
+                except OSError as exc:
+                    print("read failed:", exc)
+            print(seen)
+            """,
+            "assert seen",
+            {"tests failed"},
         ),
         "write_outside": (
-            _job(
-                f"""
-                written = []
-                for path in [{str(root / "target.txt")!r}, {str(root / "created.txt")!r}, "/usr/sess-evil",
-                             "/etc/sess-evil", "/root/sess-evil", "/sess-evil"]:
-                    try:
-                        with open(path, "w") as f:
-                            f.write("pwned")
-                        written.append(path)
-                    except OSError as exc:
-                        print("write failed:", exc)
-                """,
-                f"assert {str(root / 'target.txt')!r} in written",
-            ),
-            expect_failed,
+            f"""
+            written = []
+            for path in [{str(root / "target.txt")!r}, {str(root / "created.txt")!r}, "/usr/sess-evil",
+                         "/etc/sess-evil", "/root/sess-evil", "/sess-evil"]:
+                try:
+                    with open(path, "w") as f:
+                        f.write("pwned")
+                    written.append(path)
+                except OSError as exc:
+                    print("write failed:", exc)
+            """,
+            "assert written",
+            {"tests failed"},
         ),
         "kill_parent": (
-            _job(
-                f"""
-                import os, signal
-                killed = []
-                for pid in (os.getppid(), {me}, 1):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-                    except OSError as exc:
-                        print("kill failed:", exc)
-                """,
-                "assert killed",
-            ),
-            expect_failed,
+            f"""
+            import os, signal
+            killed = []
+            for pid in (os.getppid(), {me}, 1):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except OSError as exc:
+                    print("kill failed:", exc)
+            """,
+            "assert killed",
+            {"tests failed"},
         ),
-        "sys_exit_0": (_job("import sys\nsys.exit(0)", "assert False"), {"exited early"}),
-        "os_exit_0": (_job("import os\nos._exit(0)", "assert False"), {"exited early"}),
+        "sys_exit_0": ("import sys\nsys.exit(0)", "assert False", {"exited early"}),
+        "os_exit_0": ("import os\nos._exit(0)", "assert False", {"exited early"}),
         "fake_report": (
-            _job(
-                """
-                import os, sys
-                for nonce in ("0" * 32, "f" * 32, ""):
-                    print("\\n" + nonce + " 1 " + "passed".encode().hex())
-                print("passed")
-                sys.stdout.flush()
-                os._exit(0)
-                """,
-                "assert False",
-            ),
+            """
+            import os, sys
+            for nonce in ("0" * 32, "f" * 32, ""):
+                print("\\n" + nonce + " 1 " + "passed".encode().hex())
+            print("passed")
+            sys.stdout.flush()
+            os._exit(0)
+            """,
+            "assert False",
             {"exited early"},
         ),
         "replay_stdin": (
-            _job(
-                """
-                import os, sys
-                stolen = os.read(0, 100) + sys.stdin.buffer.read()
-                print("\\n" + stolen.decode().strip() + " 1 " + "passed".encode().hex())
-                sys.stdout.flush()
-                os._exit(0)
-                """,
-                "assert False",
-            ),
+            """
+            import os, sys
+            stolen = os.read(0, 100) + sys.stdin.buffer.read()
+            print("\\n" + stolen.decode().strip() + " 1 " + "passed".encode().hex())
+            sys.stdout.flush()
+            os._exit(0)
+            """,
+            "assert False",
             {"exited early"},
         ),
         "rebind_builtins": (
-            _job(
-                """
-                import builtins, json, os
-                builtins.exec = lambda *args, **kwargs: None
-                builtins.callable = lambda obj: True
-                json.dumps = lambda *args, **kwargs: '{"passed": true}'
-                real_write = os.write
-                os.write = lambda fd, data: real_write(fd, data.replace(b" 0 ", b" 1 "))
-                """,
-                "assert False",
-            ),
-            expect_failed,
+            """
+            import builtins, json, os
+            builtins.exec = lambda *args, **kwargs: None
+            builtins.callable = lambda obj: True
+            json.dumps = lambda *args, **kwargs: '{"passed": true}'
+            real_write = os.write
+            os.write = lambda fd, data: real_write(fd, data.replace(b" 0 ", b" 1 "))
+            """,
+            "assert False",
+            {"tests failed"},
         ),
     }
+    return {name: (_job(solution, tests), kinds) for name, (solution, tests, kinds) in table.items()}
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +322,12 @@ def test_a_broken_isolation_tool_is_not_bypassed():
         Grader(bwrap="/bin/false")
 
 
+def _post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
 def test_sandboxfusion_client_against_the_sess_server():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -356,7 +342,7 @@ def test_sandboxfusion_client_against_the_sess_server():
         deadline = time.monotonic() + 30
         while True:
             try:
-                urllib.request.urlopen(url + "/ping", timeout=1).read()
+                urllib.request.urlopen(url + "/ping", timeout=1).read()  # the route only sess's server has
                 break
             except OSError:
                 assert server.poll() is None, server.stdout.read().decode()
@@ -380,10 +366,10 @@ def test_sandboxfusion_client_against_the_sess_server():
             "language": "python",
             "stdin": "abc\n",
         }
-        reply = remote._post("/run_code", raw)
+        reply = _post_json(url + "/run_code", raw)
         assert reply["status"] == "Failed" and reply["run_result"]["status"] == "Finished"
         assert (reply["run_result"]["stdout"], reply["run_result"]["return_code"]) == ("cba\n", 3)
-        assert remote._post("/run_code", {**raw, "language": "cpp"})["status"] == "SandboxError"
+        assert _post_json(url + "/run_code", {**raw, "language": "cpp"})["status"] == "SandboxError"
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=10)
@@ -419,28 +405,16 @@ def test_unprivileged_caller_gets_the_same_isolation():
         """
         for path in (shim, shim / "sess"):
             path.chmod(0o755)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         out = subprocess.run(
-            [
-                "setpriv",
-                "--reuid=65534",
-                "--regid=65534",
-                "--clear-groups",
-                python,
-                "-c",
-                textwrap.dedent(script),
-            ],
+            [*as_nobody, python, "-c", textwrap.dedent(script)],
             env={"PYTHONPATH": str(shim), "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[:5] == [
-            "True passed",
-            "False solution error",
-            "False solution error",
-            "False solution error",
-            "True passed",
-        ]
+        verdicts = ["True passed"] + ["False solution error"] * 3 + ["True passed"]
+        assert out.stdout.splitlines() == verdicts, out.stdout
     finally:
         shutil.rmtree(shim, ignore_errors=True)
