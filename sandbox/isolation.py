@@ -167,16 +167,8 @@ class Sandbox:
         (see `process.py`), and `slot` picks root's sandbox uid."""
         disk = str(limits.disk_mb << 20)
         cpu = math.ceil(limits.cpu_s)
-        args = [
-            self.bwrap,
-            "--json-status-fd",
-            str(status_fd),
-            "--unshare-ipc",
-            "--unshare-pid",
-            "--unshare-net",
-            "--unshare-uts",
-        ]
-        args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
+        args = [self.bwrap, "--json-status-fd", str(status_fd), "--hostname", "sandbox"]
+        args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         if self._setpriv is None:
             # No nested namespaces to rearrange mounts in, and no capabilities in its own (a root
             # caller's bwrap would otherwise keep them, enough to remount its read-only binds).
@@ -204,7 +196,7 @@ class Sandbox:
             # The script reaches bwrap through a memory file: nothing is written on the host's disk.
             script_fd = os.memfd_create("sess-sandbox-script", os.MFD_CLOEXEC)
             try:
-                data = script.encode("utf-8", "surrogateescape")
+                data = script.encode("utf-8", "surrogatepass")  # lone surrogates: Python's error to report
                 view = memoryview(data)
                 while view:
                     view = view[os.write(script_fd, view) :]
