@@ -297,13 +297,16 @@ def test_bad_input_never_crashes_the_grader(grader):
 
 
 def test_grade_many_is_concurrent_bounded_and_ordered(grader):
-    jobs = [_job(f"import time\ntime.sleep(0.5)\nvalue = {i}", f"assert value == {i}") for i in range(8)]
-    jobs[3] = _job("value = -1", "assert value == 3")
-    start = time.monotonic()
+    # Each job prints when it ran (the sandbox shares the host's clock): overlaps, not a stopwatch,
+    # so a busy machine cannot make this flaky.
+    solution = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time())\nvalue = {}"
+    jobs = [_job(solution.format(i), f"assert value == {i}") for i in range(8)]
+    jobs[3] = _job(solution.format(-1), "assert value == 3")
     results = grader.grade_many(jobs)
-    elapsed = time.monotonic() - start
     assert [r.passed for r in results] == [i != 3 for i in range(8)]
-    assert 1.0 <= elapsed < 3.5, elapsed  # 4 at a time: two rounds of 0.5 s, not one and not eight
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    most_at_once = max(sum(start <= t < end for start, end in spans) for t, _ in spans)
+    assert 2 <= most_at_once <= grader.max_workers, spans
 
 
 def test_missing_isolation_tool_refuses_to_grade(monkeypatch):
