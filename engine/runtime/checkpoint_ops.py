@@ -8,7 +8,6 @@ for sampling at once and deleted once a session has more than
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -59,7 +58,6 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
 
     ``transient`` (unnamed, unmerged only): a ``sampler`` save, which the engine loads for sampling
     at once; ``released`` lists the older transient saves deleted now."""
-    started = time.perf_counter()
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     kind = "sampler" if request.transient else "merged" if request.merge else "weights"
@@ -78,7 +76,6 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
     if request.transient:
         host.checkpoint_adapter(ref.uri, state, config)  # its sampler needs no read from disk
         result["released"] = _release_samplers(runtime, session, host)
-    session.account(started)
     return result
 
 
@@ -122,7 +119,6 @@ def delete_checkpoints(runtime: Runtime, session: Session) -> None:
 
 
 def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
-    started = time.perf_counter()
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     ref = _new_ref(session, "state", request.name)
@@ -141,7 +137,6 @@ def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
     }
     adapter_state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
     ckpt.save_state(ref, runtime.home, adapter_state, config, moments, meta)
-    session.account(started)
     return {"path": ref.uri}
 
 

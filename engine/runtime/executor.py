@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.usage import session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Request
 from sess.engine.sdk.types import Usage
@@ -48,8 +49,7 @@ class Operation:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: SessError | None = None
-    usage: Usage | None = None  # the op's own token counts where the runtime reports them (sample)
-    usage_before: Usage | None = None  # its session's usage when it started (for its delta)
+    usage: Usage | None = None  # what it cost: tokens and engine seconds (see usage.py)
 
     def finish(self, result: Any = None, error: SessError | None = None) -> None:
         self.result, self.error = result, error
@@ -277,16 +277,20 @@ class Executor:
         """Run ``op``; its failure (a SessError, or an engine bug as a 500) is its result, never the
         executor's end. An op refused at submit only reaches its observers."""
         if op.done.is_set():
+            op.usage = Usage(operations=1)
             self._observe(op)
             return
+        started = time.perf_counter()
         try:
             if op.name:
                 self.admit(op)
             run(op)
         except SessError as exc:
+            op.usage = usage_of(op.request, None, time.perf_counter() - started)
             self._finish(op, error=exc)
         except Exception as exc:
             log.error("op %s failed:\n%s", op.name or "internal", traceback.format_exc())
+            op.usage = usage_of(op.request, None, time.perf_counter() - started)
             message = f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}"
             self._finish(op, error=SessError(message, status=500))
 
@@ -299,9 +303,11 @@ class Executor:
                 return
             self._finish(op, result=result)
             return
+        started = time.perf_counter()
         result = OPS[op.name].handler(self.runtime, op.owner, op.request)
         if op.name == "session_info":  # the executor's ordering state belongs in the answer
             result = {**result, "next_seq": self.next_seq(op.request.name)}
+        op.usage = usage_of(op.request, result, time.perf_counter() - started)
         self._finish(op, result=result)
 
     def _start_sample(self, op: Operation) -> None:
@@ -316,6 +322,11 @@ class Executor:
         self._observe(op)
 
     def _observe(self, op: Operation) -> None:
+        if op.name and OPS[op.name].accounted and op.usage is not None:
+            name = session_of(op.session, op.request, op.result)
+            session = self.runtime.find_session(op.owner, name) if name else None
+            if session is not None:
+                session.add_usage(op.usage)
         if op.name:
             try:
                 self.finished(op)

@@ -30,30 +30,32 @@ class Op:
     request: type[rq.Request]
     handler: Callable
     kind: Kind
-    recorded: bool = True  # whether the registry records it as an operation of its session
+    accounted: bool = True  # counted in its session's usage and recorded by the registry
 
 
 OPS: dict[str, Op] = {
-    "list_base_models": Op(rq.NoArgs, session_ops.list_base_models, Kind.CONTROL, recorded=False),
+    "list_base_models": Op(rq.NoArgs, session_ops.list_base_models, Kind.CONTROL, accounted=False),
     "create_session": Op(rq.CreateSession, session_ops.create_session, Kind.CONTROL),
     "create_session_from_state": Op(
         rq.CreateSessionFromState, session_ops.create_session_from_state, Kind.CONTROL
     ),
     "stop_session": Op(rq.SessionName, session_ops.stop_session, Kind.CONTROL),
     "delete_session": Op(rq.DeleteSession, session_ops.delete_session, Kind.CONTROL),
-    "list_sessions": Op(rq.ListSessions, session_ops.list_sessions, Kind.CONTROL, recorded=False),
-    "get_usage": Op(rq.GetUsage, session_ops.get_usage, Kind.CONTROL, recorded=False),
-    "session_info": Op(rq.SessionName, session_ops.session_info, Kind.CONTROL, recorded=False),
-    "tokenizer_files": Op(rq.TokenizerFiles, session_ops.tokenizer_files, Kind.CONTROL, recorded=False),
-    "list_checkpoints": Op(rq.ListCheckpoints, checkpoint_ops.list_checkpoints, Kind.CONTROL, recorded=False),
-    "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, recorded=False),
+    "list_sessions": Op(rq.ListSessions, session_ops.list_sessions, Kind.CONTROL, accounted=False),
+    "get_usage": Op(rq.GetUsage, session_ops.get_usage, Kind.CONTROL, accounted=False),
+    "session_info": Op(rq.SessionName, session_ops.session_info, Kind.CONTROL, accounted=False),
+    "tokenizer_files": Op(rq.TokenizerFiles, session_ops.tokenizer_files, Kind.CONTROL, accounted=False),
+    "list_checkpoints": Op(
+        rq.ListCheckpoints, checkpoint_ops.list_checkpoints, Kind.CONTROL, accounted=False
+    ),
+    "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, accounted=False),
     "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED),
     "forward_backward": Op(rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED),
     "optim_step": Op(rq.OptimStep, training_ops.optim_step, Kind.ORDERED),
     "save_weights": Op(rq.SaveWeights, checkpoint_ops.save_weights, Kind.ORDERED),
     "save_state": Op(rq.SaveState, checkpoint_ops.save_state, Kind.ORDERED),
     "load_state": Op(rq.LoadState, checkpoint_ops.load_state, Kind.ORDERED),
-    "noop": Op(rq.Noop, session_ops.noop, Kind.ORDERED, recorded=False),
+    "noop": Op(rq.Noop, session_ops.noop, Kind.ORDERED, accounted=False),
     "sample": Op(rq.SampleRequest, sampling_ops.start_sample, Kind.BATCHED),
     "compute_logprobs": Op(rq.ComputeLogprobs, sampling_ops.compute_logprobs, Kind.UNORDERED),
 }

@@ -7,7 +7,6 @@ from the decode loop: its callback runs on the executor thread when its last row
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
@@ -44,9 +43,8 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
     """Check a sample request and add it to its base model's decode batch.
 
     Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the executor
-    thread when the request's last row finishes."""
-    started = time.perf_counter()
-    host, adapter, session = resolve_target(runtime, owner, request.target)
+    thread when the request's last row finishes, with the request's usage (:mod:`.usage`)."""
+    host, adapter, _ = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
     if len(prompt) + params.max_tokens > host.max_context:
@@ -57,7 +55,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
 
     def finished(sequences, error) -> None:
         if error is not None:
-            on_done(None, error, Usage())
+            on_done(None, error, Usage(wall_time_s=job.seconds, operations=1))
             return
         response = SampleResponse(sequences=sequences)
         if job.prompt_result is not None:
@@ -65,9 +63,10 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
             response.prompt_logprobs = logprobs if request.include_prompt_logprobs else None
             response.topk_prompt_logprobs = top
         sampled = sum(len(s.tokens) for s in sequences)
-        if session is not None:
-            session.account(started, prefill_tokens=len(prompt), sampled_tokens=sampled)
-        on_done(response.to_wire(), None, Usage(prefill_tokens=len(prompt), sampled_tokens=sampled))
+        usage = Usage(
+            prefill_tokens=len(prompt), sampled_tokens=sampled, wall_time_s=job.seconds, operations=1
+        )
+        on_done(response.to_wire(), None, usage)
 
     wants_prompt = request.include_prompt_logprobs or request.topk_prompt_logprobs
     job = SampleJob(
@@ -84,13 +83,10 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
 
 def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) -> dict:
     """Each prompt token's logprob given the ones before it (the first is None)."""
-    started = time.perf_counter()
-    host, adapter, session = resolve_target(runtime, owner, request.target)
+    host, adapter, _ = resolve_target(runtime, owner, request.target)
     check_prompt(request.prompt, host.vocab_size)
     with host.activate(adapter) as model:
         logprobs, _ = prompt_logprobs(model, request.prompt, None)
-    if session is not None:
-        session.account(started, prefill_tokens=len(request.prompt))
     return {"logprobs": logprobs}
 
 

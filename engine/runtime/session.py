@@ -31,9 +31,9 @@ class Session:
     def live(self) -> bool:
         return self.status == SessionStatus.Running
 
-    def account(self, started: float, **counts: int) -> None:
-        """Add one op's usage: its wall time since ``started`` (perf_counter) and its token counts."""
-        self.usage = self.usage.add(Usage(wall_time_s=time.perf_counter() - started, operations=1, **counts))
+    def add_usage(self, usage: Usage) -> None:
+        """Count one op of this session (see :mod:`.usage`)."""
+        self.usage = self.usage.add(usage)
         self.last_active = time.time()
 
     def new_optimizer(self) -> None:

@@ -8,8 +8,6 @@ parameters until ``optim_step`` applies and clears them.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from sess.engine.runtime.batched_forward import plan, shared_prefix_logprobs, token_logprobs
@@ -32,7 +30,6 @@ def forward_backward(runtime: Runtime, owner: str, request: rq.ForwardRequest) -
 
 
 def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: bool) -> dict:
-    started = time.perf_counter()
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     loss_fn, config = check_loss_fn(request.loss_fn, request.loss_fn_config)
@@ -66,14 +63,12 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 all_lps[i] = lp.detach()
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
-    session.account(started, training_tokens=sum(d.model_input.length for d in datums))
     outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
     return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics).to_wire()
 
 
 def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     """One AdamW step on the accumulated gradients (clipped to ``grad_clip_norm`` when set)."""
-    started = time.perf_counter()
     session = runtime.session(owner, request.session)
     adam = request.adam_params
     params = list(session.params.values())
@@ -100,7 +95,6 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     session.optimizer.step()
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
-    session.account(started)
     return {
         "metrics": {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": session.step}
     }

@@ -16,6 +16,7 @@ time, which keeps the same promise by never sharing a batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class SampleJob:
     prompt_result: tuple | None = None
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
+    seconds: float = 0.0  # its share of the prefills and decode steps it took part in
 
     def finish_row(self, sample: int, tokens: list[int], logprobs: list[float], reason: str) -> None:
         self.results[sample] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
@@ -147,6 +149,7 @@ class DecodeBatch:
     def _join(self, jobs: list[SampleJob]) -> None:
         """Prefill ``jobs``, draw each sample's first token, and merge their rows (each with a cache
         row holding its prompt's KV) into the running batch."""
+        started = time.perf_counter()
         prefill = self.decoder.prefill(jobs)
         device = prefill.last_logits.device
         if jobs[0].prompt_logprobs:
@@ -206,6 +209,7 @@ class DecodeBatch:
             self.sample_index += list(range(job.num_samples))
             self.adapters += [job.adapter] * job.num_samples
             start += job.num_samples
+        _share(time.perf_counter() - started, {id(job): (job, len(job.prompt)) for job in jobs})
         self._check(slice(self.rows - rows, self.rows))
 
     # decoding ------------------------------------------------------------------------------------
@@ -215,6 +219,7 @@ class DecodeBatch:
         self.admit()
         if self.rows == 0:
             return
+        started = time.perf_counter()
         logits = self.decoder.step(self.cache, self.adapters, self.last, self.positions)
         logits = logits.float()
         token = choose_tokens(
@@ -225,6 +230,10 @@ class DecodeBatch:
         self.positions += 1
         self.steps += 1
         self.last = token
+        rows: dict[int, tuple[SampleJob, int]] = {}
+        for job in self.jobs:
+            rows[id(job)] = (job, rows.get(id(job), (job, 0))[1] + 1)
+        _share(time.perf_counter() - started, rows)
         self._check(slice(0, self.rows))
 
     def _check(self, rows: slice) -> None:
@@ -278,3 +287,10 @@ def _pad_left(t: torch.Tensor, width: int, *, dim: int, fill: float = 0) -> torc
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_full(shape, fill), t], dim=dim)
+
+
+def _share(seconds: float, weights: dict[int, tuple[SampleJob, int]]) -> None:
+    """Split ``seconds`` of engine time among jobs by weight (rows in a step, tokens in a prefill)."""
+    total = sum(weight for _, weight in weights.values())
+    for job, weight in weights.values():
+        job.seconds += seconds * weight / total

@@ -20,6 +20,7 @@ from sess.engine.runtime.memory import keep_freed_memory
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
+from sess.engine.runtime.usage import session_of
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
@@ -89,27 +90,19 @@ class ManagedEngine(Executor):
                     f"stop one first (sess stop NAME): {', '.join(live)}",
                     status=429,
                 )
-        session = self._session(op)
-        op.usage_before = session.usage if session is not None else None
 
     def finished(self, op: Operation) -> None:
-        if OPS[op.name].recorded:
+        if OPS[op.name].accounted:
             self._record(op)
 
     def _limit_for(self, owner: str) -> int:
         limit = self.session_limits(owner) if self.session_limits else None
         return self.max_sessions if limit is None else limit
 
-    def _session(self, op: Operation) -> Session | None:
-        """The session an op works on or is accounted to, if it is the op's owner's."""
-        name = _session_name(op)
-        return self.runtime.find_session(op.owner, name) if name else None
-
     def _record(self, op: Operation) -> None:
-        if op.name in SESSION_STARTS and op.error is None:
-            name = op.result["name"]
-        else:
-            name = _session_name(op)
+        """The op in the registry, with the usage its session was just given (one source for both,
+        so a session's total is the sum of its per-operation rows)."""
+        name = session_of(op.session, op.request, op.result)
         session = self.runtime.find_session(op.owner, name) if name else None
         if op.name == "delete_session" and op.error is None:
             self.registry.forget_session(name)
@@ -121,14 +114,9 @@ class ManagedEngine(Executor):
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
                 for released in op.result.get("released", []):
                     self.registry.remove_checkpoint(released)
-        counts = {}
-        if op.usage is not None:  # sample requests report their own counts
-            counts = {k: v for k, v in op.usage.to_wire().items() if k not in ("wall_time_s", "operations")}
-        elif session is not None and op.usage_before is not None:
-            after, before = session.usage, op.usage_before
-            counts = {k: getattr(after, k) - getattr(before, k) for k in Usage.__dataclass_fields__}
+        usage = (op.usage or Usage(operations=1)).to_wire()
         error = str(op.error) if op.error is not None else None
-        self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, counts)
+        self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, usage)
 
     # idle sessions ---------------------------------------------------------------------------------
     def _watch_idle(self) -> None:
@@ -171,22 +159,3 @@ class ManagedEngine(Executor):
     def close(self) -> None:
         super().close()
         self.registry.close()
-
-
-def _session_name(op: Operation) -> str | None:
-    """The session an op works on or is accounted to, if any."""
-    if op.session:
-        return op.session
-    request = op.request
-    if isinstance(request, rq.SampleRequest | rq.ComputeLogprobs):
-        target = request.target
-        if target.session is not None:
-            return target.session
-        if target.model_path is not None:
-            try:
-                return parse_path(target.model_path).session
-            except SessError:
-                return None
-        return None
-    name = getattr(request, "name", None)
-    return name if isinstance(request, rq.SessionName | rq.DeleteSession) else None

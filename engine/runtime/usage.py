@@ -1,0 +1,51 @@
+"""What an op costs, in one place: its tokens and the engine's seconds on it, and whose it is.
+
+Every op the registry records is counted once, with the same :class:`~sess.engine.sdk.types.Usage`
+added to its session's totals and written to the registry's per-operation rows, so a session's
+total is the sum of its rows. Seconds are the engine's own time on the op: a synchronous op's
+handler time, and for a sample request its share of every prefill and decode step it took part in
+(a step's time split by the rows each request had in it), never the time it spent waiting. Tokens:
+``training_tokens`` for forward / forward_backward, ``prefill_tokens`` for prompts (sample,
+compute_logprobs), ``sampled_tokens`` for what sampling produced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_paths import parse_path
+from sess.engine.sdk.errors import SessError
+from sess.engine.sdk.types import Usage
+
+
+def usage_of(request: rq.Request | None, result: Any, seconds: float) -> Usage:
+    """The usage of a synchronous op that ran for ``seconds`` (``result`` None: it failed)."""
+    tokens = {}
+    if result is not None and isinstance(request, rq.ForwardRequest):
+        tokens["training_tokens"] = sum(d.model_input.length for d in request.data)
+    elif result is not None and isinstance(request, rq.ComputeLogprobs):
+        tokens["prefill_tokens"] = len(request.prompt)
+    return Usage(wall_time_s=seconds, operations=1, **tokens)
+
+
+def session_of(session: str | None, request: rq.Request | None, result: Any = None) -> str | None:
+    """The session an op works on or is accounted to, if any: its envelope's session, a sample's
+    target session or checkpoint's session, or the session a control op names (or created)."""
+    if session:
+        return session
+    if isinstance(request, rq.SampleRequest | rq.ComputeLogprobs):
+        target = request.target
+        if target.session is not None:
+            return target.session
+        if target.model_path is not None:
+            try:
+                return parse_path(target.model_path).session
+            except SessError:
+                return None
+        return None
+    if isinstance(request, rq.CreateSession | rq.CreateSessionFromState):
+        return result["name"] if isinstance(result, dict) else None
+    if isinstance(request, rq.SessionName | rq.DeleteSession):
+        return request.name
+    return None
