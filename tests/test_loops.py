@@ -7,17 +7,17 @@ import json
 import pytest
 from test_run import TINY, _run
 
-from sess.loops import datasets, rewards
-from sess.loops.arithmetic import ArithmeticProblems
+from sess.loops import data_files, rewards
+from sess.loops.arithmetic import ArithmeticData, ArithmeticProblems
 from sess.loops.records import read_jsonl
 
 
 def test_arithmetic_splits_never_overlap_and_are_seeded():
-    gen = ArithmeticProblems(0, eval_size=64, min_value=1, max_value=9)
+    gen = ArithmeticProblems(0, ArithmeticData(eval_size=64, min_value=1, max_value=9))
     held = {p.question for p in gen.eval_problems}
     train = [gen.train(k) for k in range(500)]
     assert not held & {p.question for p in train}
-    assert [p.question for p in ArithmeticProblems(0, max_value=9).eval_problems[:5]] == [
+    assert [p.question for p in ArithmeticProblems(0, ArithmeticData(max_value=9)).eval_problems[:5]] == [
         p.question for p in gen.eval_problems[:5]
     ]
     assert ArithmeticProblems(1).train(0) != ArithmeticProblems(0).train(0)
@@ -42,10 +42,18 @@ def test_reward_is_exact_final_answer_with_a_parse_penalty(text, truth, expected
 
 
 def test_file_orders_are_seeded_and_epoch_shuffled():
-    order = datasets._order(list(range(10)), seed=1)
-    first, again = [order(k) for k in range(20)], [datasets._order(list(range(10)), 1)(k) for k in range(20)]
+    order = data_files.seeded_order(list(range(10)), seed=1)
+    first = [order(k) for k in range(20)]
+    again = [data_files.seeded_order(list(range(10)), 1)(k) for k in range(20)]
     assert first == again and sorted(first[:10]) == list(range(10)) and first[:10] != first[10:]
-    assert [datasets._order(list(range(5)), 1, shuffle=False)(k) for k in range(6)] == [0, 1, 2, 3, 4, 0]
+    assert [data_files.seeded_order(list(range(5)), 1, shuffle=False)(k) for k in range(6)] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+    ]
 
 
 def test_sft_weights_only_assistant_tokens(svc):
