@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 Messages = list[dict]
@@ -52,7 +52,7 @@ class StepResult:
 class Env(ABC):
     """One episode. Subclasses write :meth:`initial_observation` and :meth:`step`; ``tools`` is optional."""
 
-    tools: list[ToolSpec] = []
+    tools: Sequence[ToolSpec] = ()
 
     @abstractmethod
     def initial_observation(self) -> Messages:

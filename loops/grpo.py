@@ -25,13 +25,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from sess.engine import AdamParams, Datum, SamplingParams, TrainingClient
+from sess.engine import AdamParams, SamplingParams, TrainingClient
 
 from . import rollouts
 from .datasets import Dataset
 from .env import EnvFactory
 from .hooks import Hooks
-from .rollouts import Group, derive_seed
+from .rollouts import derive_seed
 
 LOSSES = ("ppo", "cispo", "importance_sampling", "dro")
 
@@ -50,9 +50,8 @@ class Config:
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
     temperature: float = 1.0
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
-    loss_config: dict = field(
-        default_factory=dict
-    )  # e.g. {clip_low_threshold: 0.8, clip_high_threshold: 1.2}
+    # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
+    loss_config: dict = field(default_factory=dict)
     scale_by_std: bool = False
     eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
     save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
@@ -63,31 +62,6 @@ def check(cfg: Config) -> None:
         raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
-
-
-def group_datums(groups_P: list[Group], scale_by_std: bool) -> list[Datum]:
-    """Group-relative advantages, token-mean normalised over the batch, as one datum per episode."""
-    advantages_P_G = [rollouts.group_advantages(g.rewards_G, scale_by_std) for g in groups_P]
-    kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
-    n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
-    return [rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)]
-
-
-def update(
-    tc: TrainingClient, datums: list[Datum], loss: str, loss_config: dict | None, adam: AdamParams
-) -> dict:
-    """One forward_backward + optim_step; returns its metrics (zeros when no group had signal)."""
-    if not datums:
-        return {"loss": 0.0, "datums": 0, "trained_tokens": 0}
-    fb = tc.forward_backward(datums, loss_fn=loss, loss_fn_config=loss_config or None)
-    opt = tc.optim_step(adam)  # queued behind fb on the engine
-    out, stepped = fb.result(), opt.result()
-    return {
-        "loss": out.metrics["loss:sum"],
-        "grad_norm": stepped.metrics.get("grad_norm", 0.0),
-        "datums": len(datums),
-        "trained_tokens": sum(d.model_input.length for d in datums),
-    }
 
 
 def train(
@@ -106,17 +80,31 @@ def train(
     sc = tc.save_weights_and_get_sampling_client()
     for step in range(start_step, cfg.steps):
         started = time.perf_counter()
-        # 1. Sample: group_size episodes of each of batch_size problems, all requests in flight together.
+        # 1. Sample and score: group_size episodes of each of batch_size problems; the envs give rewards.
         make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
         groups_P = rollouts.rollout_groups(sc, tok, envs_P_G, sampling, seeds_P, policy_step=step)
-        # 2. Score and build datums: the envs gave rewards; advantages are relative to the group.
-        datums = group_datums(groups_P, cfg.scale_by_std)
         metrics = rollouts.batch_metrics(groups_P)
-        # 3. Update: forward_backward with the clipped loss, then AdamW.
-        metrics.update(update(tc, datums, cfg.loss, dict(cfg.loss_config), adam))
-        # 4. The next step samples from the new weights (on-policy).
+        # 2. Advantages: each reward minus its group's mean; a group whose rewards are all equal has no signal.
+        advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
+        kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
+        # 3. Datums: one per episode, its advantage / (sampled tokens in the batch) on its sampled tokens.
+        n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
+        datums = [
+            rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
+        ]
+        # 4. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
+        if datums:
+            fb = tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=dict(cfg.loss_config) or None)
+            opt = tc.optim_step(adam)
+            metrics.update(
+                loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
+            )
+        else:
+            metrics.update(loss=0.0)
+        metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
+        # 5. The next step samples from the new weights (on-policy).
         sc = tc.save_weights_and_get_sampling_client()
         metrics["tokens"] = rollouts.sampled_tokens(groups_P) + metrics["trained_tokens"]
         metrics["seconds"] = time.perf_counter() - started

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
 
-from . import grpo, rollouts
+from . import rollouts
 from .datasets import Dataset
 from .env import EnvFactory
 from .hooks import Hooks
@@ -164,10 +164,24 @@ def train(
                     continue
                 groups_P.append(group)
                 lags.append(lag)
-            # Group-relative advantages; the importance_sampling loss's ratio corrects for the lag.
             metrics = rollouts.batch_metrics(groups_P)
-            datums = grpo.group_datums(groups_P, cfg.scale_by_std)
-            metrics.update(grpo.update(tc, datums, "importance_sampling", None, adam))
+            # Group-relative advantages, token-mean normalised, on sampled tokens (as in grpo).
+            advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
+            kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
+            n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
+            datums = [
+                rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
+            ]
+            # The importance_sampling loss: its ratio exp(logp - logp_sampler) corrects for the lag.
+            if datums:
+                fb = tc.forward_backward(datums, loss_fn="importance_sampling")
+                opt = tc.optim_step(adam)
+                metrics.update(
+                    loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
+                )
+            else:
+                metrics.update(loss=0.0)
+            metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
             pool.publish(step + 1, tc.save_weights_and_get_sampling_client())
             metrics.update(
                 stale_groups=stale,

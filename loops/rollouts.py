@@ -46,6 +46,11 @@ class Episode:
     metrics: dict[str, float] = field(default_factory=dict)  # the env's metrics (a later step's win)
     turns: int = 0
 
+    @classmethod
+    def opening(cls, prompt_T: list[int], messages: Messages) -> Episode:
+        """An episode that so far holds its prompt only."""
+        return cls(list(prompt_T), [False] * len(prompt_T), [0.0] * len(prompt_T), list(messages))
+
     @property
     def n_sampled(self) -> int:
         return sum(self.sampled_T)
@@ -87,27 +92,24 @@ def rollout_groups(
     ``params`` gives max_tokens and temperature per turn; an env still talking after ``max_turns``
     replies is cut off there (its rewards so far stand).
     """
-    groups_P, live, futures = [], [], []
+    groups_P, live_P_G, futures_P = [], [], []
     for envs_G, seed in zip(envs_P_G, seeds_P):
+        # First turn: one request per group; its G samples are the members' first replies.
         first, tools = envs_G[0].initial_observation(), [t.to_json() for t in envs_G[0].tools] or None
         if any(env.initial_observation() != first for env in envs_G[1:]):
             raise ValueError(
                 "rollout: the envs of a group must share their initial observation (one problem)"
             )
         prompt_T = rendering.prompt_tokens(tok, first, tools)
-        episodes_G = [
-            Episode(list(prompt_T), [False] * len(prompt_T), [0.0] * len(prompt_T), list(first))
-            for _ in envs_G
-        ]
+        episodes_G = [Episode.opening(prompt_T, first) for _ in envs_G]
         groups_P.append(Group(episodes_G, policy_step))
-        live_G = [_Live(e, env, tools, seed, g) for g, (e, env) in enumerate(zip(episodes_G, envs_G))]
-        future = sc.sample(prompt_T, len(envs_G), replace(params, seed=seed))
-        live.append(live_G)
-        futures.append(future)
+        live_P_G.append([_Live(e, env, tools, seed, g) for g, (e, env) in enumerate(zip(episodes_G, envs_G))])
+        futures_P.append(sc.sample(prompt_T, len(envs_G), replace(params, seed=seed)))
     replies = [
-        (item, seq) for live_G, f in zip(live, futures) for item, seq in zip(live_G, f.result().sequences)
+        (item, s) for live_G, f in zip(live_P_G, futures_P) for item, s in zip(live_G, f.result().sequences)
     ]
     for turn in range(1, max_turns + 1):
+        # The envs score this turn's replies; those that go on get their observation and sample again.
         going = [
             item for item, sequence in replies if _take_turn(tok, item, sequence, last=turn == max_turns)
         ]

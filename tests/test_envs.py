@@ -78,7 +78,7 @@ def test_problem_env_is_one_turn_with_the_exact_answer_reward():
     assert env.initial_observation() == [
         {"role": "user", "content": "What is 2 + 3? Reply with just the number."}
     ]
-    assert env.tools == []
+    assert not env.tools
     right, wrong, unparsed = env.step("Answer: 5"), env.step("6"), env.step("no idea")
     assert (right.reward, wrong.reward, unparsed.reward) == (1.0, 0.0, -0.1)
     assert right.done and wrong.done and unparsed.done
