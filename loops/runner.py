@@ -85,10 +85,10 @@ class RunHooks:
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         self.logger.log(row)
         self.progress.update(done, row)
-        every = self.cfg.loop
-        if every.eval_every and done % every.eval_every == 0 and done < every.steps:
+        schedule = self.cfg.loop
+        if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
             self.evaluate(done)
-        if every.save_every and done % every.save_every == 0:
+        if schedule.save_every and done % schedule.save_every == 0:
             self.save(done)
         if self.on_step is not None:
             self.on_step(done)
