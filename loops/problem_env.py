@@ -28,9 +28,9 @@ class ProblemEnv(Env):
         return problem_prompt(self.problem, self.instruction)
 
     def step(self, message: str) -> StepResult:
-        answer = rewards.parse_answer(message)
-        correct = answer is not None and answer == rewards.normalise(self.problem.answer)
-        reward = -self.format_penalty if answer is None else float(correct)
-        return StepResult(
-            reward, done=True, metrics={"accuracy": float(correct), "parsed": float(answer is not None)}
+        reward = rewards.reward(message, self.problem.answer, self.format_penalty)
+        correct, parsed = (
+            rewards.correct(message, self.problem.answer),
+            rewards.parse_answer(message) is not None,
         )
+        return StepResult(reward, done=True, metrics={"accuracy": float(correct), "parsed": float(parsed)})

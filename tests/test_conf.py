@@ -119,6 +119,26 @@ def test_conf_yaml_holds_no_default_of_a_schema():
         assert all(defaults[key] != value for key, value in lora.items()), (path.name, lora)
 
 
+def test_records_from_before_the_env_interface_still_load(tmp_path):
+    """Older config.yaml files kept format_penalty and shuffle under loop (and a temperature for SFT);
+    --resume moves them to data, where they live now, with their recorded values."""
+    grpo_old = config.OmegaConf.to_container(config.compose(["loop.steps=3"]))
+    grpo_old["loop"]["format_penalty"] = grpo_old["data"].pop("format_penalty") + 0.15
+    sft_old = config.OmegaConf.to_container(
+        config.compose(["loop=sft", "data=chat_jsonl", "data.path=x.jsonl"])
+    )
+    sft_old["loop"].update(shuffle=not sft_old["data"].pop("shuffle"), temperature=1.0)
+    for name, old in (("grpo", grpo_old), ("sft", sft_old)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(old))
+        loaded = config.load(path)
+        assert (
+            loaded.loop.name == name and "format_penalty" not in loaded.loop and "shuffle" not in loaded.loop
+        )
+    assert config.load(tmp_path / "grpo.yaml").data.format_penalty == 0.25
+    assert config.load(tmp_path / "sft.yaml").data.shuffle is False
+
+
 def test_yaml_typo_is_caught_by_the_schema():
     bad = config.OmegaConf.merge(config.compose(["model=tiny-llama"]), {})
     bad = config.OmegaConf.to_container(bad)
