@@ -63,6 +63,8 @@ LOGGERS = ("local", "wandb")
 
 
 GROUPS = ("engine", "model", "loop", "data", "logger")
+# Keys that moved to another group (the reward is the env's, the visiting order the data's).
+MOVED = {"loop.format_penalty": "data.format_penalty", "loop.shuffle": "data.shuffle"}
 
 
 def register_options() -> None:
@@ -91,7 +93,11 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         with _hydra():
             cfg = hydra_compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_one_line(exc)) from exc
+        message = _one_line(exc)
+        for before, now in MOVED.items():
+            if f"'{before}'" in message:
+                message = f"{before} is now {now}; {message}"
+        raise ConfigError(message) from exc
     return validate(cfg)
 
 

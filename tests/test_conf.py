@@ -71,6 +71,7 @@ def test_all_groups_have_their_options():
         (["engine=remote"], "engine.url"),
         (["data=env"], "data.env"),
         (["model.lora.rank=0"], "model.lora.rank"),
+        (["loop.format_penalty=0.2"], "loop.format_penalty is now data.format_penalty"),
         (["data=gsm8k"], "data.path"),
         (["sed=1"], "sed"),
     ],
