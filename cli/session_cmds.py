@@ -36,7 +36,8 @@ def _compose(overrides: list[str]):
                 "engine=, engine.*, seed="
             )
         if root == "lora":
-            composed.append(f"model.{override}")
+            prefix = key[: len(key) - len(key.lstrip("+~"))]  # Hydra's + (add) and ~ (delete) stay in front
+            composed.append(f"{prefix}model.{override[len(prefix) :]}")
         elif key == "model" and value not in config.group_options("model"):
             composed += [f"model.name={value}", f"model.base_model={value}"]
         else:

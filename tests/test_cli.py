@@ -99,6 +99,10 @@ def test_start_composes_like_sess_run(env):
     assert {s.name for s in svc.list_sessions(status_equals="Running")} >= {"cli-remote", "cli-long"}
     typo = runner.invoke(app, ["start", "model=tiny-llama", "lora.rnak=8"], env=env)
     assert typo.exit_code != 0 and "lora.rnak" in str(typo.exception)
+    missing = runner.invoke(
+        app, ["start", "model=/no/such/model-dir", "--name", "cli-dir"], env=env
+    )  # not an option
+    assert missing.exit_code != 0 and "/no/such/model-dir" in str(missing.exception), missing.exception
     not_for_start = runner.invoke(app, ["start", "loop=sft"], env=env)
     assert not_for_start.exit_code == 1 and "sess start takes" in not_for_start.output
     assert "lora.rank=N" in runner.invoke(app, ["start", "--help"]).output
