@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -17,47 +16,43 @@ from rich.table import Table
 from sess.cli.main import app, fail
 
 out = Console()
-CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
-def _compose(overrides: list[str]) -> dict:
-    """``model=NAME lora.rank=8 seed=1 engine=remote engine.url=...`` -> a session config."""
-    from omegaconf import OmegaConf
+def _compose(overrides: list[str]):
+    """``model=NAME lora.rank=8 seed=1 engine=remote engine.url=...`` -> a run config (model, engine, seed).
 
-    groups = {
-        k: v for k, v in (o.split("=", 1) for o in overrides if "=" in o and "." not in o.split("=")[0])
-    }
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        fail(f"override {bad[0]!r}: expected key=value (e.g. model=tiny-llama lora.rank=8)")
-    model_name = groups.pop("model", "smollm2-135m")
-    engine_name = groups.pop("engine", "local")
-    model_file, engine_file = CONF / "model" / f"{model_name}.yaml", CONF / "engine" / f"{engine_name}.yaml"
-    model = (
-        OmegaConf.load(model_file) if model_file.exists() else OmegaConf.create({"base_model": model_name})
-    )
-    engine = (
-        OmegaConf.load(engine_file) if engine_file.exists() else fail(f"engine={engine_name}: unknown engine")
-    )
-    config = OmegaConf.create({"model": model, "lora": model.get("lora", {}), "engine": engine, "seed": None})
-    dotted = [o for o in overrides if "." in o.split("=")[0] or o.split("=")[0] == "seed"]
-    try:
-        config = OmegaConf.merge(config, OmegaConf.from_dotlist(dotted))
-    except Exception as exc:
-        fail(f"overrides: {exc}")
-    unknown = set(groups) - {"seed"}
-    if unknown:
-        fail(f"override {sorted(unknown)[0]!r}: unknown key (use model=, engine=, lora.*, seed=)")
-    return OmegaConf.to_container(config, resolve=True)
+    Composed by the same Hydra path as ``sess run`` (``sess.loops.config.compose``), so the model's
+    LoRA defaults, the engine options and the key checks are the same. ``lora.X=`` is short for
+    ``model.lora.X=``; a model that is no conf option (a local directory) is used as the base model."""
+    from sess.loops import config
+
+    composed = []
+    for override in overrides:
+        key, equals, value = override.partition("=")
+        root = key.lstrip("+~").split(".")[0]
+        if not equals or root not in ("model", "lora", "engine", "seed"):
+            fail(
+                f"override {override!r}: sess start takes model=, model.*, lora.* (short for model.lora.*), "
+                "engine=, engine.*, seed="
+            )
+        if root == "lora":
+            prefix = key[: len(key) - len(key.lstrip("+~"))]  # Hydra's + (add) and ~ (delete) stay in front
+            composed.append(f"{prefix}model.{override[len(prefix) :]}")
+        elif key == "model" and value not in config.group_options("model"):
+            composed += [f"model.name={value}", f"model.base_model={value}"]
+        else:
+            composed.append(override)
+    return config.compose(composed)  # a ConfigError names the key; main() prints it as one red line
 
 
-def _client(engine: dict | None = None):
+def _client(engine=None):
     from sess.engine import ServiceClient
 
-    engine = engine or {}
-    if engine.get("kind") == "inprocess":
+    if engine is not None and engine.kind == "inprocess":
         fail("engine=inprocess: a session started from the CLI needs an engine that outlives the command")
-    return ServiceClient(engine.get("url"), engine.get("api_key"))
+    if engine is None:
+        return ServiceClient()
+    return ServiceClient(engine.url, engine.api_key)
 
 
 def _tokens(usage) -> int:
@@ -70,21 +65,28 @@ def _when(timestamp: float) -> str:
 
 @app.command()
 def start(
-    overrides: list[str] = typer.Argument(None, help="model=NAME lora.rank=N lora.alpha=A seed=S engine=..."),
+    overrides: list[str] = typer.Argument(
+        None,
+        help="Overrides as for sess run: model=NAME (or a model directory), lora.rank=N lora.alpha=A "
+        "(short for model.lora.*), seed=S (default 0), engine=remote engine.url=URL engine.api_key=KEY.",
+    ),
     name: str = typer.Option(None, "--name", help="Session name (default: derived from the model)."),
 ) -> None:
     """Start a live training session and print its name."""
-    config = _compose(overrides or [])
-    lora = {
-        k: v
-        for k, v in config["lora"].items()
-        if k in ("rank", "alpha", "train_mlp", "train_attn", "train_unembed")
-    }
-    svc = _client(config["engine"])
+    cfg = _compose(overrides or [])
+    lora = cfg.model.lora
+    svc = _client(cfg.engine)
     tc = svc.create_lora_training_client(
-        config["model"]["base_model"], training_session_name=name, seed=config["seed"], **lora
+        cfg.model.base_model,
+        training_session_name=name,
+        seed=int(cfg.seed),
+        rank=lora.rank,
+        alpha=lora.alpha,
+        train_attn=lora.train_attn,
+        train_mlp=lora.train_mlp,
+        train_unembed=lora.train_unembed,
     )
-    out.print(f"session [bold]{tc.name}[/bold] started on {tc.base_model} (rank {lora.get('rank')})")
+    out.print(f"session [bold]{tc.name}[/bold] started on {tc.base_model} (rank {lora.rank})")
 
 
 @app.command("list")

@@ -3,13 +3,14 @@
 Problem ``k`` of a split is a pure function of ``(seed, split, k)``, so a step's batch is the same in
 every run with that seed (and after a resume). Held-out problems are drawn first; a train problem
 that happens to equal a held-out one (same numbers, operation and story) is skipped, so the splits
-never overlap. Difficulty knobs: the operand range, the operations, and the number of operands.
+never overlap. Difficulty knobs (:class:`ArithmeticData`, the ``data=arithmetic`` config and its
+defaults): the operand range, the operations, the number of operands and word problems or bare sums.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # One short story per operation; {a} {b} are the operands, the answer is a OP b.
 _STORIES = {
@@ -27,6 +28,24 @@ _STORIES = {
 }
 _NAMES = ["Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Eva", "Raj"]
 _THINGS = ["apples", "books", "coins", "pens", "stamps", "cards", "shells", "marbles"]
+
+
+@dataclass
+class ArithmeticData:
+    """``data=arithmetic``: the knobs of the generator and of the prompt (``sess run``'s defaults).
+
+    The README's learning figures are measured with these values.
+    """
+
+    name: str = "arithmetic"
+    eval_size: int = 64
+    min_value: int = 1
+    max_value: int = 20
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])  # any of + - *
+    operands: int = 2
+    word_problems: bool = False  # true: "Ana has 12 shells and gets 7 more. ..." (harder for a 135M model)
+    instruction: str = "Reply with just the number."
+    format_penalty: float = 0.1  # reward of a reply with no number in it
 
 
 @dataclass(frozen=True)
@@ -55,27 +74,19 @@ def _make(rng: random.Random, min_value: int, max_value: int, ops: list[str], wo
 class ArithmeticProblems:
     """Train and held-out problems; ``train(k)`` is the k-th train problem of this seed."""
 
-    def __init__(
-        self,
-        seed: int,
-        *,
-        eval_size: int = 64,
-        min_value: int = 1,
-        max_value: int = 50,
-        ops: list[str] | tuple[str, ...] = ("+", "-"),
-        operands: int = 2,
-        word_problems: bool = True,
-    ):
+    def __init__(self, seed: int, knobs: ArithmeticData | None = None):
+        knobs = knobs or ArithmeticData()
+        ops, min_value, max_value = list(knobs.ops), knobs.min_value, knobs.max_value
         unknown = [op for op in ops if op not in _STORIES]
         if unknown or not ops:
-            raise ValueError(f"data.ops: expected a non-empty subset of {list(_STORIES)}, got {list(ops)}")
+            raise ValueError(f"data.ops: expected a non-empty subset of {list(_STORIES)}, got {ops}")
         if min_value > max_value or min_value < 0:
             raise ValueError(f"data.min_value/max_value: need 0 <= min <= max, got {min_value}..{max_value}")
-        if operands != 2:
+        if knobs.operands != 2:
             raise ValueError("data.operands: only 2 operands are supported")
         self.seed = seed
-        self._knobs = (min_value, max_value, list(ops), word_problems)
-        self.eval_problems = [self._draw("eval", k) for k in range(eval_size)]
+        self._knobs = (min_value, max_value, ops, knobs.word_problems)
+        self.eval_problems = [self._draw("eval", k) for k in range(knobs.eval_size)]
         self._held_out = {p.question for p in self.eval_problems}
         self._cache: dict[int, Problem] = {}
 

@@ -1,10 +1,14 @@
 """Run configuration: Hydra composes ``sess.conf``, then every group is checked against a dataclass schema.
 
+Every default is written once. The ``loop`` and ``data`` options are dataclasses (each loop's
+``Config``, each data source's config in :mod:`.datasets`), registered in Hydra's ConfigStore under
+their names, so ``loop=sft`` composes :class:`sess.loops.sft.Config` with its defaults. The
+``model``, ``engine`` and ``logger`` options are YAML files in ``conf/`` that hold what differs per
+option; the schemas below hold what they share (a model's LoRA defaults, a logger's project, ...).
 Hydra's compose API builds the config from ``config.yaml`` plus the command line's overrides; the
-result is merged into the schema of each group (engine, model, logger, the chosen loop's ``Config`` and
-the chosen data source's config), so an unknown key or a value of the wrong type is a
+result is merged into the schema of each group, so an unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key (``loop.stpes``), whether the typo is on the command line or
-in a YAML file.
+in a YAML file. ``sess run``, ``sess start`` and ``python -m sess.loops.<loop>`` all compose here.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -22,7 +26,7 @@ class ConfigError(Exception):
 
 @dataclass
 class EngineConfig:
-    kind: str = "local"  # local | inprocess | remote
+    kind: str = MISSING  # local | inprocess | remote (conf/engine/<kind>.yaml)
     url: str | None = None
     api_key: str | None = None
 
@@ -38,60 +42,85 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "smollm2-135m"
-    base_model: str = "smollm2-135m"
-    arch: str = "llama"
+    name: str = MISSING  # conf/model/<name>.yaml
+    base_model: str = MISSING
+    arch: str = MISSING
     lora: LoraConfig = field(default_factory=LoraConfig)
     targets: list[str] = field(default_factory=list)  # what LoRA wraps (informational, for --dry-run)
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "local"  # local | wandb
+    name: str = MISSING  # local | wandb (conf/logger/<name>.yaml)
     project: str = "sess"
     entity: str | None = None
     mode: str = "online"
     tags: list[str] = field(default_factory=list)
 
 
-@dataclass
-class LoopConfig:
-    """What every loop shares; each loop module subclasses it as ``Config``."""
-
-    name: str = "?"
-    steps: int = 20
-    batch_size: int = 8  # prompts (RL) or examples (SFT, KTO) per step
-    learning_rate: float = 1e-4
-    grad_clip_norm: float = 1.0
-    max_tokens: int = 32  # sampling budget per completion (rollouts and greedy eval)
-    temperature: float = 1.0
-    eval_every: int = 10  # 0: evaluate at the start and the end only
-    save_every: int = 10  # 0: save state at the end only
-
-
 ENGINE_KINDS = ("local", "inprocess", "remote")
 LOGGERS = ("local", "wandb")
+
+
+GROUPS = ("engine", "model", "loop", "data", "logger")
+# Keys that moved to another group (the reward is the env's, the visiting order the data's).
+MOVED = {"loop.format_penalty": "data.format_penalty", "loop.shuffle": "data.shuffle"}
+
+
+def register_options() -> None:
+    """Put every loop's and data source's config dataclass into Hydra's ConfigStore as an option, and
+    the engine, model and logger schemas where their YAML options extend them (``/schema/<group>``)."""
+    from hydra.core.config_store import ConfigStore
+
+    from .datasets import DATA_SOURCES
+    from .registry import LOOPS
+
+    store = ConfigStore.instance()
+    for group, schema in (("engine", EngineConfig), ("model", ModelConfig), ("logger", LoggerConfig)):
+        store.store(group="schema", name=group, node=schema)
+    for name, loop in LOOPS.items():
+        store.store(group="loop", name=name, node=loop.config)
+    for name, source in DATA_SOURCES.items():
+        store.store(group="data", name=name, node=source.config)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose ``sess.conf/config.yaml`` with ``overrides`` (Hydra syntax: ``loop=sft loop.steps=2``)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="sess.conf", version_base="1.3"):
+        with _hydra():
             cfg = hydra_compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_one_line(exc)) from exc
+        message = _one_line(exc)
+        for before, now in MOVED.items():
+            if f"'{before}'" in message:
+                message = f"{before} is now {now}; {message}"
+        raise ConfigError(message) from exc
     return validate(cfg)
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (``loop`` -> grpo, importance_sampling, ...), YAML or dataclass."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    with _hydra():
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def _hydra():
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_options()
+    GlobalHydra.instance().clear()
+    return initialize_config_module(config_module="sess.conf", version_base="1.3")
 
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Merge each group into its schema; returns a resolved, read-only config."""
-    from .datasets import DATA_CONFIGS
+    from .datasets import DATA_SOURCES
     from .registry import LOOPS
 
     checked = {}
@@ -105,16 +134,16 @@ def validate(cfg: DictConfig) -> DictConfig:
         data_name = cfg.data.get("name")
         if loop_name not in LOOPS:
             raise ConfigError(f"loop.name: unknown loop {loop_name!r}; choose one of {', '.join(LOOPS)}")
-        if data_name not in DATA_CONFIGS:
+        if data_name not in DATA_SOURCES:
             raise ConfigError(
-                f"data.name: unknown data {data_name!r}; choose one of {', '.join(DATA_CONFIGS)}"
+                f"data.name: unknown data {data_name!r}; choose one of {', '.join(DATA_SOURCES)}"
             )
         schemas = {
             "engine": EngineConfig,
             "model": ModelConfig,
             "logger": LoggerConfig,
-            "loop": LOOPS[loop_name].Config,
-            "data": DATA_CONFIGS[data_name],
+            "loop": LOOPS[loop_name].config,
+            "data": DATA_SOURCES[data_name].config,
         }
         for group, schema in schemas.items():
             checked[group] = _merge(group, schema, cfg[group])
@@ -155,6 +184,8 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"seed: expected a non-negative integer, got {cfg.seed!r}")
     if cfg.engine.kind not in ENGINE_KINDS:
         raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
+    if cfg.engine.kind == "remote" and not cfg.engine.url:
+        raise ConfigError("engine.url: a remote engine needs its address; set engine.url=http://host:port")
     if cfg.logger.name not in LOGGERS:
         raise ConfigError(f"logger.name: expected one of {', '.join(LOGGERS)}, got {cfg.logger.name!r}")
     loop = cfg.loop
@@ -166,6 +197,8 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"loop.{key}: expected 0 (off) or a positive integer, got {loop[key]}")
     if loop.learning_rate <= 0:
         raise ConfigError(f"loop.learning_rate: expected a positive number, got {loop.learning_rate}")
+    if cfg.model.lora.rank < 1:
+        raise ConfigError(f"model.lora.rank: expected a positive integer, got {cfg.model.lora.rank}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -186,5 +219,22 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 def load(path) -> DictConfig:
-    """A recorded ``config.yaml`` re-checked against today's schemas."""
-    return validate(OmegaConf.load(path))
+    """A recorded ``config.yaml`` re-checked against today's schemas (older records upgraded first)."""
+    return validate(_upgrade(OmegaConf.load(path)))
+
+
+def _upgrade(recorded: DictConfig) -> DictConfig:
+    """Records written before the environment interface kept two data settings under ``loop``; they
+    moved to ``data`` (the reward belongs to the env, the visiting order to the data), and SFT and KTO
+    dropped an unused ``temperature``. Moving them keeps such runs resumable with the same behaviour."""
+    plain = OmegaConf.to_container(recorded)
+    loop, data = plain.get("loop", {}), plain.get("data", {})
+    moved = {"format_penalty": ("arithmetic", "gsm8k"), "shuffle": ("gsm8k", "chat_jsonl", "feedback_jsonl")}
+    for key, sources in moved.items():
+        if key in loop:
+            value = loop.pop(key)
+            if data.get("name") in sources:
+                data.setdefault(key, value)
+    if loop.get("name") in ("sft", "kto"):
+        loop.pop("temperature", None)
+    return OmegaConf.create(plain)

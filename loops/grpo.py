@@ -1,18 +1,23 @@
 """GRPO: group sampling with group-relative advantages, one policy-gradient update per step.
 
-Each step takes ``batch_size`` problems (item ``step*batch_size + i`` of the seeded order) and samples
-``group_size`` completions of each from the current policy (temperature ``temperature``, at most
-``max_tokens`` tokens, seed derived from (run seed, step, i)). Reward: 1 for the exact final answer, 0
-for a wrong one, ``-format_penalty`` when no number can be parsed. Advantage of completion g:
+Each step takes ``batch_size`` problems (environment factories, item ``step*batch_size + i`` of the
+seeded order) and runs ``group_size`` episodes of each with the current policy (temperature
+``temperature``, at most ``max_tokens`` tokens per turn, seed derived from (run seed, step, i)). The
+env scores each episode; for ``data=arithmetic`` that is 1 for the exact final answer, 0 for a wrong
+one, ``-data.format_penalty`` when no number can be parsed. Advantage of episode g:
 ``A_g = r_g - mean(r)`` over its group (divided by ``std(r)`` when ``scale_by_std``); groups whose
-rewards are all equal carry no signal and are dropped. Every completion token gets its sequence's
-advantage, divided by the number of completion tokens in the batch (token-mean normalisation); prompt
-tokens get 0. The loss is ``loss`` (ppo by default: ``-min(ρA, clip(ρ, 0.8, 1.2)A)`` with
+rewards are all equal carry no signal and are dropped. Every sampled token gets its episode's
+advantage divided by the number of sampled tokens in the batch (token-mean normalisation); prompt and
+observation tokens get 0. The loss is ``loss`` (ppo by default: ``-min(ρA, clip(ρ, 0.8, 1.2)A)`` with
 ``ρ = exp(logp - logp_sampler)``; or cispo, importance_sampling, dro with ``loss_config``), one
 ``forward_backward`` + AdamW ``optim_step`` per step, no KL term, no reference model. After the update
 ``save_weights_and_get_sampling_client`` gives the sampler of the next step, so sampling is on-policy.
 
-Launch: ``sess run`` (this is the default loop) or ``sess run loop=grpo model=tiny-llama loop.steps=2``.
+Launch: ``sess run`` (this is the default loop), ``sess run loop=grpo model=tiny-llama loop.steps=2``,
+or this module alone, which records a run like ``sess run`` does:
+``python -m sess.loops.grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
+``grpo.train(grpo.Config(steps=2), tc, data.envs, PrintMetrics())`` for any training client ``tc``
+and, e.g., ``data = datasets.load_arithmetic(ArithmeticData(), seed=0)``.
 """
 
 from __future__ import annotations
@@ -20,71 +25,93 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from sess.engine import AdamParams
+from sess.engine import AdamParams, SamplingParams, TrainingClient
 
 from . import rollouts
-from .config import LoopConfig
+from .datasets import Dataset
+from .env import EnvFactory
+from .hooks import Hooks
+from .rollouts import derive_seed
 
-NEEDS = ("problem",)
 LOSSES = ("ppo", "cispo", "importance_sampling", "dro")
 
 
 @dataclass
-class Config(LoopConfig):
+class Config:
+    """Sized for smollm2-135m on CPU: short answers, 8 prompts x 8 samples per step; 20 steps take
+    held-out greedy accuracy from 31% to 58% (benchmarks/learning.py, README)."""
+
     name: str = "grpo"
-    group_size: int = 8
+    steps: int = 20
+    batch_size: int = 8  # problems per step
+    group_size: int = 8  # episodes per problem
+    learning_rate: float = 3e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
+    temperature: float = 1.0
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
-    loss_config: dict = field(
-        default_factory=dict
-    )  # e.g. {clip_low_threshold: 0.8, clip_high_threshold: 1.2}
+    # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
+    loss_config: dict = field(default_factory=dict)
     scale_by_std: bool = False
-    format_penalty: float = 0.1
+    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
+    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
-def check(cfg) -> None:
-    if "loss" in cfg and cfg.loss not in LOSSES:
+def check(cfg: Config) -> None:
+    if cfg.loss not in LOSSES:
         raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
 
 
-def train_step(
-    run, groups_P: list[rollouts.Group], loss: str, loss_config: dict | None, adam: AdamParams
-) -> dict:
-    """One update from scored groups; returns the step's loss metrics (zeros when no group has signal)."""
-    advantages_P_G = [rollouts.group_advantages(g.rewards_G, run.loop.scale_by_std) for g in groups_P]
-    kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
-    n_tokens = sum(len(t) for g, _ in kept for t in g.tokens_G_T)
-    datums = [
-        rollouts.policy_datum(g.prompt_T, tokens_T, logprobs_T, a / n_tokens)
-        for g, a_G in kept
-        for tokens_T, logprobs_T, a in zip(g.tokens_G_T, g.logprobs_G_T, a_G)
-    ]
-    if not datums:
-        return {"loss": 0.0, "datums": 0, "trained_tokens": 0}
-    fb = run.tc.forward_backward(datums, loss_fn=loss, loss_fn_config=loss_config or None)
-    opt = run.tc.optim_step(adam)
-    out, step = fb.result(), opt.result()
-    return {
-        "loss": out.metrics["loss:sum"],
-        "grad_norm": step.metrics.get("grad_norm", 0.0),
-        "datums": len(datums),
-        "trained_tokens": sum(d.model_input.length for d in datums),
-    }
-
-
-def main(run) -> None:
-    cfg = run.loop
+def train(
+    cfg: Config,
+    tc: TrainingClient,
+    envs: Dataset[EnvFactory],
+    hooks: Hooks,
+    *,
+    seed: int = 0,
+    start_step: int = 0,
+) -> None:
     check(cfg)
+    tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sc = run.tc.save_weights_and_get_sampling_client()
-    for step in range(run.start_step, cfg.steps):
+    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    sc = tc.save_weights_and_get_sampling_client()
+    for step in range(start_step, cfg.steps):
         started = time.perf_counter()
-        problems_P = [run.data.train_problem(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.sample_groups(run, sc, problems_P, cfg.group_size, step)
+        # 1. Sample and score: group_size episodes of each of batch_size problems; the envs give rewards.
+        make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
+        envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
+        seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
+        groups_P = rollouts.rollout_groups(sc, tok, envs_P_G, sampling, seeds_P, policy_step=step)
         metrics = rollouts.batch_metrics(groups_P)
-        metrics.update(train_step(run, groups_P, cfg.loss, dict(cfg.loss_config), adam))
-        sc = run.tc.save_weights_and_get_sampling_client()
+        # 2. Advantages: each reward minus its group's mean; a group whose rewards are all equal has no signal.
+        advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
+        kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
+        # 3. Datums: one per episode, its advantage / (sampled tokens in the batch) on its sampled tokens.
+        n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
+        datums = [
+            rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
+        ]
+        # 4. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
+        if datums:
+            fb = tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=dict(cfg.loss_config) or None)
+            opt = tc.optim_step(adam)
+            metrics.update(
+                loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
+            )
+        else:
+            metrics.update(loss=0.0)
+        metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
+        # 5. The next step samples from the new weights (on-policy).
+        sc = tc.save_weights_and_get_sampling_client()
         metrics["tokens"] = rollouts.sampled_tokens(groups_P) + metrics["trained_tokens"]
         metrics["seconds"] = time.perf_counter() - started
-        run.step_done(step, metrics)
+        hooks.step_done(step, metrics)
+
+
+if __name__ == "__main__":
+    from .runner import main
+
+    main("grpo")

@@ -1,19 +1,21 @@
 """Off-policy RL: rollout workers sample while the trainer trains; importance weights correct the lag.
 
-``rollout_workers`` threads each take the next problem index k (or a requeued one), sample
-``group_size`` completions from the newest published policy, score them (exact final answer 1, wrong
-0, unparseable ``-format_penalty``) and hand the group to the trainer, tagged with the policy's step.
+``rollout_workers`` threads each take the next problem index k (or a requeued one), run
+``group_size`` episodes of that problem's environment with the newest published policy (the env
+scores them: for arithmetic, exact final answer 1, wrong 0, unparseable ``-data.format_penalty``) and
+hand the group to the trainer, tagged with the policy's step.
 At most ``batch_size * (max_steps_off_policy + 1)`` groups are sampled ahead of the trainer. Each
 training step takes ``batch_size`` groups; a group sampled by policy step ``v`` at training step ``s``
 is used when ``s - v <= max_steps_off_policy``, otherwise ``stale_policy`` says what happens to it:
 ``requeue`` (resample the same problem from the newest policy) or ``discard``. Advantages are
-group-relative (``r_g - mean(r)``), spread over completion tokens and token-mean normalised; the loss
+group-relative (``r_g - mean(r)``), spread over sampled tokens and token-mean normalised; the loss
 is ``importance_sampling``: ``-(ρ A).sum()`` with ``ρ = exp(logp - logp_sampler)``, whose ratio
 corrects for the policy having moved since the group was sampled. After each ``optim_step`` the
 trainer publishes a new sampler (``save_weights_and_get_sampling_client``) for the workers.
 
 Which policy version samples a group depends on timing, so unlike grpo this loop is not bit-for-bit
-reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``.
+reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or on its
+own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -24,31 +26,53 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from sess.engine import AdamParams
+from sess.engine import AdamParams, SamplingParams, TrainingClient
 
-from . import grpo, rollouts
-from .config import LoopConfig
-
-NEEDS = ("problem",)
+from . import rollouts
+from .datasets import Dataset
+from .env import EnvFactory
+from .hooks import Hooks
+from .rollouts import Group, derive_seed
 
 
 @dataclass
-class Config(LoopConfig):
+class Config:
     name: str = "importance_sampling"
-    group_size: int = 8
+    steps: int = 20
+    batch_size: int = 8  # groups per training step
+    group_size: int = 8  # episodes per problem
+    learning_rate: float = 1e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
+    temperature: float = 1.0
     rollout_workers: int = 2
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
     scale_by_std: bool = False
-    format_penalty: float = 0.1
+    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
+    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
-class Rollouts:
-    """The worker pool: problem indices in, scored groups (tagged with their policy step) out."""
+def check(cfg: Config) -> None:
+    if cfg.group_size < 2:
+        raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
+    if cfg.stale_policy not in ("requeue", "discard"):
+        raise ValueError(f"loop.stale_policy: expected requeue or discard, got {cfg.stale_policy!r}")
+    if cfg.rollout_workers < 1 or cfg.max_steps_off_policy < 0:
+        raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
 
-    def __init__(self, run, first_index: int, sc, policy_step: int):
-        cfg = run.loop
-        self.run = run
+
+class RolloutWorkers:
+    """The worker pool: problem indices in, groups (tagged with their policy step) out.
+
+    Problem k's first attempt samples with seed (run seed, k, 0); a requeued attempt a with (.., k, a).
+    """
+
+    def __init__(
+        self, cfg: Config, tok, envs: Dataset[EnvFactory], seed: int, first_index: int, sc, policy_step: int
+    ):
+        self.cfg, self.tok, self.envs, self.seed = cfg, tok, envs, seed
+        self.sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
         self.next_index = first_index
         self.requeued: deque[tuple[int, int]] = deque()
         self.policy = (policy_step, sc)
@@ -72,7 +96,7 @@ class Rollouts:
         with self.lock:
             self.requeued.append((k, attempt + 1))
 
-    def take(self) -> tuple[int, int, rollouts.Group]:
+    def take(self) -> tuple[int, int, Group]:
         while True:
             if self.errors:
                 raise self.errors[0]
@@ -84,7 +108,6 @@ class Rollouts:
             return item
 
     def _work(self) -> None:
-        run, cfg = self.run, self.run.loop
         while not self.stopping.is_set():
             if not self.room.acquire(timeout=0.2):
                 continue
@@ -96,9 +119,12 @@ class Rollouts:
                     self.next_index += 1
                 policy_step, sc = self.policy
             try:
-                problem = run.data.train_problem(k)
-                pending = rollouts.submit_group(run, sc, problem, cfg.group_size, k, attempt)
-                group = rollouts.finish_group(run, *pending, policy_step=policy_step)
+                make_env = self.envs.train(k)
+                envs_G = [make_env() for _ in range(self.cfg.group_size)]
+                seed = derive_seed(self.seed, "sample", k, attempt)
+                (group,) = rollouts.rollout_groups(
+                    sc, self.tok, [envs_G], self.sampling, [seed], policy_step=policy_step
+                )
             except BaseException as exc:  # surfaced to the trainer at its next take()
                 self.errors.append(exc)
                 return
@@ -110,19 +136,23 @@ class Rollouts:
             t.join(timeout=30)
 
 
-def main(run) -> None:
-    cfg = run.loop
-    grpo.check(cfg)
-    if cfg.stale_policy not in ("requeue", "discard"):
-        raise ValueError(f"loop.stale_policy: expected requeue or discard, got {cfg.stale_policy!r}")
-    if cfg.rollout_workers < 1 or cfg.max_steps_off_policy < 0:
-        raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
+def train(
+    cfg: Config,
+    tc: TrainingClient,
+    envs: Dataset[EnvFactory],
+    hooks: Hooks,
+    *,
+    seed: int = 0,
+    start_step: int = 0,
+) -> None:
+    check(cfg)
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sc = run.tc.save_weights_and_get_sampling_client()
-    pool = Rollouts(run, run.start_step * cfg.batch_size, sc, run.start_step)
+    sc = tc.save_weights_and_get_sampling_client()
+    pool = RolloutWorkers(cfg, tc.get_tokenizer(), envs, seed, start_step * cfg.batch_size, sc, start_step)
     try:
-        for step in range(run.start_step, cfg.steps):
+        for step in range(start_step, cfg.steps):
             started = time.perf_counter()
+            # Take batch_size groups no more than max_steps_off_policy behind; requeue or drop the rest.
             groups_P, stale, lags = [], 0, []
             while len(groups_P) < cfg.batch_size:
                 k, attempt, group = pool.take()
@@ -135,14 +165,36 @@ def main(run) -> None:
                 groups_P.append(group)
                 lags.append(lag)
             metrics = rollouts.batch_metrics(groups_P)
-            metrics.update(grpo.train_step(run, groups_P, "importance_sampling", None, adam))
-            pool.publish(step + 1, run.tc.save_weights_and_get_sampling_client())
+            # Group-relative advantages, token-mean normalised, on sampled tokens (as in grpo).
+            advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
+            kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
+            n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
+            datums = [
+                rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
+            ]
+            # The importance_sampling loss: its ratio exp(logp - logp_sampler) corrects for the lag.
+            if datums:
+                fb = tc.forward_backward(datums, loss_fn="importance_sampling")
+                opt = tc.optim_step(adam)
+                metrics.update(
+                    loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
+                )
+            else:
+                metrics.update(loss=0.0)
+            metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
+            pool.publish(step + 1, tc.save_weights_and_get_sampling_client())
             metrics.update(
                 stale_groups=stale,
                 off_policy_steps=sum(lags) / len(lags),
                 tokens=rollouts.sampled_tokens(groups_P) + metrics["trained_tokens"],
                 seconds=time.perf_counter() - started,
             )
-            run.step_done(step, metrics)
+            hooks.step_done(step, metrics)
     finally:
         pool.close()
+
+
+if __name__ == "__main__":
+    from .runner import main
+
+    main("importance_sampling")

@@ -3,7 +3,7 @@
 Each step takes ``batch_size`` feedback examples ``(x_i, y_i, desirable_i)``. The implied reward of a
 completion is ``r(x, y) = log π(y|x) - log π_ref(y|x)`` summed over completion tokens, where π is the
 session's policy and π_ref the base model (adapter off; its logprobs come from
-``svc.create_sampling_client(base_model=...).compute_logprobs`` and are cached per example). The KL
+``tc.service.create_sampling_client(base_model=...).compute_logprobs``, cached per example). The KL
 baseline is estimated from mismatched pairs in the batch, ``z0 = max(0, mean_i r(x_i, y_{i+1 mod B}))``,
 and is not differentiated. The loss is
 ``mean_i [λ_D (1 - σ(β (r_i - z0)))]`` over desirable examples plus
@@ -14,8 +14,9 @@ datums, the gradient goes back as per-token weights), followed by an AdamW ``opt
 Reported: ``margin`` = mean r(desirable) - mean r(undesirable), which KTO drives up; the held-out
 version is ``eval/margin``.
 
-Launch: ``sess run loop=kto`` (arithmetic: correct vs wrong answers) or
-``sess run loop=kto data=feedback_jsonl data.path=feedback.jsonl``.
+Launch: ``sess run loop=kto`` (arithmetic: correct vs wrong answers),
+``sess run loop=kto data=feedback_jsonl data.path=feedback.jsonl``, or on its own:
+``python -m sess.loops.kto model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -25,30 +26,33 @@ from dataclasses import dataclass
 
 import torch
 
-from sess.engine import AdamParams
+from sess.engine import AdamParams, TrainingClient
 
 from . import rendering
-from .config import LoopConfig
-from .datasets import Feedback
-
-NEEDS = ("feedback",)
+from .datasets import Dataset, Feedback
+from .hooks import Hooks
 
 
 @dataclass
-class Config(LoopConfig):
+class Config:
     name: str = "kto"
-    batch_size: int = 8
+    steps: int = 20
+    batch_size: int = 8  # feedback examples per step
     learning_rate: float = 1e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 24  # the runner's greedy evaluation budget
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
+    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
 class Reference:
     """Base-model logprob sums of (prompt, completion) token pairs, computed once each."""
 
-    def __init__(self, run):
-        self.sc = run.svc.create_sampling_client(base_model=run.tc.base_model)
+    def __init__(self, tc: TrainingClient):
+        self.sc = tc.service.create_sampling_client(base_model=tc.base_model)
         self.cache: dict[tuple, float] = {}
 
     def sums(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
@@ -68,17 +72,14 @@ def pair_datum(prompt_T: list[int], completion_T: list[int]):
     return rendering.shifted_datum(full_T, weights=mask_T)
 
 
-def encode(run, items: list[Feedback]) -> list[tuple[list[int], list[int]]]:
+def encode(tok, items: list[Feedback]) -> list[tuple[list[int], list[int]]]:
     return [
-        (
-            rendering.prompt_tokens(run.tok, f.prompt),
-            rendering.completion_tokens(run.tok, f.prompt, f.completion),
-        )
+        (rendering.prompt_tokens(tok, f.prompt), rendering.completion_tokens(tok, f.prompt, f.completion))
         for f in items
     ]
 
 
-def kto_loss(cfg, desirable_B: list[bool], ref_B: torch.Tensor, ref_mismatch_B: torch.Tensor):
+def kto_loss(cfg: Config, desirable_B: list[bool], ref_B: torch.Tensor, ref_mismatch_B: torch.Tensor):
     """The custom loss: ``logprobs`` holds B matched then B mismatched sequences."""
     n = len(desirable_B)
     want = torch.tensor(desirable_B)
@@ -109,24 +110,33 @@ def _margin(reward_B: torch.Tensor, want: torch.Tensor) -> dict:
     return {"reward/desirable": good, "reward/undesirable": bad, "margin": good - bad}
 
 
-def main(run) -> None:
-    cfg = run.loop
+def train(
+    cfg: Config,
+    tc: TrainingClient,
+    feedback: Dataset[Feedback],
+    hooks: Hooks,
+    *,
+    seed: int = 0,  # unused: the data order is seeded already
+    start_step: int = 0,
+) -> None:
+    tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    ref = Reference(run)
-    for step in range(run.start_step, cfg.steps):
+    ref = Reference(tc)
+    for step in range(start_step, cfg.steps):
         started = time.perf_counter()
-        items = [run.data.train_feedback(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        pairs = encode(run, items)
+        items = [feedback.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
+        pairs = encode(tok, items)
+        # The KL baseline's pairs: each prompt with the next example's completion.
         mismatched = [(pairs[i][0], pairs[(i + 1) % len(pairs)][1]) for i in range(len(pairs))]
         ref_B = torch.tensor(ref.sums(pairs))
         ref_mismatch_B = torch.tensor(ref.sums(mismatched))
         datums = [pair_datum(p, c) for p, c in pairs + mismatched]
         loss_fn = kto_loss(cfg, [f.desirable for f in items], ref_B, ref_mismatch_B)
-        fb = run.tc.forward_backward_custom(datums, loss_fn)
-        opt = run.tc.optim_step(adam)
+        fb = tc.forward_backward_custom(datums, loss_fn)
+        opt = tc.optim_step(adam)
         out, stepped = fb.result(), opt.result()
         metrics = {k: v for k, v in out.metrics.items() if k != "loss:sum"}
-        run.step_done(
+        hooks.step_done(
             step,
             {
                 "loss": out.metrics["loss:sum"],
@@ -138,14 +148,14 @@ def main(run) -> None:
         )
 
 
-def evaluate(run) -> dict:
+def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
     """Held-out implied-reward margin (policy vs base model) of desirable over undesirable completions."""
-    items = run.data.eval_feedback
+    items = feedback.held_out
     if not items or not any(f.desirable for f in items) or all(f.desirable for f in items):
         return {}
-    pairs = encode(run, items)
-    ref_B = torch.tensor(Reference(run).sums(pairs))
-    out = run.tc.forward([pair_datum(p, c) for p, c in pairs], "cross_entropy").result()
+    pairs = encode(tc.get_tokenizer(), items)
+    ref_B = torch.tensor(Reference(tc).sums(pairs))
+    out = tc.forward([pair_datum(p, c) for p, c in pairs], "cross_entropy").result()
     sums = torch.tensor(
         [
             float((o["logprobs"].to_torch() * torch.tensor([0.0] * (len(p) - 1) + [1.0] * len(c))).sum())
@@ -154,3 +164,9 @@ def evaluate(run) -> dict:
     )
     want = torch.tensor([f.desirable for f in items])
     return {f"eval/{k}": v for k, v in _margin(sums - ref_B, want).items()}
+
+
+if __name__ == "__main__":
+    from .runner import main
+
+    main("kto")

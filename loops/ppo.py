@@ -1,17 +1,20 @@
 """PPO: several clipped epochs over each batch of rollouts, with a KL penalty to the base model.
 
-Each step samples ``group_size`` completions for each of ``batch_size`` problems from the current
-policy (the sampler's per-token logprobs are ``logp_old``) and scores them like GRPO (exact final
-answer 1, wrong 0, unparseable ``-format_penalty``). There is no value network: the baseline is the
-group mean, ``A_g = r_g - mean(r)``. The reference is the base model (adapter off): its logprobs of
-every sampled token come from ``svc.create_sampling_client(base_model=...).compute_logprobs``. The KL
-penalty is folded into the per-token advantage, ``A_t = A_g - kl_coef * (logp_old_t - logp_ref_t)``
-(the k1 estimator of KL(policy || base) at the sampled token), divided by the number of completion
-tokens in the batch. Then ``epochs`` passes, each over ``minibatches`` shuffled minibatches, take one
-``forward_backward(loss_fn="ppo", clip [clip_low, clip_high])`` + AdamW ``optim_step`` per minibatch,
-always against the same ``logp_old`` — so later minibatches are off-policy and the clip bounds them.
+Each step runs ``group_size`` episodes of each of ``batch_size`` problems (environment factories)
+with the current policy (the sampler's per-token logprobs are ``logp_old``); the env scores them like
+GRPO's (arithmetic: exact final answer 1, wrong 0, unparseable ``-data.format_penalty``). There is no
+value network: the baseline is the group mean, ``A_g = r_g - mean(r)``. The reference is the base
+model (adapter off): its logprobs of every episode token come from
+``tc.service.create_sampling_client(base_model=...).compute_logprobs``. The KL penalty is folded into
+the per-token advantage of sampled tokens, ``A_t = A_g - kl_coef * (logp_old_t - logp_ref_t)`` (the k1
+estimator of KL(policy || base) at the sampled token), divided by the number of sampled tokens in the
+batch; prompt and observation tokens get 0. Then ``epochs`` passes, each over ``minibatches``
+shuffled minibatches, take one ``forward_backward(loss_fn="ppo", clip [clip_low, clip_high])`` + AdamW
+``optim_step`` per minibatch, always against the same ``logp_old`` — so later minibatches are
+off-policy and the clip bounds them.
 
-Launch: ``sess run loop=ppo`` or ``sess run loop=ppo model=tiny-llama loop.steps=2 loop.kl_coef=0.1``.
+Launch: ``sess run loop=ppo``, ``sess run loop=ppo model=tiny-llama loop.steps=2 loop.kl_coef=0.1``,
+or on its own: ``python -m sess.loops.ppo model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -22,56 +25,79 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sess.engine import AdamParams
+from sess.engine import AdamParams, SamplingParams, TrainingClient
 
 from . import rollouts
-from .config import LoopConfig
-
-NEEDS = ("problem",)
+from .datasets import Dataset
+from .env import EnvFactory
+from .hooks import Hooks
+from .rollouts import Episode, derive_seed
 
 
 @dataclass
-class Config(LoopConfig):
+class Config:
     name: str = "ppo"
-    group_size: int = 4
+    steps: int = 20
+    batch_size: int = 8  # problems per step
+    group_size: int = 4  # episodes per problem
+    learning_rate: float = 1e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
+    temperature: float = 1.0
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
     clip_high: float = 1.2
     kl_coef: float = 0.05
     scale_by_std: bool = False
-    format_penalty: float = 0.1
+    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
+    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
-def reference_logprobs(ref_sc, group: rollouts.Group) -> list[list[float]]:
-    """Base-model logprobs of each member's completion tokens (``ref_T`` per member)."""
-    futures = [ref_sc.compute_logprobs(group.prompt_T + tokens_T) for tokens_T in group.tokens_G_T]
-    n = len(group.prompt_T)
-    return [[float(x) for x in f.result()[n:]] for f in futures]
+def kl_to_reference(ref_sc, episodes: list[Episode]) -> list[np.ndarray]:
+    """Per token of each episode: ``logp_old - logp_ref`` on sampled tokens, 0 elsewhere (``kl_T``)."""
+    futures = [ref_sc.compute_logprobs(e.tokens_T) for e in episodes]
+    kls = []
+    for e, future in zip(episodes, futures):
+        ref_T = np.asarray([0.0 if x is None else float(x) for x in future.result()])
+        kls.append(np.where(e.sampled_T, np.asarray(e.logprobs_T) - ref_T, 0.0))
+    return kls
 
 
-def main(run) -> None:
-    cfg = run.loop
+def train(
+    cfg: Config,
+    tc: TrainingClient,
+    envs: Dataset[EnvFactory],
+    hooks: Hooks,
+    *,
+    seed: int = 0,
+    start_step: int = 0,
+) -> None:
+    tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    ref_sc = run.svc.create_sampling_client(base_model=run.tc.base_model)
+    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    ref_sc = tc.service.create_sampling_client(base_model=tc.base_model)
     clip = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
-    sc = run.tc.save_weights_and_get_sampling_client()
-    for step in range(run.start_step, cfg.steps):
+    sc = tc.save_weights_and_get_sampling_client()
+    for step in range(start_step, cfg.steps):
         started = time.perf_counter()
-        problems_P = [run.data.train_problem(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.sample_groups(run, sc, problems_P, cfg.group_size, step)
+        # Rollouts from the current policy; their sampler logprobs are logp_old for every epoch.
+        make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
+        envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
+        seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
+        groups_P = rollouts.rollout_groups(sc, tok, envs_P_G, sampling, seeds_P, policy_step=step)
+        # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))
         datums, kls = [], []
         for group in groups_P:
             advantages_G = rollouts.group_advantages(group.rewards_G, cfg.scale_by_std)
-            ref_G_T = reference_logprobs(ref_sc, group)
-            for tokens_T, old_T, ref_T, a in zip(group.tokens_G_T, group.logprobs_G_T, ref_G_T, advantages_G):
-                kl_T = np.asarray(old_T) - np.asarray(ref_T)
+            kl_G_T = kl_to_reference(ref_sc, group.episodes_G)
+            for episode, kl_T, a in zip(group.episodes_G, kl_G_T, advantages_G):
                 kls.append(float(kl_T.sum()))
-                advantages_T = (a - cfg.kl_coef * kl_T) / n_tokens
-                datums.append(rollouts.policy_datum(group.prompt_T, tokens_T, old_T, advantages_T))
+                datums.append(rollouts.policy_datum(episode, (a - cfg.kl_coef * kl_T) / n_tokens))
+        # Clipped epochs over shuffled minibatches, all against the same logp_old.
         order = list(range(len(datums)))
-        rng = random.Random(f"{run.seed}/ppo/{step}")
+        rng = random.Random(f"{seed}/ppo/{step}")
         losses, trained = [], 0
         for _ in range(cfg.epochs):
             rng.shuffle(order)
@@ -79,12 +105,12 @@ def main(run) -> None:
                 chosen = [datums[i] for i in order[mb :: cfg.minibatches]]
                 if not chosen:
                     continue
-                fb = run.tc.forward_backward(chosen, loss_fn="ppo", loss_fn_config=clip)
-                opt = run.tc.optim_step(adam)
+                fb = tc.forward_backward(chosen, loss_fn="ppo", loss_fn_config=clip)
+                opt = tc.optim_step(adam)
                 losses.append(fb.result().metrics["loss:sum"])
                 opt.result()
                 trained += sum(d.model_input.length for d in chosen)
-        sc = run.tc.save_weights_and_get_sampling_client()
+        sc = tc.save_weights_and_get_sampling_client()
         metrics = rollouts.batch_metrics(groups_P)
         metrics.update(
             loss=losses[0] if losses else 0.0,  # the first minibatch is on-policy: comparable across steps
@@ -93,4 +119,10 @@ def main(run) -> None:
             tokens=rollouts.sampled_tokens(groups_P) + trained,
             seconds=time.perf_counter() - started,
         )
-        run.step_done(step, metrics)
+        hooks.step_done(step, metrics)
+
+
+if __name__ == "__main__":
+    from .runner import main
+
+    main("ppo")

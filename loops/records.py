@@ -161,11 +161,19 @@ def list_runs(runs_dir: str | Path) -> list[dict]:
                 "status": meta.get("status"),
                 "step": train[-1]["step"] if train else 0,
                 "steps": meta.get("steps"),
-                "eval": evals[-1].get("eval/accuracy", evals[-1].get("eval/loss")) if evals else None,
+                "eval": _headline(evals[-1]) if evals else None,
                 "session": meta.get("session"),
             }
         )
     return found
+
+
+def _headline(row: dict) -> float | None:
+    """The number `sess runs` shows for an eval: accuracy, else chat loss, else an env's mean reward."""
+    for key in ("eval/accuracy", "eval/loss", "eval/reward"):
+        if key in row:
+            return row[key]
+    return None
 
 
 class Logger:

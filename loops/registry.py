@@ -1,13 +1,30 @@
-"""The loop modules by name: ``loop.name`` in a config picks one (an explicit dict, no plugin system)."""
+"""The loops by name: ``loop.name`` in a config picks one (an explicit dict, no plugin system).
+
+Each entry says what the runner needs to drive a loop: its ``Config`` dataclass (the loop's defaults,
+also the ``loop=`` option Hydra composes), its ``train`` function, the kind of data it trains on
+(``envs``, ``chats`` or ``feedback``, see :class:`~.datasets.Data`) and, where the loop has its own
+held-out measure, an ``evaluate(tc, dataset) -> metrics`` the runner adds to every evaluation.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from . import grpo, importance_sampling, kto, ppo, sft
 
-LOOPS = {
-    "sft": sft,
-    "grpo": grpo,
-    "ppo": ppo,
-    "importance_sampling": importance_sampling,
-    "kto": kto,
+
+class Loop(NamedTuple):
+    config: type
+    train: Callable[..., None]  # train(cfg, tc, dataset, hooks, *, seed, start_step)
+    data: str  # envs | chats | feedback
+    evaluate: Callable[..., dict] | None = None
+
+
+LOOPS: dict[str, Loop] = {
+    "sft": Loop(sft.Config, sft.train, "chats"),
+    "grpo": Loop(grpo.Config, grpo.train, "envs"),
+    "ppo": Loop(ppo.Config, ppo.train, "envs"),
+    "importance_sampling": Loop(importance_sampling.Config, importance_sampling.train, "envs"),
+    "kto": Loop(kto.Config, kto.train, "feedback", kto.evaluate),
 }

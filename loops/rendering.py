@@ -1,9 +1,12 @@
 """Chats to tokens with the tokenizer's own chat template, and token lists to training datums.
 
 A prompt is rendered with the generation prompt (``<|im_start|>assistant\\n`` for ChatML) and encoded
-on its own, exactly as the sampler sees it. An assistant turn is the text the template adds after that
-generation prompt (content plus end-of-turn), encoded on its own and appended, so the tokens trained
-on are the tokens a policy would sample. Only assistant tokens get weight.
+on its own, exactly as the sampler sees it (with the env's ``tools``, when it offers any). What comes
+after it is found by *prefix difference*: render the conversation without and with the next part and
+keep the text the longer rendering adds. An assistant turn (content plus end-of-turn) is encoded on
+its own and appended, so the tokens trained on are the tokens a policy would sample; only assistant
+tokens get weight. An observation in a multi-turn episode (:func:`observation_tokens`) is the text the
+template puts between a reply and the next generation prompt, appended after the sampled tokens.
 """
 
 from __future__ import annotations
@@ -13,16 +16,18 @@ import numpy as np
 from sess.engine import Datum, ModelInput
 
 
-def _text(tok, messages: list[dict], generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+def _text(tok, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    return tok.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def encode(tok, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def prompt_tokens(tok, messages: list[dict]) -> list[int]:
-    return encode(tok, _text(tok, messages, True))
+def prompt_tokens(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    return encode(tok, _text(tok, messages, True, tools))
 
 
 def assistant_turn_text(tok, messages: list[dict], content: str) -> str:
@@ -46,6 +51,38 @@ def chat_tokens(tok, messages: list[dict]) -> tuple[list[int], list[float]]:
         tokens += prefix + reply
         weights += [0.0] * len(prefix) + [1.0] * len(reply)
     return tokens, weights
+
+
+# Stands in for a sampled reply while rendering what follows it: private-use characters, no whitespace
+# to trim, so templates copy it through unchanged and it cannot occur in a real conversation.
+_REPLY = "\ue000sess-reply\ue000"
+
+
+def observation_tokens(
+    tok,
+    messages: list[dict],
+    observation: list[dict],
+    *,
+    stop_text: str = "",
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """The tokens between a reply sampled after ``messages`` and the policy's next turn.
+
+    That is the end of the assistant turn (less ``stop_text``, the stop token the sampler already
+    produced), the ``observation`` messages (tool results, the next user turn) and the next generation
+    prompt: the text the template renders after a placeholder reply. The reply itself stays as sampled.
+    """
+    before = _text(tok, messages, True, tools)
+    after = _text(tok, [*messages, {"role": "assistant", "content": _REPLY}, *observation], True, tools)
+    if not after.startswith(before + _REPLY):
+        raise ValueError(
+            "multi-turn env: this chat template renders a conversation differently from the start of its "
+            "continuation (it rewrites earlier turns), so observation tokens cannot be appended to sampled ones"
+        )
+    text = after[len(before) + len(_REPLY) :]
+    if stop_text and text.startswith(stop_text):
+        text = text[len(stop_text) :]
+    return encode(tok, text)
 
 
 def completion_tokens(tok, prompt: list[dict], completion: str) -> list[int]:

@@ -30,7 +30,7 @@ def normalise(number: str) -> str | None:
     return str(int(value)) if value == int(value) else repr(value)
 
 
-def reward(text: str, truth: str, format_penalty: float = 0.1) -> float:
+def reward(text: str, truth: str, format_penalty: float) -> float:
     answer = parse_answer(text)
     if answer is None:
         return -format_penalty

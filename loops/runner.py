@@ -1,11 +1,12 @@
-"""``sess run``: a composed config -> a session on an engine -> a loop module, with records and evals.
+"""``sess run``: a composed config -> a session on an engine -> a loop's ``train``, with records and evals.
 
 The runner owns everything a loop should not have to think about: it connects to the engine the
-config names, creates (or reuses, or restores) the training session, writes the run directory,
-evaluates on held-out data at the start, every ``loop.eval_every`` steps and at the end (greedy
-accuracy on problems, token loss on chats), saves state every ``loop.save_every`` steps and at the end,
-records usage and stops the session unless ``keep_session``. A loop module gets a :class:`Run` and
-calls :meth:`Run.step_done` after each optimizer step.
+config names, creates (or reuses, or restores) the training session, writes the run directory, and
+hands the loop its config (the loop's ``Config`` dataclass), the training client, its data and
+:class:`RunHooks`. Through the hooks' ``step_done`` it records every step, evaluates on held-out data
+(:mod:`.evaluation`) at the start, every ``loop.eval_every`` steps and at the end, and saves state
+every ``loop.save_every`` steps and at the end. At the end it records usage and stops the session
+unless ``keep_session``. ``python -m sess.loops.<loop> [overrides]`` comes here too (:func:`main`).
 
 Seeds: the session's LoRA init uses ``seed``; item k of the data order is a function of (seed, k); the
 sampling seed of prompt i at step s is a hash of (seed, s, i). So a replay of a recorded config
@@ -15,32 +16,29 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
-import hashlib
+import os
 import secrets
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sess.engine import SamplingParams, ServiceClient, TrainingClient
+from sess.engine import ServiceClient, TrainingClient
 
 from . import config as config_mod
-from . import datasets, rendering, rewards
+from . import datasets, evaluation
+from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
-from .registry import LOOPS
+from .registry import LOOPS, Loop
+from .rollouts import derive_seed
 
 
 class RunInterrupted(Exception):
-    """Raised by an ``on_step`` hook to stop a run as if it were killed (tests use it)."""
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 31-bit seed from parts (run seed, step, prompt index, ...): stable across processes and machines."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    """Raised by an ``on_step`` callback to stop a run as if it were killed (tests use it)."""
 
 
 def service_client(engine_cfg) -> ServiceClient:
@@ -69,48 +67,28 @@ def plan(cfg: DictConfig) -> dict:
 
 
 @dataclass
-class Run:
-    """What a loop sees: the config, the SDK clients, the data, and the hooks that record progress."""
+class RunHooks:
+    """The runner's :class:`~.hooks.Hooks`: a step is logged, then evaluated and saved when due."""
 
     cfg: DictConfig
-    svc: ServiceClient
+    loop: Loop
     tc: TrainingClient
-    tok: Any
-    data: datasets.TaskData
+    data: datasets.Data
     record: RunRecord
     logger: Logger
-    start_step: int = 0
+    progress: Progress
     on_step: Callable[[int], None] | None = None
-    progress: Any = None
-    _last_saved: int = -1
-    _started: float = field(default_factory=time.perf_counter)
+    last_saved: int = -1
 
-    @property
-    def loop(self) -> DictConfig:
-        return self.cfg.loop
-
-    @property
-    def seed(self) -> int:
-        return int(self.cfg.seed)
-
-    def sampling_params(self, step: int, index: int, *, greedy: bool = False) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.loop.max_tokens,
-            temperature=0.0 if greedy else self.loop.temperature,
-            seed=derive_seed(self.seed, "sample", step, index),
-        )
-
-    # progress ------------------------------------------------------------------------------------
     def step_done(self, step: int, metrics: dict) -> None:
-        """Record step ``step`` (0-based) as done; evaluate and save when due."""
         done = step + 1
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         self.logger.log(row)
-        if self.progress is not None:
-            self.progress.update(done, row)
-        if self.loop.eval_every and done % self.loop.eval_every == 0 and done < self.loop.steps:
+        self.progress.update(done, row)
+        schedule = self.cfg.loop
+        if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
             self.evaluate(done)
-        if self.loop.save_every and done % self.loop.save_every == 0:
+        if schedule.save_every and done % schedule.save_every == 0:
             self.save(done)
         if self.on_step is not None:
             self.on_step(done)
@@ -118,50 +96,24 @@ class Run:
     def evaluate(self, done: int) -> dict:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
-        if self.data.eval_problems:
-            metrics.update(greedy_accuracy(self, self.data.eval_problems, done))
-        elif self.data.eval_chats:
-            metrics.update(chat_loss(self, self.data.eval_chats))
-        extra = getattr(LOOPS[self.loop.name], "evaluate", None)
-        if extra is not None:
-            metrics.update(extra(self))
+        if self.data.envs is not None:
+            envs = self.data.envs.held_out
+            seeds = [derive_seed(self.cfg.seed, "sample", done, i) for i in range(len(envs))]
+            metrics.update(evaluation.greedy_episodes(self.tc, envs, self.cfg.loop.max_tokens, seeds))
+        elif self.data.chats is not None:
+            metrics.update(evaluation.chat_loss(self.tc, self.data.chats.held_out))
+        if self.loop.evaluate is not None:
+            metrics.update(self.loop.evaluate(self.tc, self.data.need(self.loop.data, self.cfg.loop.name)))
         metrics["eval/seconds"] = time.perf_counter() - started
         self.logger.log({"kind": "eval", "step": done, **metrics})
-        if self.progress is not None:
-            self.progress.note_eval(done, metrics)
+        self.progress.note_eval(done, metrics)
         return metrics
 
     def save(self, done: int) -> str:
         path = self.tc.save_state(name=f"step{done:06d}").result().path
         self.record.append("checkpoints.jsonl", {"step": done, "kind": "state", "path": path})
-        self._last_saved = done
+        self.last_saved = done
         return path
-
-
-def greedy_accuracy(run: Run, problems: list, done: int) -> dict:
-    sc = run.tc.create_sampling_client()
-    futures = []
-    for i, problem in enumerate(problems):
-        prompt = rendering.prompt_tokens(run.tok, run.data.prompt(problem))
-        futures.append(sc.sample(prompt, 1, run.sampling_params(done, i, greedy=True)))
-    texts = [run.tok.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in futures]
-    hits = [rewards.correct(t, p.answer) for t, p in zip(texts, problems)]
-    parsed = [rewards.parse_answer(t) is not None for t in texts]
-    return {
-        "eval/accuracy": sum(hits) / len(hits),
-        "eval/parsed": sum(parsed) / len(parsed),
-        "eval/n": len(hits),
-    }
-
-
-def chat_loss(run: Run, chats: list) -> dict:
-    datums, total = [], 0.0
-    for chat in chats:
-        tokens, weights = rendering.chat_tokens(run.tok, chat)
-        datums.append(rendering.shifted_datum(tokens, weights=weights))
-        total += sum(weights[1:])
-    out = run.tc.forward(datums, "cross_entropy").result()
-    return {"eval/loss": out.metrics["loss:sum"] / max(total, 1.0)}
 
 
 def _plain(value: Any) -> Any:
@@ -183,9 +135,10 @@ def start(
     if session is not None:
         overrides.append(f"session={session}")
     cfg = config_mod.compose(overrides)
+    data = _load_data(cfg)  # before the run directory: a data error leaves nothing behind
     run_dir = new_run_dir(cfg.runs_dir, cfg.loop.name, cfg.model.name)
     record = RunRecord.create(run_dir, config_mod.to_yaml(cfg), overrides, _meta(cfg))
-    _execute(cfg, record, start_step=0, resume_from=None, on_step=on_step, show_progress=show_progress)
+    _execute(cfg, data, record, start_step=0, resume_from=None, on_step=on_step, show_progress=show_progress)
     return run_dir
 
 
@@ -200,6 +153,7 @@ def resume(
     if not (record.path / "config.yaml").is_file():
         raise ValueError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
     cfg = config_mod.load(record.path / "config.yaml")
+    data = _load_data(cfg)
     state = record.last_state()
     if state is None:
         raise ValueError(
@@ -210,6 +164,7 @@ def resume(
     record.update_meta(status="running", resumes=[*resumes, {"step": state["step"], "path": state["path"]}])
     _execute(
         cfg,
+        data,
         record,
         start_step=state["step"],
         resume_from=state["path"],
@@ -252,13 +207,16 @@ def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume
     )
 
 
-def _execute(cfg, record: RunRecord, *, start_step, resume_from, on_step, show_progress) -> None:
-    from .progress import Progress
+def _load_data(cfg: DictConfig) -> datasets.Data:
+    """The run's data; fails early when it lacks what the loop trains on."""
+    data = datasets.load(cfg.data, int(cfg.seed))
+    data.need(LOOPS[cfg.loop.name].data, cfg.loop.name)
+    return data
 
-    module = LOOPS[cfg.loop.name]
-    data = datasets.load(cfg.data, int(cfg.seed), shuffle=bool(cfg.loop.get("shuffle", True)))
-    for shape in getattr(module, "NEEDS", ()):
-        data.need(shape, cfg.loop.name)
+
+def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_from, on_step, show_progress):
+    loop = LOOPS[cfg.loop.name]
+    loop_cfg = loop.config(**OmegaConf.to_container(cfg.loop, resolve=True))  # the loop's own dataclass
     logger = Logger(record, cfg.logger, OmegaConf.to_container(cfg, resolve=True))
     svc = service_client(cfg.engine)
     tc = None
@@ -266,21 +224,19 @@ def _execute(cfg, record: RunRecord, *, start_step, resume_from, on_step, show_p
     try:
         tc = _open_session(svc, cfg, record, resume_from)
         record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
-        run = Run(
-            cfg, svc, tc, tc.get_tokenizer(), data, record, logger, start_step=start_step, on_step=on_step
-        )
         with Progress(cfg, start_step, enabled=show_progress) as progress:
-            run.progress = progress
+            hooks = RunHooks(cfg, loop, tc, data, record, logger, progress, on_step)
             if start_step == 0:
-                run.evaluate(0)
-            if start_step < cfg.loop.steps:
-                module.main(run)
-            final = cfg.loop.steps
-            run.evaluate(final)
-            if run._last_saved != final:
-                run.save(final)
+                hooks.evaluate(0)
+            if start_step < loop_cfg.steps:
+                dataset = data.need(loop.data, cfg.loop.name)
+                loop.train(loop_cfg, tc, dataset, hooks, seed=int(cfg.seed), start_step=start_step)
+            final = loop_cfg.steps
+            hooks.evaluate(final)
+            if hooks.last_saved != final:
+                hooks.save(final)
         path = tc.save_weights_for_sampler(name="final").result().path
-        record.append("checkpoints.jsonl", {"step": cfg.loop.steps, "kind": "sampler", "path": path})
+        record.append("checkpoints.jsonl", {"step": loop_cfg.steps, "kind": "sampler", "path": path})
         status = "completed"
     except (KeyboardInterrupt, RunInterrupted):
         status = "interrupted"
@@ -300,3 +256,22 @@ def _execute(cfg, record: RunRecord, *, start_step, resume_from, on_step, show_p
         record.update_meta(status=status, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if cfg.engine.kind != "inprocess":
             svc.close()
+
+
+def main(loop: str, argv: list[str] | None = None) -> None:
+    """``python -m sess.loops.<loop> [overrides]``: the run ``sess run loop=<loop> [overrides]`` makes."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            f"usage: python -m sess.loops.{loop} [Hydra overrides, as for sess run: model=tiny-llama loop.steps=2]"
+        )
+        return
+    if any(a.startswith("loop=") for a in argv):
+        sys.exit(f"error: python -m sess.loops.{loop} runs {loop}; drop the loop= override")
+    try:
+        path = start([f"loop={loop}", *argv])
+    except Exception as exc:  # one line, as `sess run` prints it; SESS_DEBUG=1 shows the traceback
+        if os.environ.get("SESS_DEBUG"):
+            raise
+        sys.exit(f"error: {' '.join(str(exc).split()) or type(exc).__name__}")
+    print(f"run finished: {path}")

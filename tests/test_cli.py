@@ -84,6 +84,33 @@ def test_start_list_stop_resume_checkpoints(env):
     svc.close()
 
 
+def test_start_composes_like_sess_run(env):
+    """`sess start` goes through the Hydra composition of `sess run`: engine=remote engine.url=...,
+    lora.* as short for model.lora.*, key checks that name the key."""
+    url = env["SESS_ENGINE_URL"]
+    home_only = {"SESS_HOME": env["SESS_HOME"]}
+    output = sess(
+        home_only, "start", "model=tiny-llama", "lora.rank=8", "seed=1", "engine=remote", f"engine.url={url}",
+        "--name", "cli-remote",
+    )  # fmt: skip
+    assert "cli-remote" in output and "rank 8" in output
+    assert "rank 6" in sess(env, "start", "model=tiny-llama", "model.lora.rank=6", "--name", "cli-long")
+    svc = ServiceClient(url, home=env["SESS_HOME"])
+    assert {s.name for s in svc.list_sessions(status_equals="Running")} >= {"cli-remote", "cli-long"}
+    typo = runner.invoke(app, ["start", "model=tiny-llama", "lora.rnak=8"], env=env)
+    assert typo.exit_code != 0 and "lora.rnak" in str(typo.exception)
+    missing = runner.invoke(
+        app, ["start", "model=/no/such/model-dir", "--name", "cli-dir"], env=env
+    )  # not an option
+    assert missing.exit_code != 0 and "/no/such/model-dir" in str(missing.exception), missing.exception
+    not_for_start = runner.invoke(app, ["start", "loop=sft"], env=env)
+    assert not_for_start.exit_code == 1 and "sess start takes" in not_for_start.output
+    assert "lora.rank=N" in runner.invoke(app, ["start", "--help"]).output
+    for name in ("cli-remote", "cli-long"):
+        svc.stop_session(name)
+    svc.close()
+
+
 def test_usage_counts_match_scripted_calls_and_cli(env):
     svc = ServiceClient(env["SESS_ENGINE_URL"], home=env["SESS_HOME"])
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="usage-check")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 
 import pytest
+import yaml
 
-from sess.loops import config
-from sess.loops.config import ConfigError
+from sess.loops import config, grpo
+from sess.loops.arithmetic import ArithmeticData
+from sess.loops.config import ConfigError, LoraConfig
+from sess.loops.registry import LOOPS
 
 
 def _options(group: str) -> list[str]:
-    folder = resources.files("sess.conf") / group
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    """Every option Hydra offers for ``group``: YAML files in conf/ and dataclasses in its ConfigStore."""
+    return config.group_options(group)
 
 
 # Options that need a value only the user can give.
@@ -21,6 +25,7 @@ REQUIRED = {
     ("data", "gsm8k"): ["data.path=x.jsonl"],
     ("data", "chat_jsonl"): ["data.path=x.jsonl"],
     ("data", "feedback_jsonl"): ["data.path=x.jsonl"],
+    ("data", "env"): ["data.env=my_envs.py:MyEnv"],
 }
 
 
@@ -50,7 +55,7 @@ def test_every_option_composes(group, option):
 def test_all_groups_have_their_options():
     assert set(_options("loop")) == {"sft", "grpo", "ppo", "importance_sampling", "kto"}
     assert {"smollm2-135m", "gpt-oss-20b", "qwen3-0.6b", "tiny-llama"} <= set(_options("model"))
-    assert set(_options("data")) == {"arithmetic", "gsm8k", "chat_jsonl", "feedback_jsonl"}
+    assert set(_options("data")) == {"arithmetic", "gsm8k", "chat_jsonl", "feedback_jsonl", "env"}
     assert set(_options("engine")) == {"local", "inprocess", "remote"}
     assert set(_options("logger")) == {"local", "wandb"}
 
@@ -64,6 +69,9 @@ def test_all_groups_have_their_options():
         (["loop=grop"], "loop/grop"),
         (["loop.steps=many"], "loop.steps"),
         (["engine=remote"], "engine.url"),
+        (["data=env"], "data.env"),
+        (["model.lora.rank=0"], "model.lora.rank"),
+        (["loop.format_penalty=0.2"], "loop.format_penalty is now data.format_penalty"),
         (["data=gsm8k"], "data.path"),
         (["sed=1"], "sed"),
     ],
@@ -73,6 +81,63 @@ def test_typos_fail_naming_the_key(overrides, named):
         config.compose(overrides)
     assert named in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_defaults_are_the_ones_sess_run_has_been_running():
+    """The loop and data defaults live in their dataclasses only; these are the values the README's
+    learning figures were measured with (they were the YAML files' values)."""
+    cfg = config.compose([])
+    assert (cfg.loop.learning_rate, cfg.loop.max_tokens, cfg.loop.batch_size, cfg.loop.group_size) == (
+        3e-4,
+        16,
+        8,
+        8,
+    )
+    assert (cfg.loop.loss, cfg.loop.steps, cfg.loop.eval_every, cfg.loop.save_every) == ("ppo", 20, 10, 10)
+    assert (cfg.data.max_value, cfg.data.word_problems, cfg.data.eval_size, list(cfg.data.ops)) == (
+        20,
+        False,
+        64,
+        ["+", "-"],
+    )
+    assert cfg.data.instruction == "Reply with just the number." and cfg.data.format_penalty == 0.1
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (32, 64)
+    assert dataclasses.asdict(grpo.Config()) == config.OmegaConf.to_container(cfg.loop)
+    assert dataclasses.asdict(ArithmeticData()) == config.OmegaConf.to_container(cfg.data)
+    for name, loop in LOOPS.items():
+        composed = config.compose([f"loop={name}"]).loop
+        assert dataclasses.asdict(loop.config()) == config.OmegaConf.to_container(composed), name
+
+
+def test_conf_yaml_holds_no_default_of_a_schema():
+    """conf/ has no loop or data files (their dataclasses are the options), and a model file states
+    only LoRA settings that differ from LoraConfig's defaults."""
+    conf = resources.files("sess.conf")
+    assert not any((conf / group).is_dir() for group in ("loop", "data"))
+    defaults = dataclasses.asdict(LoraConfig())
+    for path in (conf / "model").iterdir():
+        lora = yaml.safe_load(path.read_text()).get("lora", {})
+        assert all(defaults[key] != value for key, value in lora.items()), (path.name, lora)
+
+
+def test_records_from_before_the_env_interface_still_load(tmp_path):
+    """Older config.yaml files kept format_penalty and shuffle under loop (and a temperature for SFT);
+    --resume moves them to data, where they live now, with their recorded values."""
+    grpo_old = config.OmegaConf.to_container(config.compose(["loop.steps=3"]))
+    grpo_old["loop"]["format_penalty"] = grpo_old["data"].pop("format_penalty") + 0.15
+    sft_old = config.OmegaConf.to_container(
+        config.compose(["loop=sft", "data=chat_jsonl", "data.path=x.jsonl"])
+    )
+    sft_old["loop"].update(shuffle=not sft_old["data"].pop("shuffle"), temperature=1.0)
+    for name, old in (("grpo", grpo_old), ("sft", sft_old)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(old))
+        loaded = config.load(path)
+        assert (
+            loaded.loop.name == name and "format_penalty" not in loaded.loop and "shuffle" not in loaded.loop
+        )
+    assert config.load(tmp_path / "grpo.yaml").data.format_penalty == 0.25
+    assert config.load(tmp_path / "sft.yaml").data.shuffle is False
 
 
 def test_yaml_typo_is_caught_by_the_schema():

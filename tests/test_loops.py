@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_run import TINY, _run
 
-from sess.loops import datasets, rewards
-from sess.loops.arithmetic import ArithmeticProblems
-from sess.loops.records import read_jsonl
+from sess.loops import data_files, rewards
+from sess.loops.arithmetic import ArithmeticData, ArithmeticProblems
+from sess.loops.records import RECORD_FILES, read_jsonl
 
 
 def test_arithmetic_splits_never_overlap_and_are_seeded():
-    gen = ArithmeticProblems(0, eval_size=64, min_value=1, max_value=9)
+    gen = ArithmeticProblems(0, ArithmeticData(eval_size=64, min_value=1, max_value=9))
     held = {p.question for p in gen.eval_problems}
     train = [gen.train(k) for k in range(500)]
     assert not held & {p.question for p in train}
-    assert [p.question for p in ArithmeticProblems(0, max_value=9).eval_problems[:5]] == [
+    assert [p.question for p in ArithmeticProblems(0, ArithmeticData(max_value=9)).eval_problems[:5]] == [
         p.question for p in gen.eval_problems[:5]
     ]
     assert ArithmeticProblems(1).train(0) != ArithmeticProblems(0).train(0)
@@ -42,10 +47,18 @@ def test_reward_is_exact_final_answer_with_a_parse_penalty(text, truth, expected
 
 
 def test_file_orders_are_seeded_and_epoch_shuffled():
-    order = datasets._order(list(range(10)), seed=1)
-    first, again = [order(k) for k in range(20)], [datasets._order(list(range(10)), 1)(k) for k in range(20)]
+    order = data_files.seeded_order(list(range(10)), seed=1)
+    first = [order(k) for k in range(20)]
+    again = [data_files.seeded_order(list(range(10)), 1)(k) for k in range(20)]
     assert first == again and sorted(first[:10]) == list(range(10)) and first[:10] != first[10:]
-    assert [datasets._order(list(range(5)), 1, shuffle=False)(k) for k in range(6)] == [0, 1, 2, 3, 4, 0]
+    assert [data_files.seeded_order(list(range(5)), 1, shuffle=False)(k) for k in range(6)] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+    ]
 
 
 def test_sft_weights_only_assistant_tokens(svc):
@@ -100,6 +113,55 @@ def test_wandb_offline_keeps_config_and_metrics(sess_home, tmp_path, monkeypatch
     assert b"tiny-llama" in blob and b"learning_rate" in blob  # the config
     assert b"loss" in blob and b"eval/accuracy" in blob  # the metrics
     assert json.loads((run_dir / "meta.json").read_text())["wandb"]["mode"] == "offline"
+
+
+def test_a_loop_runs_as_a_bare_script_with_a_trivial_logger(sess_home, capsys):
+    """The README's bare.py: grpo.train with PrintMetrics and no runner, no run record."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(# bare\.py.*?)```", readme, re.S)
+    namespace: dict = {}
+    exec(compile(code, "bare.py", "exec"), namespace)  # noqa: S102 - the README's own example
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in rows] == ["step 1", "step 2"]
+    assert all("loss" in line and "reward/mean" in line for line in rows)
+
+
+def test_python_m_runs_a_loop_on_its_own(sess_home, tmp_path):
+    """``python -m sess.loops.grpo ...`` composes like ``sess run loop=grpo`` and writes a run record."""
+    overrides = [
+        *TINY,
+        "engine=inprocess",
+        f"runs_dir={tmp_path / 'runs'}",
+        "loop.steps=1",
+        "loop.group_size=2",
+    ]
+    env = {**os.environ, "SESS_HOME": str(sess_home)}
+    done = subprocess.run(
+        [sys.executable, "-m", "sess.loops.grpo", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.endswith("-grpo-tiny-llama") and f"run finished: {run_dir}" in done.stdout
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_file()) == sorted(RECORD_FILES)
+    assert [(r["kind"], r["step"]) for r in read_jsonl(run_dir / "metrics.jsonl")] == [
+        ("eval", 0),
+        ("train", 1),
+        ("eval", 1),
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else written
+    refused = subprocess.run(
+        [sys.executable, "-m", "sess.loops.sft", "loop=grpo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 1 and refused.stderr.startswith("error:") and "loop=" in refused.stderr
 
 
 assert TINY  # shared overrides come from test_run

@@ -179,9 +179,11 @@ def test_gsm8k_and_jsonl_files_plug_in(sess_home, tmp_path):
             "data=chat_jsonl",
             f"data.path={chats}",
             "data.eval_size=1",
+            f"runs_dir={tmp_path / 'refused'}",
         ],
     )
     assert result.exit_code == 1 and "needs problem data" in result.output
+    assert not (tmp_path / "refused").exists()  # refused before a run directory was made
 
 
 @pytest.mark.parametrize("loop", ["grpo", "sft"])
