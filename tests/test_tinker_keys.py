@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import ssl
-import subprocess
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ from sess.engine.server.keys import KeyStore
 from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
-from tinker_helpers import TinkerHttp
+from tinker_helpers import TinkerHttp, self_signed_certificate
 
 runner = CliRunner()
 
@@ -118,20 +117,9 @@ def test_one_key_for_both_sdks_and_a_revoked_key_is_refused_at_once(http_engine,
         svc.close()
 
 
-def _certificate(directory) -> tuple[str, str]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_an_engine_serves_https_and_clients_verify_its_certificate(tmp_path, monkeypatch):
-    cert, key_file = _certificate(tmp_path)
+    cert, key_file = self_signed_certificate(tmp_path)
     home = tmp_path / "home"
     half = runner.invoke(app, ["engine", "up", "--home", str(home), "--tls-cert", cert])
     assert half.exit_code == 1 and "go together" in half.output

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,11 +20,13 @@ from google.protobuf import descriptor_pb2
 from safetensors.numpy import load_file
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from sess.engine.sdk.home import read_local_key
 from sess.engine.server.keys import KeyStore
+from sess.engine.server.launcher import start_engine, stop_engine
 from sess.engine.server.tinker import schema
 
 from helpers import SENTENCES
-from tinker_helpers import DroppingProxy, TinkerHttp, make_tinker_venv, run_client
+from tinker_helpers import DroppingProxy, TinkerHttp, make_tinker_venv, run_client, self_signed_certificate
 
 STEPS, LR, K = 3, 2e-3, 3
 
@@ -241,3 +244,22 @@ def test_tinker_cli_downloads_a_training_checkpoint(tinker_python, http_engine, 
         c for s in svc.list_sessions() for c in svc.list_checkpoints(s.name) if "/merged/" in c["path"]
     ]
     assert exports == []
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_the_sdk_reaches_an_https_engine_that_its_client_trusts(tinker_python, svc, tmp_path):
+    cert = self_signed_certificate(tmp_path)
+    home = tmp_path / "home"
+    info = start_engine(home, extra_args=["--tls-cert", cert[0], "--tls-key", cert[1]])
+    try:
+        spec = {
+            "out": str(tmp_path / "hello.json"),
+            "tokens": svc.get_tokenizer("tiny-llama").encode(SENTENCES[2]),
+        }
+        key = read_local_key(home)
+        out = run_client(
+            tinker_python, "hello.py", spec, url=info["url"], key=key, env={"SSL_CERT_FILE": cert[0]}
+        )
+        assert info["url"].startswith("https://") and out["loss"] > 0
+    finally:
+        stop_engine(home)

@@ -115,6 +115,18 @@ def read_fb_output(raw: bytes) -> tuple[list[np.ndarray], dict[str, float]]:
     return logprobs, dict(out.metrics)
 
 
+def self_signed_certificate(directory: Path) -> tuple[str, str]:
+    """(certificate, key) PEM files for 127.0.0.1 and localhost, valid one day (needs openssl)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
 def make_tinker_venv(root: Path) -> Path:
     """A venv with only the tinker SDK (and its dependencies) in it: its python.
 
@@ -130,6 +142,19 @@ def make_tinker_venv(root: Path) -> Path:
         capture_output=True,
         text=True,
     )
+    return python
+
+
+def make_cookbook_venv(root: Path) -> Path:
+    """A venv with tinker-cookbook 0.5.8 (and tinker 0.38.0), as a user would install it: its python.
+    torch comes first, pinned to the CPU build the machine carries, so the cookbook's torch
+    requirement pulls no CUDA wheels."""
+    venv = root / "cookbook-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
+    for packages in (["torch==2.13.0"], [TINKER_SDK, "tinker-cookbook[math-rl]==0.5.8"]):
+        subprocess.run(pip + packages, check=True, capture_output=True, text=True)
     return python
 
 

@@ -2,8 +2,8 @@
 
 Each future is an asyncio task on the server's loop that waits for its sess op (or runs a control
 op in a worker thread) and turns the result into the Tinker answer: JSON, protobuf, or a failure
-``{"error", "category"}``. ``retrieve_future`` holds the poll until the answer is ready or about
-half the client's read timeout has passed (``x-stainless-read-timeout``, 45 s from the SDK), then
+``{"error", "category"}``. ``retrieve_future`` holds the poll until the answer is ready or until
+15 s before the client's read timeout (``x-stainless-read-timeout``, 45 s from the SDK), then
 answers ``try_again`` with the queue state, so a waiting client neither busy-polls nor times out.
 Finished answers are kept (bounded) so a poll whose answer was lost can be repeated.
 
@@ -28,7 +28,7 @@ from typing import Any
 from sess.engine.sdk.errors import NotFound
 
 KEEP = 20_000  # futures and answered POSTs remembered (oldest finished ones go first)
-HOLD_S = 25.0  # longest a retrieve_future poll is held
+HOLD_S = 30.0  # longest a retrieve_future poll is held
 
 
 @dataclass

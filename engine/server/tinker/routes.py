@@ -162,10 +162,10 @@ def add_core_routes(route, tinker: Tinker) -> None:
     async def retrieve_future(request: Request) -> Response:
         owner = tinker.owner(request)
         body = await tinker.json(request)
-        try:  # hold the poll for about half the client's read timeout (the SDK sends 45 s)
-            hold = 0.5 * float(request.headers.get("x-stainless-read-timeout", "45"))
+        try:  # hold the poll until 15 s before the client's read timeout (the SDK sends 45 s)
+            hold = float(request.headers.get("x-stainless-read-timeout", "45")) - 15
         except ValueError:
-            hold = 22.5
+            hold = 30.0
         answer = await tinker.futures.retrieve(owner, field_of(body, "request_id", str), hold)
         return answer_response(answer)
 

@@ -94,7 +94,7 @@ def add_routes(route, tinker: Tinker) -> None:
 
         async def make() -> dict:
             if of is not None:
-                _, _, facts = await tinker.model(owner, of)
+                facts = await tinker.model_facts(owner, of)
             else:
                 facts = await tinker.facts(owner, target["base_model"])
             bad = next((t for t in prompt if not 0 <= t < facts["vocab_size"]), None)

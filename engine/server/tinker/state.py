@@ -110,6 +110,7 @@ class Tinker:
         self.samplers: dict[str, Sampler] = {}
         self.model_names: dict[str, str] = {}  # sess session -> the base model as its client named it
         self._facts: dict[str, dict] = {}
+        self._model_facts: dict[tuple[str, str], dict] = {}
 
     # requests ------------------------------------------------------------------------------------
     def owner(self, request: Request) -> str:
@@ -202,6 +203,14 @@ class Tinker:
         name = ids.sess_name(model_id, field)
         summary = await self.call(owner, "session_info", {"name": name})
         return name, summary, await self.facts(owner, summary["base_model"])
+
+    async def model_facts(self, owner: str, name: str) -> dict:
+        """:meth:`facts` of a model's base model, remembered per (owner, model): every training op and
+        sample request checks its tokens against the vocabulary, and asking the executor each time
+        would put a control op between decode steps for every one of them."""
+        if (owner, name) not in self._model_facts:
+            self._model_facts[(owner, name)] = (await self.model(owner, name))[2]
+        return self._model_facts[(owner, name)]
 
     def client_model_name(self, name: str, summary: dict, facts: dict) -> str:
         """The base model as the client named it; a bare catalog name becomes the engine's directory

@@ -179,7 +179,7 @@ def add_routes(route, tinker: Tinker) -> None:
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
                 )
-            _, _, facts = await tinker.model(owner, name)
+            facts = await tinker.model_facts(owner, name)
             check_data(batch.data, batch.loss_fn, vocab_size=facts["vocab_size"])
             args = {
                 "data": batch.data,
