@@ -4,7 +4,8 @@ save/resume, retries of lost answers running each op once, bad input and an unte
 answered at once with a message, the SDK's schema, and ``tinker checkpoint download``.
 
 The venv is built once per test run (``pip install tinker==0.38.0``: about 40 s, from pip's cache
-after the first time); each client script runs in tests/tinker_scripts."""
+after the first time); each client script runs in tests/tinker_scripts. ``tinker checkpoint
+download`` and https through the SDK are slow-marked (``python -m pytest -m slow``)."""
 
 from __future__ import annotations
 
@@ -71,12 +72,27 @@ def _summary(proto: descriptor_pb2.FileDescriptorProto) -> dict:
     return found
 
 
-def test_the_engines_protobuf_schema_is_the_sdks(tinker_python, http_engine, key, tmp_path):
-    out = run_client(
-        tinker_python, "descriptor.py", {"out": str(tmp_path / "d.json")}, url=http_engine["url"], key=key
-    )
+@pytest.fixture(scope="module")
+def checks(tinker_python, http_engine, key, svc, sess_home, tmp_path_factory) -> dict:
+    """tinker_scripts/checks.py's findings: the SDK's schema, bad input, an untested SDK version."""
+    other = ServiceClient(http_engine["url"], api_key=KeyStore(sess_home).add("tinker-sdk-other")["key"])
+    theirs = other.create_lora_training_client("tiny-llama", rank=4, seed=0)
+    foreign = theirs.save_state(name="theirs").result().path  # sess://<session>/state/theirs
+    theirs.stop()
+    other.close()
+    spec = {
+        "out": str(tmp_path_factory.mktemp("checks") / "checks.json"),
+        "tokens": svc.get_tokenizer("tiny-llama").encode(SENTENCES[1]),
+        "vocab": svc.transport.call("model_info", {"base_model": "tiny-llama"})["vocab_size"],
+        "foreign_path": foreign.replace("sess://", "tinker://").replace("/state/", "/weights/"),
+        "version": "0.39.1",
+    }
+    return run_client(tinker_python, "checks.py", spec, url=http_engine["url"], key=key)
+
+
+def test_the_engines_protobuf_schema_is_the_sdks(checks):
     theirs = descriptor_pb2.FileDescriptorProto()
-    theirs.ParseFromString(base64.b64decode(out["descriptor"]))
+    theirs.ParseFromString(base64.b64decode(checks["descriptor"]))
     ours, sdk = _summary(schema.file_descriptor()), _summary(theirs)
     assert len(sdk) > 80 and ours == sdk
 
@@ -172,23 +188,7 @@ def test_a_post_whose_answer_was_lost_runs_once_when_the_sdk_sends_it_again(
     assert out["step"] == 1 and len(out["sampled"]) == 3
 
 
-def test_bad_input_through_the_sdk_is_an_error_at_once_and_the_client_keeps_working(
-    tinker_python, http_engine, key, svc, sess_home, tmp_path
-):
-    other = ServiceClient(http_engine["url"], api_key=KeyStore(sess_home).add("tinker-sdk-other")["key"])
-    theirs = other.create_lora_training_client("tiny-llama", rank=4, seed=0)
-    foreign = (
-        theirs.save_state(name="theirs")
-        .result()
-        .path.replace("sess://", "tinker://")
-        .replace("/state/", "/weights/")
-    )
-    theirs.stop()
-    other.close()
-    tokens = svc.get_tokenizer("tiny-llama").encode(SENTENCES[1])
-    vocab = svc.transport.call("model_info", {"base_model": "tiny-llama"})["vocab_size"]
-    spec = {"out": str(tmp_path / "errors.json"), "tokens": tokens, "foreign_path": foreign, "vocab": vocab}
-    out = run_client(tinker_python, "errors.py", spec, url=http_engine["url"], key=key)
+def test_bad_input_through_the_sdk_is_an_error_at_once_and_the_client_keeps_working(checks):
     expected = {
         "out_of_vocab": ("BadRequestError", "outside the vocabulary"),
         "unsupported_loss": (
@@ -199,18 +199,19 @@ def test_bad_input_through_the_sdk_is_an_error_at_once_and_the_client_keeps_work
         "prompt_out_of_vocab": ("BadRequestError", "outside the vocabulary"),
     }
     for case, (kind, words) in expected.items():
-        assert out[case]["type"] == kind and words in out[case]["message"], (case, out[case])
-        assert out[case]["seconds"] < 15, (case, out[case])  # refused, not retried for minutes
-    assert out["after"] > 0
+        assert checks[case]["type"] == kind and words in checks[case]["message"], (case, checks[case])
+        assert checks[case]["seconds"] < 15, (case, checks[case])  # refused, not retried for minutes
+    assert checks["after"] > 0
 
 
-def test_an_sdk_outside_the_tested_range_gets_one_clear_error(tinker_python, http_engine, key, tmp_path):
-    spec = {"out": str(tmp_path / "version.json"), "version": "0.39.1"}
-    out = run_client(tinker_python, "version.py", spec, url=http_engine["url"], key=key)
-    assert out["type"] == "BadRequestError" and out["seconds"] < 10
-    assert "tinker SDK 0.39.1 is not supported" in out["message"] and "tinker>=0.38,<0.39" in out["message"]
+def test_an_sdk_outside_the_tested_range_gets_one_clear_error(checks):
+    version = checks["version"]
+    assert version["type"] == "BadRequestError" and version["seconds"] < 10
+    assert "tinker SDK 0.39.1 is not supported" in version["message"]
+    assert "tinker>=0.38,<0.39" in version["message"]
 
 
+@pytest.mark.slow
 def test_tinker_cli_downloads_a_training_checkpoint(tinker_python, http_engine, key, svc, tmp_path):
     client = TinkerHttp(http_engine["url"], key)
     model = client.create_model(client.session())
@@ -246,6 +247,7 @@ def test_tinker_cli_downloads_a_training_checkpoint(tinker_python, http_engine, 
     assert exports == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_the_sdk_reaches_an_https_engine_that_its_client_trusts(tinker_python, svc, tmp_path):
     cert = self_signed_certificate(tmp_path)
