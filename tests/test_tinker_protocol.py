@@ -368,3 +368,43 @@ def test_local_key_is_a_tml_key_both_sdks_take(http_engine, sess_home):
     client = TinkerHttp(http_engine["url"], key)
     assert client.ok("/client/config", {"sdk_version": "0.38.0"})
     client.close()
+
+
+def test_lora_flags_and_loads_with_and_without_optimizer_state(a, keys, http_engine, tokens):
+    session, model = _model(a)
+    partial = a.create_model(session, seq=1, train_attn=False, train_unembed=False, rank=2)
+    saved = a.result(a.ok("/save_weights", {"model_id": partial, "seq_id": 1, "path": "p"})["request_id"])
+    flags = a.ok("/weights_info", {"tinker_path": saved["path"]})
+    assert (flags["lora_rank"], flags["train_attn"], flags["train_mlp"], flags["train_unembed"]) == (
+        2,
+        False,
+        True,
+        False,
+    )
+    a.result(a.forward_backward(fb_request(model, 1, tokens)).json()["request_id"])
+    a.result(
+        a.ok("/optim_step", {"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})[
+            "request_id"
+        ]
+    )
+    path = a.result(
+        a.ok("/save_weights", {"model_id": model, "seq_id": 3, "path": "one-step"})["request_id"]
+    )["path"]
+    svc = ServiceClient(http_engine["url"], api_key=keys[0])
+    try:
+        steps = {}
+        for seq, optimizer in ((2, True), (3, False)):
+            body = {"session_id": session, "model_seq_id": seq, "path": path, "optimizer": optimizer}
+            loaded = a.result(a.ok("/load_weights", body)["request_id"])
+            assert loaded == {"path": path, "model_id": f"{session}:train:{seq}", "type": "load_weights"}
+            steps[optimizer] = svc.transport.call("session_info", {"name": f"{session}.train.{seq}"})["step"]
+        assert steps == {True: 1, False: 0}  # AdamW state (and its step count) only when asked for
+        # the deprecated in-place load, ordered like any op of the model
+        legacy = a.ok(
+            "/load_weights", {"model_id": partial, "seq_id": 2, "path": saved["path"], "optimizer": True}
+        )
+        assert a.result(legacy["request_id"])["path"] == saved["path"]
+        wrong = a.ok("/load_weights", {"model_id": partial, "seq_id": 3, "path": path, "optimizer": False})
+        assert "rank" in a.result(wrong["request_id"])["error"]  # rank 4 weights into a rank 2 model
+    finally:
+        svc.close()
