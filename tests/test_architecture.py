@@ -176,3 +176,14 @@ def test_client_side_modules_stay_light(module):
     code = f"import sys, {module}\nprint(sorted(m for m in ('torch', 'transformers', 'peft', 'fastapi') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_composing_a_run_config_loads_no_torch():
+    """``sess run --print-config``, ``--help`` and every read command compose configs or talk HTTP
+    only; the loops import torch where their own work needs it (KTO's loss)."""
+    code = (
+        "import sys\nfrom sess.loops import config\nconfig.compose(['loop=kto'])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
