@@ -187,3 +187,18 @@ def test_composing_a_run_config_loads_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+API_NAMES = (
+    "ServiceClient TrainingClient SamplingClient APIFuture ModelInput EncodedTextChunk TensorData Datum "
+    "SamplingParams AdamParams ForwardBackwardOutput OptimStepResponse SampleResponse SampledSequence "
+    "SaveWeightsResponse SaveStateResponse LoadStateResponse TrainingSessionSummary SessionStatus "
+    "LossFunction Usage"
+).split()
+
+
+def test_every_name_of_the_sdk_contract_imports_from_sess_engine():
+    import sess.engine
+
+    assert [name for name in API_NAMES if not hasattr(sess.engine, name)] == []
+    assert set(API_NAMES) <= set(sess.engine.__all__)
