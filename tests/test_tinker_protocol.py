@@ -408,3 +408,24 @@ def test_lora_flags_and_loads_with_and_without_optimizer_state(a, keys, http_eng
         assert "rank" in a.result(wrong["request_id"])["error"]  # rank 4 weights into a rank 2 model
     finally:
         svc.close()
+
+
+def test_routes_the_sdk_knows_but_sess_does_not_serve_are_400s_that_name_them(a):
+    cases = [
+        ("POST", "/copy_weights", "checkpoints stay with the key"),
+        ("POST", "/auth/token", "not JWTs"),
+        ("POST", "/retrieve_futures", "retrieve_future"),
+        ("POST", "/join_sampling_session", "sampling client"),
+        ("POST", "/training_runs/x:train:0/checkpoints/weights/w/publish", "private"),
+        ("DELETE", "/training_runs/x:train:0/checkpoints/weights/w/publish", "private"),
+        ("POST", "/sessions/search", ""),
+        ("GET", "/audit", ""),
+        ("PATCH", "/no/such/route", ""),
+    ]
+    for method, path, why in cases:
+        response = a.http.request(method, path)
+        assert response.status_code == 400, (path, response.status_code, response.text[:200])
+        detail = response.json()["detail"]
+        assert f"{method} /api/v1{path} is not supported by this sess engine" in detail and why in detail
+        assert response.headers["x-should-retry"] == "false"
+    assert a.http.get("/healthz").json() == {"status": "ok"}  # and the engine keeps serving
