@@ -51,18 +51,18 @@ class ModelConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = MISSING  # local | wandb (conf/logger/<name>.yaml)
-    project: str = "sess"
+    name: str = MISSING  # local | wandb | mlflow (conf/logger/<name>.yaml)
+    project: str = "sess"  # wandb's project, MLflow's experiment
     entity: str | None = None
     mode: str = "online"
     tags: list[str] = field(default_factory=list)
 
 
 ENGINE_KINDS = ("local", "inprocess", "remote")
-LOGGERS = ("local", "wandb")
+LOGGERS = ("local", "wandb", "mlflow")
 
 
-GROUPS = ("engine", "model", "loop", "data", "logger")
+GROUPS = ("engine", "model", "loop", "data", "logger", "grader")
 # Keys that moved to another group (the reward is the env's, the visiting order the data's).
 MOVED = {"loop.format_penalty": "data.format_penalty", "loop.shuffle": "data.shuffle"}
 
@@ -72,6 +72,7 @@ def register_options() -> None:
     the engine, model and logger schemas where their YAML options extend them (``/schema/<group>``)."""
     from hydra.core.config_store import ConfigStore
 
+    from .code_data import GRADERS, GraderConfig
     from .datasets import DATA_SOURCES
     from .registry import LOOPS
 
@@ -82,6 +83,8 @@ def register_options() -> None:
         store.store(group="loop", name=name, node=loop.config)
     for name, source in DATA_SOURCES.items():
         store.store(group="data", name=name, node=source.config)
+    for name in GRADERS:
+        store.store(group="grader", name=name, node=GraderConfig(name=name))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -92,6 +95,9 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     try:
         with _hydra():
             cfg = hydra_compose("config", overrides=list(overrides))
+            default_data = _loop_default_data(cfg, overrides)
+            if default_data is not None:  # e.g. loop=code_rl trains on code_tasks unless told otherwise
+                cfg = hydra_compose("config", overrides=[f"data={default_data}", *overrides])
     except (HydraException, OmegaConfBaseException) as exc:
         message = _one_line(exc)
         for before, now in MOVED.items():
@@ -99,6 +105,19 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
                 message = f"{before} is now {now}; {message}"
         raise ConfigError(message) from exc
     return validate(cfg)
+
+
+def _loop_default_data(cfg: DictConfig, overrides) -> str | None:
+    from .registry import LOOPS
+
+    loop = LOOPS.get(cfg.loop.get("name"))
+    if (
+        loop is None
+        or loop.default_data is None
+        or any(o.lstrip("+~").startswith("data=") for o in overrides)
+    ):
+        return None
+    return loop.default_data
 
 
 def group_options(group: str) -> list[str]:
@@ -120,13 +139,14 @@ def _hydra():
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Merge each group into its schema; returns a resolved, read-only config."""
+    from .code_data import GraderConfig
     from .datasets import DATA_SOURCES
     from .registry import LOOPS
 
     checked = {}
     try:
         top = dict(cfg)
-        known = {"engine", "model", "loop", "data", "logger", "seed", "runs_dir", "session", "keep_session"}
+        known = {*GROUPS, "seed", "runs_dir", "session", "keep_session"}
         for key in top:
             if key not in known:
                 raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(known))}")
@@ -144,6 +164,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             "logger": LoggerConfig,
             "loop": LOOPS[loop_name].config,
             "data": DATA_SOURCES[data_name].config,
+            "grader": GraderConfig,
         }
         for group, schema in schemas.items():
             checked[group] = _merge(group, schema, cfg[group])
@@ -186,6 +207,14 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
     if cfg.engine.kind == "remote" and not cfg.engine.url:
         raise ConfigError("engine.url: a remote engine needs its address; set engine.url=http://host:port")
+    from .code_data import GRADERS
+
+    if cfg.grader.name not in GRADERS:
+        raise ConfigError(f"grader.name: expected one of {', '.join(GRADERS)}, got {cfg.grader.name!r}")
+    if cfg.grader.name == "sandbox_fusion" and not cfg.grader.url:
+        raise ConfigError(
+            "grader.url: grader=sandbox_fusion needs its server; set grader.url=http://host:port"
+        )
     if cfg.logger.name not in LOGGERS:
         raise ConfigError(f"logger.name: expected one of {', '.join(LOGGERS)}, got {cfg.logger.name!r}")
     loop = cfg.loop
@@ -228,6 +257,7 @@ def _upgrade(recorded: DictConfig) -> DictConfig:
     moved to ``data`` (the reward belongs to the env, the visiting order to the data), and SFT and KTO
     dropped an unused ``temperature``. Moving them keeps such runs resumable with the same behaviour."""
     plain = OmegaConf.to_container(recorded)
+    plain.setdefault("grader", {"name": "local"})  # runs from before the grader group graded nothing
     loop, data = plain.get("loop", {}), plain.get("data", {})
     moved = {"format_penalty": ("arithmetic", "gsm8k"), "shuffle": ("gsm8k", "chat_jsonl", "feedback_jsonl")}
     for key, sources in moved.items():
