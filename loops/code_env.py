@@ -4,8 +4,8 @@ The observation is one user message: the problem's prompt and the instruction to
 code in a ```python block. A final answer is graded by running *all* of its code blocks, joined in
 order (a definition followed by an example of its use runs as the script it is), then the problem's
 tests, in the grader's sandbox: reward 1 when every test passes, 0 otherwise, and
-``-format_penalty`` when the reply has no code block at all (a block the token limit cut off counts
-up to where it stops). Metrics: ``accuracy`` (all tests passed, also ``accuracy/<source>`` so a
+``-format_penalty`` when the reply has no code block at all. A block the token limit cut off counts
+up to where it stops when it is the only one, and is dropped after complete ones. Metrics: ``accuracy`` (all tests passed, also ``accuracy/<source>`` so a
 held-out set that mixes generated tasks and HumanEval reports each), ``has_code``, ``tool_calls``.
 
 With more than one turn (``loop.max_turns=2``) the env offers the ``check_solution`` tool on every
@@ -41,7 +41,7 @@ TOOL_INSTRUCTION = (
 # Verdict kinds that are the solution misbehaving rather than merely being wrong (see sess.sandbox).
 FAILURE_KINDS = ("timeout", "memory limit", "output limit", "crashed", "exited early", "sandbox error")
 
-_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(```|\Z)", re.S | re.I)
 
 
 class Grader(Protocol):
@@ -51,8 +51,11 @@ class Grader(Protocol):
 
 
 def code_blocks(text: str) -> str | None:
-    """The reply's fenced code blocks joined in order, or None when it has none."""
-    blocks = [b for b in _BLOCK.findall(text) if b.strip()]
+    """The reply's closed code blocks joined in order; with none, a block the token limit cut off (an
+    example cut off after a complete answer is dropped, not run); None when the reply has no block."""
+    found = [(code, end) for code, end in _BLOCK.findall(text) if code.strip()]
+    closed = [code for code, end in found if end]
+    blocks = closed or [code for code, _ in found]
     return "\n".join(blocks) if blocks else None
 
 

@@ -50,21 +50,22 @@ LOSSES = ("cispo", "importance_sampling", "ppo", "dro")
 
 @dataclass
 class Config:
-    """Sized for smollm2-135m on CPU (README, benchmarks/code_rl.py): 20 steps of 8 problems x 8 samples."""
+    """Sized for smollm2-135m on a shared 2-core CPU (README, benchmarks/code_rl.py): 20 steps of
+    8 problems x 4 samples of at most 64 tokens."""
 
     name: str = "code_rl"
     steps: int = 20
     batch_size: int = 8  # groups (problems) per step
-    group_size: int = 8  # episodes per problem
-    learning_rate: float = 3e-4
+    group_size: int = 4  # episodes per problem
+    learning_rate: float = 5e-4
     grad_clip_norm: float = 1.0
     max_tokens: int = 64  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
+    temperature: float = 0.8
     max_turns: int = 1  # 2: the policy may call check_solution once before its final answer
     loss: str = "cispo"  # cispo | importance_sampling | ppo | dro
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2
     scale_by_std: bool = False
-    rollout_workers: int = 2
+    rollout_workers: int = 8  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
     eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)

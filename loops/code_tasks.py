@@ -62,6 +62,13 @@ def _fib(n: int) -> int:
     return a
 
 
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 def _fact(n: int) -> int:
     out = 1
     for i in range(2, n + 1):
@@ -171,12 +178,106 @@ _FAMILIES = [
     _Family(
         "sum_to", ("nat",), "returns the sum of the integers from 1 to {a}", lambda k, a: a * (a + 1) // 2
     ),
+    # Two steps or a less common idiom: most of what a 135M model gets wrong when it answers greedily.
+    _Family(
+        "sum_of_evens",
+        ("sints",),
+        "returns the sum of the even numbers in the list {a}",
+        lambda k, a: sum(x for x in a if x % 2 == 0),
+    ),
+    _Family(
+        "count_negatives",
+        ("sints",),
+        "returns how many numbers in the list {a} are below zero",
+        lambda k, a: sum(x < 0 for x in a),
+    ),
+    _Family(
+        "remove_duplicates",
+        ("ints",),
+        "returns the numbers of {a} without repeats, keeping the first of each",
+        lambda k, a: list(dict.fromkeys(a)),
+    ),
+    _Family(
+        "max_minus_min",
+        ("sints",),
+        "returns the largest number in the non-empty list {a} minus the smallest",
+        lambda k, a: max(a) - min(a),
+    ),
+    _Family(
+        "product_of_list",
+        ("ints",),
+        "returns the product of the numbers in the list {a}",
+        lambda k, a: _product(a),
+    ),
+    _Family(
+        "is_sorted",
+        ("ints",),
+        "returns True if the numbers in {a} are in non-decreasing order, else False",
+        lambda k, a: a == sorted(a),
+    ),
+    _Family(
+        "index_of_max",
+        ("ints",),
+        "returns the index of the first largest number in the non-empty list {a}",
+        lambda k, a: a.index(max(a)),
+    ),
+    _Family(
+        "first_{w}", ("ints",), "returns a list of the first {k} elements of {a}", lambda k, a: a[:k], (2, 4)
+    ),
+    _Family(
+        "digit_sum",
+        ("big",),
+        "returns the sum of the decimal digits of the non-negative integer {a}",
+        lambda k, a: sum(map(int, str(a))),
+    ),
+    _Family(
+        "count_digits",
+        ("big",),
+        "returns how many decimal digits the non-negative integer {a} has",
+        lambda k, a: len(str(a)),
+    ),
+    _Family(
+        "count_words",
+        ("sentence",),
+        "returns the number of space-separated words in the string {a}",
+        lambda k, a: len(a.split()),
+    ),
+    _Family(
+        "longest_word",
+        ("sentence",),
+        "returns the first longest space-separated word in the string {a}",
+        lambda k, a: max(a.split(), key=len),
+    ),
+    _Family(
+        "join_with_dashes",
+        ("words",),
+        "returns the strings of the list {a} joined with '-' between them",
+        lambda k, a: "-".join(a),
+    ),
+    _Family(
+        "times_{w}_plus_one",
+        ("int",),
+        "returns {a} multiplied by {k}, plus 1",
+        lambda k, a: a * k + 1,
+        (2, 9),
+    ),
+    _Family(
+        "at_most_{w}",
+        ("int",),
+        "returns {a}, or {k} if {a} is greater than {k}",
+        lambda k, a: min(a, k),
+        (1, 9),
+    ),
 ]
 _ARG_NAMES = {
     "int": ["x", "n", "number", "value"],
     "nat": ["n", "number"],
     "ints": ["numbers", "nums", "values", "items"],
     "word": ["s", "text", "word"],
+    "sints": ["numbers", "nums", "values"],
+    "big": ["n", "number"],
+    "sentence": ["sentence", "text", "s"],
+    "words": ["words", "parts", "items"],
 }
 
 
@@ -187,6 +288,14 @@ def _inputs(kind: str, rng: random.Random):
         return rng.randint(0, 12)
     if kind == "ints":
         return [rng.randint(0, 9) for _ in range(rng.randint(1, 6))]
+    if kind == "sints":
+        return [rng.randint(-9, 9) for _ in range(rng.randint(1, 6))]
+    if kind == "big":
+        return rng.randint(0, 99999)
+    if kind == "words":
+        return [rng.choice(_WORDS[:-1]) for _ in range(rng.randint(1, 4))]
+    if kind == "sentence":
+        return " ".join(rng.choice(_WORDS[:-2]) for _ in range(rng.randint(1, 5)))
     return rng.choice(_WORDS)
 
 

@@ -70,8 +70,9 @@ def test_code_env_rewards_pass_fail_and_missing_code(grader):
     # All blocks run in order: a definition and then an example of its use pass together.
     example = RIGHT + "\nFor example:\n```python\nprint(add_two(5))\n```"
     assert code_blocks(example).count("add_two") == 2 and _env(grader).step(example).reward == 1.0
-    # A block cut off by the token limit counts up to where it stops.
+    # A block cut off by the token limit counts up to where it stops, unless complete ones came first.
     assert _env(grader).step("```python\ndef add_two(x):\n    return x + 2\n").reward == 1.0
+    assert _env(grader).step(RIGHT + "\nFor example:\n```python\nprint(add_two(5").reward == 1.0
     obs = _env(grader).initial_observation()
     assert obs[0]["content"].startswith(ADD_TWO.prompt) and "```python" in obs[0]["content"]
     assert _env(grader).tools == () and _env(grader, max_turns=2).tools[0].name == "check_solution"

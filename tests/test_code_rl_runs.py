@@ -213,3 +213,19 @@ def test_mlflow_logger_keeps_params_metrics_and_config_offline(sess_home, tmp_pa
     artifacts = run_dir / "mlartifacts"
     (config_file,) = artifacts.rglob("config.yaml")
     assert yaml.safe_load(config_file.read_text())["loop"]["steps"] == 2
+
+
+@pytest.mark.slow
+def test_code_rl_on_smollm2_short_run(sess_home, tmp_path):
+    """A short code_rl run on the real model: the generated tasks sit where it can learn (neither
+    solved nor hopeless greedily), sampled groups carry signal, and the sandbox grades every answer."""
+    run_dir = runner.start(
+        ["engine=inprocess", f"runs_dir={tmp_path}", "loop=code_rl", "loop.steps=2", "data.eval_size=16"],
+        show_progress=False,
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if r["kind"] == "eval"]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert 0.2 <= evals[0]["eval/accuracy/generated"] <= 0.9 and evals[0]["eval/has_code"] > 0.8
+    assert all(r["groups_with_signal"] > 0 and r["sub_batches"] > 0 for r in train)
+    assert all(0.0 < r["accuracy"] < 1.0 for r in train)
