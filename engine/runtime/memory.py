@@ -72,3 +72,15 @@ def _mallopt() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in _MALLOPT)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc``), or None where that cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
