@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 import yaml
 from test_code_rl import ADD_TWO, RIGHT, WRONG
-from test_run import TINY
+from test_envs import _readme_env
+from test_run import TINY, _run
 
 from sess.engine import SamplingParams
 from sess.loops import code_rl, config, datasets, rollouts, runner
@@ -118,6 +119,48 @@ def test_code_rl_streams_records_staleness_and_survives_bad_envs(sess_home, tmp_
     reasons = [reason for r in train for reason in r.get("failures", [])]
     assert any("ValueError: flaky env" in r for r in reasons) and any("nan" in r for r in reasons)
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("loop", ["importance_sampling", "code_rl"])
+def test_the_rl_loops_run_the_readme_environment(sess_home, tmp_path, loop):
+    """grpo runs it in test_envs; the overlapped loops take any environment too."""
+    env = _readme_env(tmp_path)
+    run_dir = _run(
+        tmp_path / "runs",
+        f"loop={loop}",
+        "data=env",
+        f"data.env={env}:GuessNumber",
+        "loop.steps=2",
+        "loop.group_size=2",
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    assert all(r["tokens"] > 0 for r in rows if r["kind"] == "train") and "eval/solved" in rows[0]
+
+
+def test_code_rl_discards_groups_older_than_allowed(sess_home, tmp_path):
+    """max_steps_off_policy=0 with stale_policy=discard: every group trained on comes from the current
+    policy; the ones the workers sampled ahead from the previous one are counted and dropped."""
+    env_file = tmp_path / "flaky.py"
+    env_file.write_text(ENV_FILE)
+    run_dir = runner.start(
+        [
+            *TINY,
+            "engine=inprocess",
+            f"runs_dir={tmp_path / 'runs'}",
+            "loop=code_rl",
+            "data=env",
+            f"data.env={env_file}:Flaky",
+            "loop.steps=3",
+            "loop.group_size=2",
+            "loop.max_steps_off_policy=0",
+            "loop.stale_policy=discard",
+        ],
+        show_progress=False,
+    )
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["group_staleness"] for r in train] == [[0, 0]] * 3
+    assert sum(r["stale_groups"] for r in train) > 0
 
 
 def test_code_rl_defaults_to_generated_tasks_and_resumes(sess_home, tmp_path):
