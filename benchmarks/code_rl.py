@@ -23,6 +23,8 @@ import json
 import time
 from pathlib import Path
 
+import yaml
+
 from sess.engine import TrainingClient
 from sess.loops import code_data, config, datasets, evaluation, runner
 from sess.loops.records import RunRecord, read_jsonl
@@ -69,7 +71,7 @@ def evaluate_live(run_dir: Path, tc: TrainingClient) -> dict:
     return {"kind": "eval", "step": done, **metrics, "eval/seconds": time.perf_counter() - started}
 
 
-def humaneval(run_dir: Path, trained: TrainingClient, n: int, max_tokens: int) -> dict:
+def humaneval(run_dir: Path, trained: TrainingClient | None, n: int, max_tokens: int) -> dict:
     """Greedy pass@1 on the first ``n`` HumanEval problems: the base model, then the trained weights."""
     cfg = config.load(run_dir / "config.yaml")
     grader = code_data.SharedGrader(cfg.grader)
@@ -79,7 +81,8 @@ def humaneval(run_dir: Path, trained: TrainingClient, n: int, max_tokens: int) -
     out = {"n": n, "max_tokens": max_tokens}
     lora = cfg.model.lora
     base = svc.create_lora_training_client(cfg.model.base_model, rank=lora.rank, alpha=lora.alpha, seed=0)
-    for name, tc in (("base", base), ("trained", trained)):
+    models = [("base", base)] + ([("trained", trained)] if trained is not None else [])
+    for name, tc in models:
         started = time.perf_counter()
         metrics = evaluation.greedy_episodes(tc, envs, max_tokens, seeds, 1)
         out[name] = {"pass": metrics["eval/accuracy"], "has_code": metrics["eval/has_code"]}
@@ -98,6 +101,11 @@ def main() -> None:
     )
     parser.add_argument("--humaneval", type=int, default=164, help="HumanEval problems (0: skip)")
     parser.add_argument("--humaneval-tokens", type=int, default=256)
+    parser.add_argument(
+        "--base-only",
+        action="store_true",
+        help="HumanEval of the base model only; no evaluation of a stopped run's weights (short of CPU time)",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     wall_s = None
@@ -120,14 +128,15 @@ def main() -> None:
     meta = json.loads((run_dir / "meta.json").read_text())
     svc = runner.service_client(config.load(run_dir / "config.yaml").engine)
     after, trained = None, None
-    if meta["status"] != "completed":  # stopped early: its session holds the weights of its last step
+    if meta["status"] != "completed" and not args.base_only:  # stopped: its session holds its last step
         trained = svc.get_training_client(meta["session"])
         after = evaluate_live(run_dir, trained)
         print(json.dumps({"after": after}), flush=True)
-    result = {"command": "sess run loop=code_rl " + " ".join(args.overrides), "status": meta["status"]}
+    overrides = yaml.safe_load((run_dir / "overrides.yaml").read_text()) or []
+    result = {"command": "sess run " + " ".join(overrides), "status": meta["status"]}
     print(json.dumps({**result, **learning(run_dir, wall_s, after)}), flush=True)
     if args.humaneval:
-        if trained is None:
+        if trained is None and not args.base_only:
             trained = svc.create_training_client_from_state(record.last_state()["path"])
         print(json.dumps({"humaneval": humaneval(run_dir, trained, args.humaneval, args.humaneval_tokens)}))
     if trained is not None:
