@@ -55,7 +55,10 @@ FOLLOWED = frozenset(
         "load_state",
     }
 )
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a follower waits this long for rank 0's next op
+# A follower waits in a broadcast for rank 0's next op for as long as the engine idles, so the
+# collectives' timeout must not end an idle engine; a dead rank is found by the agent (its process
+# exited) and by the broken connection (the collective fails at once), not by this timeout.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
 
 
 class RankFailed(SessError):
@@ -126,7 +129,7 @@ class Ranks:
         self._collective("receiving an op", lambda: dist.broadcast(size, 0))
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device)
         self._collective("receiving an op", lambda: dist.broadcast(payload, 0))
-        return json.loads(bytes(payload.cpu().tolist()).decode())
+        return json.loads(payload.cpu().numpy().tobytes().decode())
 
     # what rank 0 does before an op -----------------------------------------------------------------
     def prepare(self, runtime, name: str, owner: str, request: Request | None) -> Request | None:
