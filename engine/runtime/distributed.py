@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -114,6 +115,8 @@ class Ranks:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
+            if self.leader:  # stop serving (gracefully: SIGTERM), so the agent stops every rank
+                os.kill(os.getpid(), signal.SIGTERM)
             raise RankFailed(what, exc) from exc
 
     def send(self, message: dict) -> None:

@@ -9,6 +9,7 @@ not rebuild the sessions' adapters). :func:`check_nproc` refuses more ranks than
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
@@ -65,7 +66,9 @@ def run_ranks(nproc: int, argv: list[str]) -> str | None:
     try:
         elastic_launch(config, sys.executable)("-m", "sess.engine.server", *argv)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        # the first rank that failed of itself: the agent stops the others with SIGTERM
+        own = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM} or exc.failures
+        rank, failure = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return f"rank {rank} of {nproc} died ({how}, pid {failure.pid})"
     return None
