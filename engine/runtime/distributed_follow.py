@@ -4,7 +4,8 @@ Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner
 the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
 (:func:`session_snapshot`), so an op that rank 0 refuses (an unknown or stopped session, a name
-taken) is refused here the same way, before any collective.
+taken) is refused here the same way, before any collective. Files are rank 0's: a follower reads
+checkpoints but never writes or deletes them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from sess.engine.runtime.distributed import RankFailed, Ranks
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
+from sess.engine.runtime.session_ops import stop_session
 from sess.engine.sdk.errors import SessError
+from sess.engine.sdk.requests import SessionName
 from sess.engine.sdk.types import SessionStatus
 
 log = logging.getLogger("sess.engine")
@@ -64,11 +67,26 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
 
 
 def _run(runtime: Runtime, message: dict) -> None:
-    name = message["op"]
+    name, owner = message["op"], message["owner"]
     spec = OPS[name]
     try:
-        spec.handler(runtime, message["owner"], spec.request.from_wire(message["request"]))
+        request = spec.request.from_wire(message["request"])
+        if name == "delete_session":
+            _forget(runtime, owner, request)
+        else:
+            spec.handler(runtime, owner, request)
     except RankFailed:
         raise
     except SessError as exc:  # rank 0 met the same refusal and answered its client with it
         log.info("rank %d: %s refused as on rank 0: %s", runtime.ranks.rank, name, exc)
+
+
+def _forget(runtime: Runtime, owner: str, request) -> None:
+    """``delete_session`` on a follower: stop and forget the session; rank 0 deletes its files (two
+    processes removing one directory would race)."""
+    session = runtime.session(owner, request.name, live=False)
+    if session.live:
+        if not request.stop_if_active:
+            return  # rank 0 refused it
+        stop_session(runtime, owner, SessionName(name=session.name))
+    del runtime.sessions[session.name]
