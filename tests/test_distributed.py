@@ -139,9 +139,12 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
     finally:
         if _alive(two["pid"]):
             stop_engine(home)
-    log = (home / "engine.log").read_text()
-    assert f"rank 1 of 2 died (signal SIGKILL, pid {two['rank_pids'][1]})" in log
-    assert "Sessions now Interrupted: run-two" in log
+    stopped = [
+        line for line in (home / "engine.log").read_text().splitlines() if line.startswith("sess engine: ")
+    ]
+    assert len(stopped) == 1
+    assert f"rank 1 of 2 died (signal SIGKILL, pid {two['rank_pids'][1]})" in stopped[0]
+    assert "Sessions now Interrupted: run-two" in stopped[0]
     with sqlite3.connect(home / "registry.db") as db:
         assert db.execute("SELECT status FROM sessions WHERE name='run-two'").fetchone() == ("Interrupted",)
     assert engine_info(home) is None

@@ -96,6 +96,7 @@ class Ranks:
         self.modules: list[Any] = []  # every FSDP module of every base model, in load order
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
+        self.closing = False
 
     @property
     def leader(self) -> bool:
@@ -103,6 +104,7 @@ class Ranks:
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the process group."""
+        self.closing = True
         try:
             if self.leader:
                 self.send({"stop": True})
@@ -115,7 +117,7 @@ class Ranks:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
-            if self.leader:  # stop serving (gracefully: SIGTERM), so the agent stops every rank
+            if self.leader and not self.closing:  # stop serving (gracefully), so the agent stops every rank
                 os.kill(os.getpid(), signal.SIGTERM)
             raise RankFailed(what, exc) from exc
 
