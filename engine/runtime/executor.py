@@ -309,6 +309,7 @@ class Executor:
             self._finish(op, result=result)
             return
         started = time.perf_counter()
+        op.request = self.runtime.prepare(op.name, op.owner, op.request)
         result = OPS[op.name].handler(self.runtime, op.owner, op.request)
         if op.name == "session_info":  # the executor's ordering state belongs in the answer
             result = {**result, "next_seq": self.next_seq(op.request.name)}
@@ -320,6 +321,7 @@ class Executor:
             op.usage = usage
             self._finish(op, result=result, error=error)
 
+        op.request = self.runtime.prepare(op.name, op.owner, op.request)
         OPS[op.name].handler(self.runtime, op.owner, op.request, done)
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:

@@ -43,9 +43,17 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
-    batches = plan(datums, host.vocab_size, share_prefixes=host.shares_prefixes)
+    ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
+    batches = (
+        ranks.plan(datums, host.vocab_size)
+        if ranks
+        else plan(datums, host.vocab_size, share_prefixes=host.shares_prefixes)
+    )
     with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
         for padded, groups in batches:
+            if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
+                ranks.idle_round(model, backward)
+                continue
             if groups:
                 per_group = shared_prefix_logprobs(
                     model,
@@ -61,6 +69,8 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 loss.backward()
             for i, lp in zip(indices, lps):
                 all_lps[i] = lp.detach()
+    if ranks:
+        all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
     outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
@@ -72,6 +82,8 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     session = runtime.session(owner, request.session)
     adam = request.adam_params
     params = list(session.params.values())
+    if runtime.ranks:  # each rank holds its share's token-sum gradients: sum them, never average
+        runtime.ranks.sum_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     grad_norm = (
         torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
