@@ -319,6 +319,10 @@ class Executor:
     def _start_sample(self, op: Operation) -> None:
         def done(result, error, usage) -> None:
             op.usage = usage
+            if error is not None and not isinstance(error, SessError):  # a bug of the engine's own
+                log.error("%s failed:\n%s", op.name, "".join(traceback.format_exception(error)))
+                message = f"{op.name} failed inside the engine: {type(error).__name__}: {error}"
+                error = SessError(message, status=500)
             self._finish(op, result=result, error=error)
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
