@@ -129,13 +129,10 @@ def train(
             # 1. Take groups as they finish; each fresh one goes to forward_backward at once (a sub-batch).
             groups_P, staleness_P, stale, passes, datums = [], [], 0, [], 0
             while len(groups_P) < cfg.batch_size:
-                k, attempt, group = pool.take()
-                lag = step - group.policy_step
-                if lag > cfg.max_steps_off_policy:
-                    stale += 1
-                    if cfg.stale_policy == "requeue":
-                        pool.requeue(k, attempt)
-                    continue
+                group, lag, skipped = pool.take_fresh(
+                    step, cfg.max_steps_off_policy, requeue=cfg.stale_policy == "requeue"
+                )
+                stale += skipped
                 groups_P.append(group)
                 staleness_P.append(lag)
                 sub_batch = group_datums(group, cfg.batch_size, cfg.scale_by_std)

@@ -88,13 +88,10 @@ def train(
             # Take batch_size groups no more than max_steps_off_policy behind; requeue or drop the rest.
             groups_P, stale, lags = [], 0, []
             while len(groups_P) < cfg.batch_size:
-                k, attempt, group = pool.take()
-                lag = step - group.policy_step
-                if lag > cfg.max_steps_off_policy:
-                    stale += 1
-                    if cfg.stale_policy == "requeue":
-                        pool.requeue(k, attempt)
-                    continue
+                group, lag, skipped = pool.take_fresh(
+                    step, cfg.max_steps_off_policy, requeue=cfg.stale_policy == "requeue"
+                )
+                stale += skipped
                 groups_P.append(group)
                 lags.append(lag)
             metrics = rollouts.batch_metrics(groups_P)

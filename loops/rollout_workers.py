@@ -4,7 +4,7 @@
 of that problem with the newest published policy, and put ``(k, attempt, group)`` on a queue as soon as
 it is done, the group tagged with the policy's step. ``capacity`` bounds how many groups are sampled
 ahead of the trainer (the loops use ``batch_size * (max_steps_off_policy + 1)``), so a slow trainer
-does not let the workers run arbitrarily far ahead on old weights. The trainer ``take``s groups,
+does not let the workers run arbitrarily far ahead on old weights. The trainer ``take``s groups (``take_fresh``: no more than a given lag behind),
 ``publish``es each new policy and ``requeue``s a group that came back too stale, which samples that
 problem again (attempt + 1) from the newest policy. Problem k's attempt a samples with the seed
 (run seed, k, a). An error in a worker (the engine failed; envs' own errors stay in their episodes, see
@@ -80,6 +80,20 @@ class RolloutWorkers:
                 continue
             self.room.release()
             return item
+
+    def take_fresh(self, step: int, max_lag: int, requeue: bool) -> tuple[Group, int, int]:
+        """The next finished group sampled at most ``max_lag`` policy steps before ``step``, as
+        ``(group, lag, stale)``: ``stale`` groups came back older and were requeued (``requeue``,
+        sampled again from the newest policy) or dropped on the way."""
+        stale = 0
+        while True:
+            k, attempt, group = self.take()
+            lag = step - group.policy_step
+            if lag <= max_lag:
+                return group, lag, stale
+            stale += 1
+            if requeue:
+                self.requeue(k, attempt)
 
     def _work(self) -> None:
         while not self.stopping.is_set():
