@@ -4,12 +4,6 @@ failures and resume, the grader choice (local or a SandboxFusion server), and th
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import yaml
@@ -23,7 +17,7 @@ from sess.loops.code_env import CodeEnv
 from sess.loops.env import Env, StepResult
 from sess.loops.records import read_jsonl
 
-from helpers import clear_grads, engine_grads, max_diff, train_steps
+from helpers import clear_grads, engine_grads, max_diff, sandbox_server, train_steps
 
 
 class Vowels(Env):
@@ -200,25 +194,7 @@ def test_code_rl_defaults_to_generated_tasks_and_resumes(sess_home, tmp_path):
 def test_grader_choice_sandbox_fusion_grades_through_the_server(tmp_path):
     with pytest.raises(config.ConfigError, match="grader.url"):
         config.compose(["loop=code_rl", "grader=sandbox_fusion"])
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sess.sandbox.server", "--port", str(port), "--wall-s", "5", "--cpu-s", "5"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/ping", timeout=1).read()
-                break
-            except OSError:
-                assert server.poll() is None, server.stdout.read().decode()
-                assert time.monotonic() < deadline, "the sandbox server did not start"
-                time.sleep(0.1)
+    with sandbox_server(5) as url:
         cfg = config.compose(
             ["loop=code_rl", "grader=sandbox_fusion", f"grader.url={url}", "data.eval_size=2"]
         )
@@ -226,9 +202,6 @@ def test_grader_choice_sandbox_fusion_grades_through_the_server(tmp_path):
         grader = data.envs.train(0)().grader
         assert [CodeEnv(ADD_TWO, grader).step(reply).reward for reply in (RIGHT, WRONG)] == [1.0, 0.0]
         assert type(grader._grader).__name__ == "SandboxFusionGrader" and grader._grader.url == url
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=10)
 
 
 def test_mlflow_logger_keeps_params_metrics_and_config_offline(sess_home, tmp_path, monkeypatch):
