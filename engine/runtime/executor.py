@@ -56,6 +56,15 @@ class Operation:
         self.done.set()
 
 
+def internal_error(op: Operation, exc: BaseException) -> SessError:
+    """A 500 naming what failed inside the engine (a bug of its own, not the client's input); the
+    traceback goes to the engine's log."""
+    log.error("op %s failed:\n%s", op.name or "internal", "".join(traceback.format_exception(exc)))
+    return SessError(
+        f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}", status=500
+    )
+
+
 class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
@@ -294,10 +303,8 @@ class Executor:
             op.usage = usage_of(op.request, None, time.perf_counter() - started)
             self._finish(op, error=exc)
         except Exception as exc:
-            log.error("op %s failed:\n%s", op.name or "internal", traceback.format_exc())
             op.usage = usage_of(op.request, None, time.perf_counter() - started)
-            message = f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}"
-            self._finish(op, error=SessError(message, status=500))
+            self._finish(op, error=internal_error(op, exc))
 
     def _execute(self, op: Operation) -> None:
         if op.fn is not None:
@@ -320,9 +327,7 @@ class Executor:
         def done(result, error, usage) -> None:
             op.usage = usage
             if error is not None and not isinstance(error, SessError):  # a bug of the engine's own
-                log.error("%s failed:\n%s", op.name, "".join(traceback.format_exception(error)))
-                message = f"{op.name} failed inside the engine: {type(error).__name__}: {error}"
-                error = SessError(message, status=500)
+                error = internal_error(op, error)
             self._finish(op, result=result, error=error)
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
