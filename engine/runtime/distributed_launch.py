@@ -67,10 +67,17 @@ def run_ranks(nproc: int, argv: list[str]) -> str | None:
         elastic_launch(config, sys.executable)("-m", "sess.engine.server", *argv)
     except ChildFailedError as exc:
         # The rank that failed of itself: the agent stops the others with SIGTERM, and a rank that
-        # lost a peer exits with an error after it, in the same second, so a rank a signal killed
-        # (SIGKILL, the OOM killer, a crash) is the cause before one that exited with a code.
+        # lost a peer exits with an error or aborts (SIGABRT from the collective library) after it,
+        # in the same second. So a rank another signal killed (SIGKILL, the OOM killer, a crash) is
+        # the cause before one that aborted, and that before one that exited with a code.
         own = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM} or exc.failures
-        rank, failure = min(own.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
+
+        def cause_first(item) -> tuple:
+            code = item[1].exitcode
+            kind = 2 if code >= 0 else 1 if code == -signal.SIGABRT else 0
+            return kind, item[1].timestamp, item[0]
+
+        rank, failure = min(own.items(), key=cause_first)
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return f"rank {rank} of {nproc} died ({how}, pid {failure.pid})"
     return None
