@@ -131,7 +131,7 @@ def shared_prefix_logprobs(
     if root:  # the prompts' common start runs once too, its KV repeated for each prompt
         out = model(input_ids=torch.tensor([prefixes[0][:root]], device=device), cache=cache, use_cache=True)
         root_lp, cache = out.logits[0].float().log_softmax(-1), out.cache
-        cache.batch_select_indices(torch.zeros(len(groups), dtype=torch.long, device=device))
+        repeat_rows(cache, torch.zeros(len(groups), dtype=torch.long, device=device))
     prefix_ids, prefix_mask, _ = _right_padded([p[root:] for p in prefixes], None, device)
     prefix_mask = torch.cat([prefix_mask.new_ones(len(groups), root), prefix_mask], dim=1)
     positions = root + torch.arange(prefix_ids.shape[1], device=device)
@@ -147,7 +147,7 @@ def shared_prefix_logprobs(
     prefix_lp = out.logits.float().log_softmax(-1)
     owner = [g for g, (datums, _, _) in enumerate(groups) for _ in datums]
     cache = out.cache
-    cache.batch_select_indices(torch.tensor(owner, device=device))  # repeat each prefix for its members
+    repeat_rows(cache, torch.tensor(owner, device=device))  # repeat each prefix for its members
     members = [(d, t, shared) for datums, targets, shared in groups for d, t in zip(datums, targets)]
     ids, suffix_mask, tgt = _right_padded(
         [d.model_input.to_ints()[shared:] for d, _, shared in members],
@@ -170,6 +170,18 @@ def shared_prefix_logprobs(
         suffix = suffix_lp[row, : datum.model_input.length - shared]
         result[g].append(torch.cat([*parts, suffix]))
     return result
+
+
+def repeat_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Make row i of every layer's keys and values the old row ``rows[i]`` (rows repeat), keeping
+    the backward exact from run to run: the cache's own ``batch_select_indices`` indexes with
+    ``keys[rows]``, whose backward (``index_put_`` with accumulate) adds a repeated row's gradients
+    from several CPU threads in whatever order they come, so the same batch gave gradients that
+    differed in the last bits between runs (and so whole RL runs diverged from their second step).
+    ``index_select`` adds them up in a fixed order."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
 
 
 def shared_root(prefixes: list[list[int]]) -> int:
