@@ -182,6 +182,18 @@ def test_a_transient_save_in_use_outlives_newer_saves_until_its_request_ends(svc
     assert first.model_path not in after and len(after) == 3
 
 
+def test_a_deleted_sessions_name_can_be_used_again_from_sequence_number_one(svc):
+    """The new session's client numbers its ops from 1; the engine once kept the old session's
+    count and refused them ("sequence number 1 ... was already used")."""
+    losses = []
+    for _ in range(2):
+        tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5, training_session_name="reused")
+        data = _train(tc, steps=2)
+        losses.append(tc.forward(data, "cross_entropy").result().metrics["loss:sum"])
+        svc.delete_session(tc.name, stop_if_active=True)
+    assert losses[0] == losses[1]  # the same seed from scratch: nothing of the first one is left
+
+
 def test_deleting_a_session_deletes_its_checkpoint_files(svc, sess_home):
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5)
     _train(tc, steps=1)

@@ -232,6 +232,15 @@ class Executor:
             expected += 1
         self._next_seq[op.session] = expected
 
+    def _forget_order(self, session: str) -> None:
+        """A deleted session's ordering ends with it: a new session of the same name starts at
+        sequence number 1, and ops still parked for the old one are refused."""
+        with self._cv:
+            self._next_seq.pop(session, None)
+            parked = self._parked.pop(session, {})
+        for op in parked.values():
+            self._finish(op, error=NotFound(f"session {session!r} was deleted before op {op.seq} could run"))
+
     def _expire_parked(self) -> None:
         now = time.monotonic()
         for session, parked in self._parked.items():
@@ -320,6 +329,8 @@ class Executor:
         result = OPS[op.name].handler(self.runtime, op.owner, op.request)
         if op.name == "session_info":  # the executor's ordering state belongs in the answer
             result = {**result, "next_seq": self.next_seq(op.request.name)}
+        elif op.name == "delete_session":
+            self._forget_order(op.request.name)
         op.usage = usage_of(op.request, result, time.perf_counter() - started)
         self._finish(op, result=result)
 
