@@ -166,6 +166,10 @@ class RowInvariantLinears:
         out = F.linear(flat, weight, bias)
         return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
+    def release(self) -> None:
+        """Drop the packed copies (made again on next use)."""
+        self._packed.clear()
+
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
         entry = self._packed.get(key)
