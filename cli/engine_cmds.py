@@ -32,17 +32,32 @@ def up(
         "and it is stopped (sess resume NAME continues it).",
     ),
     max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key."),
+    dtype: str = typer.Option(
+        None,
+        help="Precision of the base models' weights: float32 or bfloat16 (default: float32 on cpu, "
+        "bfloat16 on cuda); per model with MODEL=DTYPE, e.g. float32,gpt-oss-20b=bfloat16. LoRA "
+        "weights and optimizer state stay float32.",
+    ),
+    memory_budget: str = typer.Option(
+        None,
+        help="Activation memory a training op may hold, e.g. 1G (default: 1G on cpu, half the free "
+        "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
+        "with activation checkpointing, and one too long even then is refused.",
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach)."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.launcher import engine_info, server_command, start_engine
-    from sess.engine.server.serve import is_loopback, serve
+    from sess.engine.server.serve import check_options, is_loopback, serve
 
     home_path = sess_home(home)
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"--device: expected cpu or cuda, got {device!r}")
+    problem = check_options(device, dtype, memory_budget)
+    if problem:
+        fail(problem)
     if not is_loopback(host) and not KeyStore(home_path).load():
         fail(
             f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
@@ -52,12 +67,14 @@ def up(
         out.print(f"engine already running at {running['url']} (pid {running['pid']})")
         return
     extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
+    extra += ["--dtype", dtype] if dtype else []
+    extra += ["--memory-budget", memory_budget] if memory_budget else []
     if detach:
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
     exec_as_engine(server_command(home_path, host, port, device, extra))  # malloc settings: memory.py
-    serve(home_path, host, port, device, idle_timeout, max_sessions)
+    serve(home_path, host, port, device, idle_timeout, max_sessions, dtype=dtype, memory_budget=memory_budget)
 
 
 @engine_app.command("status")

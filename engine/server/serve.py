@@ -43,6 +43,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_options(device: str, dtype: str | None, memory_budget: str | None) -> str | None:
+    """What is wrong with these engine options on this machine (None: nothing): a device it does
+    not have, a precision the device cannot compute in, a budget that is not a size."""
+    import torch
+
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.memory_budget import parse_bytes
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    try:
+        Dtypes.parse(dtype).check(device)
+    except ValueError as exc:
+        return f"--dtype: {exc}"
+    try:
+        if memory_budget is not None:
+            parse_bytes(memory_budget)
+    except ValueError as exc:
+        return f"--memory-budget: {exc}"
+    return None
+
+
 def serve(
     home: str | Path | None = None,
     host: str = "127.0.0.1",
@@ -51,14 +77,22 @@ def serve(
     idle_timeout: float = IDLE_TIMEOUT_S,
     max_sessions: int = MAX_SESSIONS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    dtype: str | None = None,
+    memory_budget: str | None = None,
 ) -> None:
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home."""
     import uvicorn
 
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.runtime import Runtime
     from sess.engine.server.app import create_app
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 
+    problem = check_options(device, dtype, memory_budget)
+    if problem:
+        raise SystemExit(f"sess engine: {problem}")
     home = sess_home(home)
     keys = KeyStore(home)
     if not is_loopback(host) and not keys.load():
@@ -68,9 +102,16 @@ def serve(
     keys.ensure_local_key()
     sock = bind(host, port)
     port = sock.getsockname()[1]
+    runtime = Runtime(
+        home,
+        device,
+        dtypes=Dtypes.parse(dtype),
+        memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+    )
     engine = ManagedEngine(
         home,
         device,
+        runtime=runtime,
         idle_timeout=idle_timeout,
         max_sessions=max_sessions,
         session_limits=lambda owner: next(
@@ -121,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S)
     parser.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="live sessions per key")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, or DEFAULT,MODEL=DTYPE,...")
+    parser.add_argument("--memory-budget", default=None, help="activation memory of a training op, e.g. 1G")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after a graceful shutdown
@@ -133,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             args.idle_timeout,
             args.max_sessions,
             args.max_body_bytes,
+            args.dtype,
+            args.memory_budget,
         )
     except KeyboardInterrupt:
         pass
