@@ -92,7 +92,11 @@ def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> N
     if as_json:
         print(json.dumps({"running": True, **info}))
     else:
-        out.print(f"engine running at {info['url']} (pid {info['pid']}, home {sess_home(home)})")
+        memory = f", {info['rss_bytes'] / 1e9:.1f} GB resident" if info.get("rss_bytes") else ""
+        out.print(
+            f"engine running at {info['url']} (pid {info['pid']}, home {sess_home(home)}{memory}; "
+            f"sessions idle {info['idle_timeout']:.0f} s are saved and stopped)"
+        )
 
 
 @engine_app.command("down")

@@ -1,15 +1,19 @@
 """The ``sess`` command: one Typer app; each command group lives in its own module.
 
-Errors a user can act on print as one red line; ``--debug`` (or ``SESS_DEBUG=1``) shows the traceback.
+An error a user can act on prints as one red line (and, where the fix is a list, the list under it);
+``--debug`` (or ``SESS_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 app = typer.Typer(
     name="sess",
@@ -18,7 +22,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
+T = TypeVar("T")
 
 
 @app.callback()
@@ -27,22 +32,45 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
         os.environ["SESS_DEBUG"] = "1"
 
 
+def report(message: str) -> None:
+    """``error: <first line>`` in red, unwrapped whatever the terminal's width; further lines (a list
+    of options, say) under it as they are."""
+    first, _, rest = str(message).strip().partition("\n")
+    err.print(Text.assemble(("error:", "red"), " ", " ".join(first.split())))
+    if rest:
+        err.print(Text(rest))
+
+
 def fail(message: str, code: int = 1) -> None:
-    """Print one red line and exit."""
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    """Report ``message`` and exit."""
+    report(message)
     raise typer.Exit(code)
+
+
+def guard(fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn``; an error becomes :func:`report`'s lines (``--debug`` shows the traceback)."""
+    try:
+        return fn(*args, **kwargs)
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if os.environ.get("SESS_DEBUG"):
+            raise
+        fail(str(exc) or type(exc).__name__)
 
 
 def _register() -> None:
     # Command modules register themselves on ``app`` at import.
     import importlib
 
-    for module in ("sess.cli.engine_cmds", "sess.cli.session_cmds", "sess.cli.run_cmds"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+    for module in (
+        "sess.cli.engine_cmds",
+        "sess.cli.session_cmds",
+        "sess.cli.run_cmds",
+        "sess.cli.runs_cmds",
+        "sess.cli.attach_cmd",
+    ):
+        importlib.import_module(module)
 
 
 def main() -> None:
@@ -51,7 +79,7 @@ def main() -> None:
     except Exception as exc:  # one line for users; --debug for the traceback
         if os.environ.get("SESS_DEBUG"):
             raise
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        report(str(exc) or type(exc).__name__)
         sys.exit(1)
 
 

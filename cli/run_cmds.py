@@ -1,58 +1,83 @@
-"""``sess run`` (compose a config and run a loop), ``sess runs`` (list run records), ``sess attach``."""
+"""``sess run``: compose a config with Hydra and run a loop on an engine, recording the run."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from sess.cli.main import app, fail
+from sess.cli.main import app, fail, guard
 
 out = Console()
 
 
-def _guard(fn, *args, **kwargs):
-    """Run ``fn``; an error becomes one red line (``--debug`` / SESS_DEBUG=1 shows the traceback)."""
-    try:
-        return fn(*args, **kwargs)
-    except (typer.Exit, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        if os.environ.get("SESS_DEBUG"):
-            raise
-        # One line, unwrapped whatever the terminal width (main.fail would wrap a long message).
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        Console(stderr=True, soft_wrap=True).print(Text.assemble(("error:", "red"), " ", message))
-        raise typer.Exit(1) from None
+def _help_with_options(ctx: typer.Context, value: bool) -> None:
+    """``--help``, followed by the config groups and their options (read from the config itself,
+    only when asked, so ``sess --help`` stays fast)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from sess.loops import config
+
+    out.print(ctx.get_help(), highlight=False, markup=False)
+    out.print("\nConfig groups (choose with group=option; default first):", highlight=False)
+    defaults = {
+        "engine": "local",
+        "model": "smollm2-135m",
+        "loop": "grpo",
+        "data": "arithmetic",
+        "logger": "local",
+    }
+    for group in config.GROUPS:
+        options = config.group_options(group)
+        options.sort(key=lambda name: name != defaults.get(group))
+        out.print(f"  {group:<7} {', '.join(options)}", highlight=False, markup=False)
+    out.print(
+        "\nAny key of a group is set with group.key=value (loop.steps=5, data.max_value=50); "
+        "--print-config shows them all.",
+        highlight=False,
+    )
+    raise typer.Exit()
 
 
-@app.command(context_settings={"allow_extra_args": False})
+@app.command(context_settings={"allow_extra_args": False, "help_option_names": []})
 def run(
     overrides: list[str] = typer.Argument(
-        None, help="Hydra overrides: loop=sft model=tiny-llama loop.steps=2"
+        None, help="Hydra overrides: loop=sft model=tiny-llama loop.steps=2 (the groups are listed below)."
     ),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; load no weights, start nothing."),
     resume: Path = typer.Option(None, "--resume", help="Continue RUN_DIR from its last saved state."),
     session: str = typer.Option(None, "--session", help="Session name (reused when it is live)."),
+    _help: bool = typer.Option(
+        False,
+        "--help",
+        is_eager=True,
+        expose_value=False,
+        callback=_help_with_options,
+        help="Show this and exit.",
+    ),
 ) -> None:
-    """Run a post-training loop: GRPO on smollm2-135m with arithmetic problems unless overridden."""
+    """Run a post-training loop: GRPO on smollm2-135m with arithmetic problems unless overridden.
+
+    Writes runs/<time>-<loop>-<model>/ (resolved config, metrics, checkpoints, usage); `sess runs`
+    lists them and `sess runs show RUN` charts one. The local engine it uses (started if none runs)
+    keeps running afterwards unless engine.keep=false; the run ends by saying which."""
     from sess.loops import config, runner
 
     overrides = list(overrides or [])
     if resume is not None:
         if overrides:
             fail("--resume replays the recorded config; drop the overrides (or start a new run)")
-        path = _guard(runner.resume, resume)
+        cfg = guard(config.load, resume / "config.yaml") if (resume / "config.yaml").is_file() else None
+        was_running = cfg is not None and runner.local_engine(cfg) is not None
+        path = guard(runner.resume, resume)
         out.print(f"resumed and finished: {path}")
+        _engine_note(cfg, was_running)
         return
     if session is not None:
         overrides.append(f"session={session}")
-    cfg = _guard(config.compose, overrides)
+    cfg = guard(config.compose, overrides)
     if print_config:
         out.print(config.to_yaml(cfg), end="", highlight=False, markup=False)
         return
@@ -62,11 +87,16 @@ def run(
         for key, value in plan.items():
             out.print(f"{key:>7}: {value}", highlight=False, markup=False)
         return
-    path = _guard(runner.start, overrides)
-    out.print(f"run finished: {path}")
+    was_running = runner.local_engine(cfg) is not None
+    try:
+        path = guard(runner.start, overrides)
+        out.print(f"run finished: {path}")
+    finally:
+        _engine_note(cfg, was_running)
 
 
 def _source(base_model: str) -> str:
+    """Where the engine would take the model from (catalog knowledge: needs the engine install)."""
     try:
         from sess.engine.runtime.catalog import resolve
 
@@ -76,60 +106,12 @@ def _source(base_model: str) -> str:
     return f" ({spec.source}{': ' + spec.repo if spec.repo else ''})"
 
 
-@app.command()
-def runs(runs_dir: Path = typer.Option(Path("runs"), "--dir", help="Where run records live.")) -> None:
-    """List recorded runs."""
-    from sess.loops.records import list_runs
+def _engine_note(cfg, was_running: bool) -> None:
+    from sess.loops import runner
 
-    found = list_runs(runs_dir)
-    if not found:
-        out.print(f"no runs under {runs_dir}")
+    try:
+        note = runner.engine_note(cfg, was_running) if cfg is not None else ""
+    except Exception:  # a note about the engine must not hide the run's own outcome
         return
-    header = ("run", "loop", "model", "status", "step", "eval", "session")
-    rows = [
-        (
-            r["run"],
-            r["loop"],
-            r["model"],
-            r["status"],
-            f"{r['step']}/{r['steps']}" if r["steps"] else str(r["step"]),
-            "" if r["eval"] is None else f"{r['eval']:.3f}",
-            r["session"] or "",
-        )
-        for r in found
-    ]
-    if not out.is_terminal:  # pipes and scripts get whole names, tab-separated
-        for row in [header, *rows]:
-            print("\t".join(map(str, row)))
-        return
-    table = Table(*header)
-    for row in rows:
-        table.add_row(*map(str, row))
-    out.print(table)
-
-
-BANNER = """sess attach: session {name} on {base_model} ({url})
-  tc   TrainingClient of the live session   tc.forward_backward(data), tc.optim_step(AdamParams(...))
-  sc   SamplingClient of its current weights sc.sample(tok.encode("..."), 1, SamplingParams(max_tokens=32))
-  tok  its tokenizer; svc the ServiceClient; SDK types imported (Datum, ModelInput, TensorData, ...)
-Ctrl-D leaves the REPL; the session keeps running."""
-
-
-@app.command()
-def attach(
-    name: str = typer.Argument(..., help="A live session's name (see `sess list`)."),
-    url: str = typer.Option(None, "--url", help="Engine URL (default: the local engine)."),
-    api_key: str = typer.Option(None, "--api-key", help="API key for a remote engine."),
-) -> None:
-    """Open a Python REPL bound to a live session."""
-    import code
-
-    import sess.engine as sdk
-
-    svc = _guard(sdk.ServiceClient, url, api_key)
-    tc = _guard(svc.get_training_client, name)
-    namespace = {k: getattr(sdk, k) for k in sdk.__all__}
-    namespace.update(svc=svc, tc=tc, sc=tc.create_sampling_client(), tok=tc.get_tokenizer())
-    code.interact(
-        banner=BANNER.format(name=tc.name, base_model=tc.base_model, url=svc.url), local=namespace, exitmsg=""
-    )
+    if note:
+        out.print(note, highlight=False, markup=False)

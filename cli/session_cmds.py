@@ -1,7 +1,10 @@
 """Session lifecycle: ``sess start|list|stop|resume|delete|usage|checkpoints``.
 
-Each command talks to the engine through the SDK: the local engine of ``SESS_HOME`` (started if
-needed), or ``engine=remote engine.url=... engine.api_key=...`` / ``SESS_ENGINE_URL``.
+Each command talks to the engine through the SDK: the local engine of ``SESS_HOME``, or
+``engine=remote engine.url=... engine.api_key=...`` / ``SESS_ENGINE_URL``. Commands that make
+something (``start``, ``resume``, ``delete``) start the local engine when none runs; commands that
+only read or stop (``list``, ``usage``, ``checkpoints``, ``stop``, ``attach``) never do: with no
+engine running they say so and how to start one.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sess.cli.main import app, fail
+from sess.cli.main import app, fail, guard
 
 out = Console()
 
@@ -51,8 +54,27 @@ def _client(engine=None):
     if engine is not None and engine.kind == "inprocess":
         fail("engine=inprocess: a session started from the CLI needs an engine that outlives the command")
     if engine is None:
-        return ServiceClient()
-    return ServiceClient(engine.url, engine.api_key)
+        return guard(ServiceClient)
+    return guard(ServiceClient, engine.url, engine.api_key)
+
+
+def reader(url: str | None = None, api_key: str | None = None):
+    """A client for a command that only reads: an engine that already runs, never a new one."""
+    import os
+
+    from sess.engine import ServiceClient
+
+    if url or os.environ.get("SESS_ENGINE_URL"):
+        return guard(ServiceClient, url, api_key)
+    from sess.engine.sdk.home import sess_home
+    from sess.engine.server.launcher import engine_info
+
+    if engine_info() is None:
+        fail(
+            f"no engine is running for {sess_home()} (this command only reads, so it starts none); "
+            "start it with `sess engine up --detach`, or point at one with SESS_ENGINE_URL"
+        )
+    return guard(ServiceClient, None, api_key)
 
 
 def _tokens(usage) -> int:
@@ -95,7 +117,7 @@ def list_(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """List sessions: name, model, status, step, tokens used, last active."""
-    sessions = _client().list_sessions(status_equals=status)
+    sessions = guard(reader().list_sessions, status_equals=status)
     if as_json:
         print(
             json.dumps(
@@ -114,7 +136,7 @@ def list_(
 @app.command()
 def stop(name: str) -> None:
     """Stop a session (its checkpoints stay)."""
-    summary = _client().stop_session(name)
+    summary = guard(reader().stop_session, name)
     out.print(f"session {summary.name} is {summary.status.value}")
 
 
@@ -157,13 +179,19 @@ def resume(
 @app.command()
 def usage(
     name: str = typer.Argument(None, help="A session (default: all of this key's sessions)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="The same report as JSON."),
 ) -> None:
-    """Tokens (prefill, sampled, training) and wall time, per session and per operation."""
-    svc = _client()
+    """What sessions cost, per operation, with the total under it (the sum of the rows).
+
+    Columns: count, how many ops of that kind ran (failed ones too); prefill, prompt tokens read
+    (sample, compute_logprobs); sampled, tokens generated; training, tokens through forward and
+    forward_backward; wall s, the engine's own seconds on those ops. A sample request's seconds are
+    its share of each prefill and decode step it was part of, not the time it waited, so concurrent
+    requests do not count the same second twice."""
+    svc = reader()
     transport = svc.transport
     if hasattr(transport, "usage"):
-        report = transport.usage(name)
+        report = guard(transport.usage, name)
     else:
         report = {"session": name, "usage": svc.get_usage(name).to_wire(), "operations": {}}
     if as_json:
@@ -195,7 +223,7 @@ def usage(
 @app.command()
 def checkpoints(name: str) -> None:
     """List a session's checkpoints, with their size on disk."""
-    found = _client().list_checkpoints(name)
+    found = guard(reader().list_checkpoints, name)
     table = Table("path", "kind", "created", "MB")
     for c in found:
         table.add_row(c["path"], c["kind"], _when(c["created"]), f"{c['bytes'] / 1e6:.1f}")

@@ -13,6 +13,8 @@ in a YAML file. ``sess run``, ``sess start`` and ``python -m sess.loops.<loop>``
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,9 @@ class EngineConfig:
     kind: str = MISSING  # local | inprocess | remote (conf/engine/<kind>.yaml)
     url: str | None = None
     api_key: str | None = None
+    # local: leave an engine this run had to start running afterwards (the next run reuses it);
+    # false stops it at the end. An engine that was already running is never stopped by a run.
+    keep: bool = True
 
 
 @dataclass
@@ -93,12 +98,59 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         with _hydra():
             cfg = hydra_compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
-        message = _one_line(exc)
-        for before, now in MOVED.items():
-            if f"'{before}'" in message:
-                message = f"{before} is now {now}; {message}"
-        raise ConfigError(message) from exc
+        raise ConfigError(_explain(exc, list(overrides))) from exc
     return validate(cfg)
+
+
+def _explain(exc: BaseException, overrides: list[str]) -> str:
+    """Hydra's error as the fix a user needs: the nearest valid keys for a misspelled key (never
+    Hydra's '+key' advice, which would add the typo), a group's options one per line for an unknown
+    option, and none of Hydra's search-path text."""
+    message = _one_line(exc)
+    bad_key = re.search(r"Could not override '([^']+)'", message)
+    if bad_key:
+        key = bad_key.group(1)
+        if key in MOVED:
+            return f"{key} is now {MOVED[key]}: use {MOVED[key]}=..."
+        return _unknown_key(key, [o for o in overrides if not o.lstrip("+~").startswith(f"{key}=")])
+    missing = re.search(r"Could not (?:find|load) '([\w-]+)/([^']+)'", message)
+    if missing and missing.group(1) in GROUPS:
+        return unknown_option(missing.group(1), missing.group(2))
+    return message.split("; Config search path")[0]
+
+
+def _unknown_key(key: str, other_overrides: list[str]) -> str:
+    parent, _, leaf = key.rpartition(".")
+    try:
+        with _hydra():
+            from hydra import compose as hydra_compose
+
+            cfg = hydra_compose("config", overrides=other_overrides)
+    except Exception:  # another override is broken too: suggest from the defaults
+        with _hydra():
+            from hydra import compose as hydra_compose
+
+            cfg = hydra_compose("config")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return f"unknown config key '{key}': {parent} has no keys"
+    keys = [f"{parent}.{k}" if parent else str(k) for k in node.keys()]
+    if not parent:  # a misspelled group is most likely meant as a choice: loop=sft
+        keys = [k for k in keys if k not in GROUPS] + [f"{group}=" for group in GROUPS]
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    where = f"{parent} ({node.get('name', node.get('kind', ''))})" if parent else "the top level"
+    return f"unknown config key '{key}'{hint} (keys of {where}: {', '.join(sorted(keys))})"
+
+
+def unknown_option(group: str, option: str) -> str:
+    """``group=option`` names no option: say so and list the group's options, one per line."""
+    options = group_options(group)
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
+    hint = f" (did you mean {group}={close[0]}?)" if close else ""
+    return f"{group}={option}: there is no such {group}{hint}; the options are:\n" + "\n".join(
+        f"  {name}" for name in options
+    )
 
 
 def group_options(group: str) -> list[str]:
@@ -162,9 +214,11 @@ def _merge(group: str, schema: type, node: Any) -> DictConfig:
     known = set(base.keys())
     for key in node:
         if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(f'{group}.{k}' for k in close)}?" if close else ""
             raise ConfigError(
                 f"unknown config key '{group}.{key}' for {group} {node.get('name', '')!s}".rstrip()
-                + f"; known keys: {', '.join(sorted(known))}"
+                + f"{hint} (keys of {group}: {', '.join(sorted(known))})"
             )
         if OmegaConf.is_missing(node, key):  # merge() would silently keep the schema default
             raise ConfigError(f"{group}.{key}: missing mandatory value; set it with {group}.{key}=...")

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from sess.engine import AdamParams, TrainingClient
 
 from . import rendering
 from .datasets import Dataset, Feedback
 from .hooks import Hooks
+
+if TYPE_CHECKING:  # torch is imported where the loss runs: composing a config needs none
+    import torch
 
 
 @dataclass
@@ -81,6 +83,8 @@ def encode(tok, items: list[Feedback]) -> list[tuple[list[int], list[int]]]:
 
 def kto_loss(cfg: Config, desirable_B: list[bool], ref_B: torch.Tensor, ref_mismatch_B: torch.Tensor):
     """The custom loss: ``logprobs`` holds B matched then B mismatched sequences."""
+    import torch
+
     n = len(desirable_B)
     want = torch.tensor(desirable_B)
 
@@ -105,6 +109,7 @@ def kto_loss(cfg: Config, desirable_B: list[bool], ref_B: torch.Tensor, ref_mism
 
 
 def _margin(reward_B: torch.Tensor, want: torch.Tensor) -> dict:
+
     good = reward_B[want].mean().item() if want.any() else 0.0
     bad = reward_B[~want].mean().item() if (~want).any() else 0.0
     return {"reward/desirable": good, "reward/undesirable": bad, "margin": good - bad}
@@ -119,6 +124,8 @@ def train(
     seed: int = 0,  # unused: the data order is seeded already
     start_step: int = 0,
 ) -> None:
+    import torch
+
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     ref = Reference(tc)
@@ -150,6 +157,8 @@ def train(
 
 def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
     """Held-out implied-reward margin (policy vs base model) of desirable over undesirable completions."""
+    import torch
+
     items = feedback.held_out
     if not items or not any(f.desirable for f in items) or all(f.desirable for f in items):
         return {}

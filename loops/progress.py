@@ -1,18 +1,31 @@
-"""The rich progress line of a run: step, loss, reward or accuracy, tokens/s and ETA."""
+"""A run's progress on stderr: step, loss, reward or accuracy, tokens/s and time left.
+
+In a terminal it is a rich progress bar with a status spinner for the slow phases (starting the
+session, which the first time fetches and converts the model, and each evaluation). When stderr is
+not a terminal (a log file, CI, a pipe) every step, phase and evaluation is one plain line, written
+as it happens, so a log shows progress while the run goes on rather than at its end.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
+SHOWN = (("loss", "loss"), ("reward/mean", "reward"), ("accuracy", "acc"), ("margin", "margin"))
+EVAL_SHOWN = ("eval/accuracy", "eval/loss", "eval/margin", "eval/reward")
+
 
 class Progress:
-    def __init__(self, cfg, start_step: int, *, enabled: bool = True):
+    def __init__(self, cfg, start_step: int, *, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
-        self.console = Console(stderr=True)
+        self.console = console or Console(stderr=True)
+        self.plain = not self.console.is_terminal
         self.title = f"{cfg.loop.name} {cfg.model.name}"
         self.total = cfg.loop.steps
         self.start_step = start_step
@@ -23,10 +36,10 @@ class Progress:
             TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(),
             console=self.console,
-            disable=not enabled,
+            disable=not enabled or self.plain,
         )
         self._task = None
-        self._last = time.perf_counter()
+        self._started = self._last = time.perf_counter()
         self._eval = ""
 
     def __enter__(self) -> Progress:
@@ -37,28 +50,42 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self._bar.__exit__(*exc)
 
+    def _line(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stderr if self.console.stderr else sys.stdout, flush=True)
+
+    @contextlib.contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        """A slow phase: a spinner in a terminal, a line before and after otherwise."""
+        started = time.perf_counter()
+        if not self.enabled:
+            yield
+        elif self.plain:
+            self._line(f"{self.title}: {message} ...")
+            yield
+            self._line(f"{self.title}: {message}: done in {time.perf_counter() - started:.1f} s")
+        else:
+            with self.console.status(message):
+                yield
+
     def update(self, done: int, row: dict) -> None:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
-        parts = []
-        for key, label in (
-            ("loss", "loss"),
-            ("reward/mean", "reward"),
-            ("accuracy", "acc"),
-            ("margin", "margin"),
-        ):
-            if key in row:
-                parts.append(f"{label} {row[key]:.3f}")
+        parts = [f"{label} {row[key]:.3f}" for key, label in SHOWN if key in row]
         if row.get("tokens"):
             parts.append(f"{row['tokens'] / max(seconds, 1e-9):.0f} tok/s")
-        stats = "  ".join(parts) + self._eval
-        self._bar.update(self._task, completed=done, stats=stats)
+        if self.plain:
+            left = (now - self._started) / max(done - self.start_step, 1) * (self.total - done)
+            self._line(f"{self.title} step {done}/{self.total}  {'  '.join(parts)}  ({left:.0f} s left)")
+            return
+        self._bar.update(self._task, completed=done, stats="  ".join(parts) + self._eval)
 
     def note_eval(self, done: int, metrics: dict) -> None:
-        for key in ("eval/accuracy", "eval/loss", "eval/margin"):
-            if key in metrics:
-                self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"
-                break
-        if self.enabled:
-            shown = {k[5:]: round(v, 4) for k, v in metrics.items() if k != "eval/seconds"}
+        key = next((k for k in EVAL_SHOWN if k in metrics), None)
+        if key is not None:
+            self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"
+        shown = {k[5:]: round(v, 4) for k, v in metrics.items() if k != "eval/seconds"}
+        if self.plain:
+            self._line(f"{self.title} eval at step {done}: {shown}")
+        elif self.enabled:
             self._bar.console.print(f"eval at step {done}: {shown}", highlight=False)

@@ -49,6 +49,38 @@ def service_client(engine_cfg) -> ServiceClient:
     return ServiceClient()  # local: the engine of SESS_HOME
 
 
+def local_engine(cfg: DictConfig) -> dict | None:
+    """The running local engine a run with ``cfg`` uses ({url, pid, rss_bytes, ...}), if any."""
+    if cfg.engine.kind != "local" or os.environ.get("SESS_ENGINE_URL"):
+        return None
+    from sess.engine.server.launcher import engine_info
+
+    return engine_info()
+
+
+def engine_note(cfg: DictConfig, was_running: bool) -> str:
+    """What a finished run says about the engine it used: still running (and its memory, and how to
+    stop it), or stopped because this run started it and ``engine.keep`` is false."""
+    if cfg.engine.kind == "inprocess":
+        return ""
+    if cfg.engine.kind == "remote" or os.environ.get("SESS_ENGINE_URL"):
+        return f"the engine at {cfg.engine.url or os.environ.get('SESS_ENGINE_URL')} keeps running"
+    from sess.engine.server.launcher import engine_info, stop_engine
+
+    info = engine_info()
+    if info is None:
+        return "the local engine is not running"
+    if not was_running and not cfg.engine.keep:
+        stop_engine()
+        return f"stopped the local engine this run started (pid {info['pid']}; engine.keep=false)"
+    memory = f", holding {info['rss_bytes'] / 1e9:.1f} GB" if info.get("rss_bytes") else ""
+    return (
+        f"the local engine {info['url']} (pid {info['pid']}) is still running{memory}; the next run "
+        f"reuses it. It stops sessions idle for {info['idle_timeout']:.0f} s but keeps the process: "
+        "stop it with `sess engine down`, or run with engine.keep=false"
+    )
+
+
 def plan(cfg: DictConfig) -> dict:
     """What a run would do, without touching an engine or weights (``--dry-run``)."""
     lora = cfg.model.lora
@@ -94,6 +126,13 @@ class RunHooks:
             self.on_step(done)
 
     def evaluate(self, done: int) -> dict:
+        with self.progress.status(f"evaluating at step {done}"):
+            metrics = self._evaluate(done)
+        self.logger.log({"kind": "eval", "step": done, **metrics})
+        self.progress.note_eval(done, metrics)
+        return metrics
+
+    def _evaluate(self, done: int) -> dict:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.data.envs is not None:
@@ -105,8 +144,6 @@ class RunHooks:
         if self.loop.evaluate is not None:
             metrics.update(self.loop.evaluate(self.tc, self.data.need(self.loop.data, self.cfg.loop.name)))
         metrics["eval/seconds"] = time.perf_counter() - started
-        self.logger.log({"kind": "eval", "step": done, **metrics})
-        self.progress.note_eval(done, metrics)
         return metrics
 
     def save(self, done: int) -> str:
@@ -222,9 +259,11 @@ def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_
     tc = None
     status = "failed"
     try:
-        tc = _open_session(svc, cfg, record, resume_from)
-        record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
         with Progress(cfg, start_step, enabled=show_progress) as progress:
+            # the first time, the engine fetches and converts the model here (about a minute for smollm2)
+            with progress.status(f"starting a session on {cfg.model.base_model}"):
+                tc = _open_session(svc, cfg, record, resume_from)
+            record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
             hooks = RunHooks(cfg, loop, tc, data, record, logger, progress, on_step)
             if start_step == 0:
                 hooks.evaluate(0)
@@ -269,9 +308,14 @@ def main(loop: str, argv: list[str] | None = None) -> None:
     if any(a.startswith("loop=") for a in argv):
         sys.exit(f"error: python -m sess.loops.{loop} runs {loop}; drop the loop= override")
     try:
+        cfg = config_mod.compose([f"loop={loop}", *argv])
+        was_running = local_engine(cfg) is not None
         path = start([f"loop={loop}", *argv])
-    except Exception as exc:  # one line, as `sess run` prints it; SESS_DEBUG=1 shows the traceback
+    except Exception as exc:  # as `sess run` prints it; SESS_DEBUG=1 shows the traceback
         if os.environ.get("SESS_DEBUG"):
             raise
-        sys.exit(f"error: {' '.join(str(exc).split()) or type(exc).__name__}")
+        sys.exit(f"error: {str(exc) or type(exc).__name__}")
     print(f"run finished: {path}")
+    note = engine_note(cfg, was_running)
+    if note:
+        print(note)

@@ -52,3 +52,38 @@ def runtime(svc):
     if not hasattr(svc.transport, "engine"):
         pytest.skip("reads the in-process runtime; runs with the inproc transport")
     return svc.transport.engine.runtime
+
+
+# A test run leaves the work tree as it found it: files a test writes belong under a temporary
+# directory (tmp_path, sess_home), never in the checkout (runs/, checkpoints, build output).
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _work_tree_changes() -> set[str] | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    return set(out.stdout.splitlines()) if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    session.config._sess_tree_before = _work_tree_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_sess_tree_before", None)
+    after = _work_tree_changes()
+    if before is None or after is None:
+        return
+    written = sorted(after - before)
+    if written:
+        print("\ntests wrote into the work tree (write under tmp_path instead):\n  " + "\n  ".join(written))
+        session.exitstatus = 1

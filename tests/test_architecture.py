@@ -176,3 +176,29 @@ def test_client_side_modules_stay_light(module):
     code = f"import sys, {module}\nprint(sorted(m for m in ('torch', 'transformers', 'peft', 'fastapi') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_composing_a_run_config_loads_no_torch():
+    """``sess run --print-config``, ``--help`` and every read command compose configs or talk HTTP
+    only; the loops import torch where their own work needs it (KTO's loss)."""
+    code = (
+        "import sys\nfrom sess.loops import config\nconfig.compose(['loop=kto'])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+API_NAMES = (
+    "ServiceClient TrainingClient SamplingClient APIFuture ModelInput EncodedTextChunk TensorData Datum "
+    "SamplingParams AdamParams ForwardBackwardOutput OptimStepResponse SampleResponse SampledSequence "
+    "SaveWeightsResponse SaveStateResponse LoadStateResponse TrainingSessionSummary SessionStatus "
+    "LossFunction Usage"
+).split()
+
+
+def test_every_name_of_the_sdk_contract_imports_from_sess_engine():
+    import sess.engine
+
+    assert [name for name in API_NAMES if not hasattr(sess.engine, name)] == []
+    assert set(API_NAMES) <= set(sess.engine.__all__)

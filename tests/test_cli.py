@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -112,18 +113,19 @@ def test_start_composes_like_sess_run(env):
 
 
 def test_usage_counts_match_scripted_calls_and_cli(env):
+    started = time.perf_counter()
     svc = ServiceClient(env["SESS_ENGINE_URL"], home=env["SESS_HOME"])
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="usage-check")
     tok = tc.get_tokenizer()
     sc = tc.create_sampling_client()
     prefill = sampled = training = 0
-    for text, n in [("one two", 3), ("three four five", 2)]:
-        prompt = tok.encode(text)
-        result = sc.sample(
-            prompt, num_samples=n, sampling_params=SamplingParams(max_tokens=6, seed=1)
-        ).result()
+    prompts = [(tok.encode(text), n) for text, n in [("one two", 3), ("three four five", 2)]]
+    futures = [
+        sc.sample(p, num_samples=n, sampling_params=SamplingParams(max_tokens=6, seed=1)) for p, n in prompts
+    ]
+    for (prompt, _), future in zip(prompts, futures):  # both in flight together: one decode batch
         prefill += len(prompt)  # once per prompt, not per sample
-        sampled += sum(len(s.tokens) for s in result.sequences)
+        sampled += sum(len(s.tokens) for s in future.result().sequences)
     data = [ce_datum(tok.encode(s)) for s in SENTENCES[:3]]
     tc.forward(data).result()
     tc.forward_backward(data).result()
@@ -140,6 +142,11 @@ def test_usage_counts_match_scripted_calls_and_cli(env):
     assert ops["sample"]["count"] == 2 and ops["sample"]["sampled_tokens"] == sampled
     assert ops["sample"]["prefill_tokens"] + ops["compute_logprobs"]["prefill_tokens"] == prefill
     assert ops["forward"]["training_tokens"] == ops["forward_backward"]["training_tokens"] == training // 2
+    # every total is the sum of its rows; wall time is the engine's own time, sampling included
+    for key in ("prefill_tokens", "sampled_tokens", "training_tokens", "wall_time_s"):
+        assert sum(row[key] for row in ops.values()) == pytest.approx(report["usage"][key], abs=1e-6), key
+    assert sum(row["count"] for row in ops.values()) == report["usage"]["operations"]
+    assert ops["sample"]["wall_time_s"] > 0 and report["usage"]["wall_time_s"] < time.perf_counter() - started
     [row] = [s for s in json.loads(sess(env, "list", "--json")) if s["name"] == "usage-check"]
     assert row["usage"]["sampled_tokens"] == sampled
     table = sess(env, "list")

@@ -66,7 +66,6 @@ def test_all_groups_have_their_options():
         (["loop.stpes=2"], "loop.stpes"),
         (["loop=sft", "loop.group_size=4"], "loop.group_size"),
         (["data.max_valeu=9"], "data.max_valeu"),
-        (["loop=grop"], "loop/grop"),
         (["loop.steps=many"], "loop.steps"),
         (["engine=remote"], "engine.url"),
         (["data=env"], "data.env"),
@@ -165,3 +164,25 @@ def test_model_targets_match_the_engine_selection():
         assert set(big.model.targets) == set(cfg.model.targets)
         del model
         torch.set_grad_enabled(True)
+
+
+def test_a_misspelled_key_names_the_nearest_valid_keys_and_never_suggests_plus():
+    with pytest.raises(ConfigError) as typo:
+        config.compose(["loop.stpes=3"])
+    message = str(typo.value)
+    assert "did you mean loop.steps" in message and "+" not in message
+    with pytest.raises(ConfigError) as group_typo:
+        config.compose(["lop=sft"])
+    assert "did you mean loop=" in str(group_typo.value) and "+" not in str(group_typo.value)
+
+
+def test_an_unknown_option_lists_the_groups_options_on_their_own_lines():
+    with pytest.raises(ConfigError) as unknown:
+        config.compose(["model=nonexistent-model"])
+    lines = str(unknown.value).splitlines()
+    assert "model=nonexistent-model" in lines[0] and "search path" not in str(unknown.value).lower()
+    assert {line.strip() for line in lines[1:]} == set(config.group_options("model"))
+    with pytest.raises(ConfigError, match="did you mean loop=sft"):
+        config.compose(["loop=sfx"])
+    with pytest.raises(ConfigError, match="loop=grop: there is no such loop"):
+        config.compose(["loop=grop"])

@@ -82,7 +82,8 @@ def test_starting_gpt_oss_without_weights_fails_with_one_line(sess_home, tmp_pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = cli.invoke(app, ["run", "model=gpt-oss-20b", "engine=inprocess", f"runs_dir={tmp_path}"])
     assert result.exit_code == 1
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    progress = "grpo gpt-oss-20b: "  # the run's progress lines (stderr is no terminal here)
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith(progress)]
     assert len(lines) == 1 and lines[0].startswith("error:") and "gpt-oss-20b" in lines[0], result.output
 
 

@@ -93,3 +93,15 @@ def trim() -> bool:
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
     return True
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc``), or None where that cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -173,8 +173,31 @@ class Datum:
         )
 
 
+class WireParams:
+    """Settings a request carries (sampling, optimizer): read from the wire field by field against
+    their annotations and bounds (:mod:`.wire_checks`), then checked as a whole (:meth:`check`)."""
+
+    where: ClassVar[str] = "params"  # the field name errors start with
+
+    def check(self, where: str | None = None) -> None:
+        check_instance(self, where or self.where)
+
+    def validate(self) -> None:
+        self.check()
+
+    @classmethod
+    def from_wire(cls, wire: dict, where: str | None = None):
+        params = cls(**check_fields(cls, wire, where or cls.where))
+        params.check(where or cls.where)
+        return params
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
-class SamplingParams:
+class SamplingParams(WireParams):
+    where: ClassVar[str] = "sampling_params"
     max_tokens: int = bounded(512, 1)  # the engine bounds it by the model's context
     temperature: float = bounded(1.0, 0.0)
     top_p: float = bounded(1.0, above=0.0, hi=1.0)
@@ -182,25 +205,16 @@ class SamplingParams:
     seed: int | None = bounded(None, 0)
     stop: str | list[str] | list[int] | None = bounded(None, max_items=64)
 
-    def check(self, where: str = "sampling_params") -> None:
-        check_instance(self, where)
+    def check(self, where: str | None = None) -> None:
+        where = where or self.where
+        super().check(where)
         if self.top_k == 0:
             raise InvalidRequest(f"{where}.top_k: must be -1 (off) or >= 1, got 0")
 
-    validate = check
-
-    @classmethod
-    def from_wire(cls, wire: dict, where: str = "sampling_params") -> SamplingParams:
-        params = cls(**check_fields(cls, wire, where))
-        params.check(where)
-        return params
-
-    def to_wire(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class AdamParams:
+class AdamParams(WireParams):
+    where: ClassVar[str] = "adam_params"
     learning_rate: float = bounded(1e-4, 0.0)
     beta1: float = bounded(0.9, 0.0)
     beta2: float = bounded(0.95, 0.0)
@@ -208,22 +222,12 @@ class AdamParams:
     weight_decay: float = bounded(0.0, 0.0)
     grad_clip_norm: float = bounded(0.0, 0.0)  # 0: no clipping
 
-    def check(self, where: str = "adam_params") -> None:
-        check_instance(self, where)
+    def check(self, where: str | None = None) -> None:
+        where = where or self.where
+        super().check(where)
         for name in ("beta1", "beta2"):
             if getattr(self, name) >= 1:
                 raise InvalidRequest(f"{where}.{name}: must be below 1, got {getattr(self, name)!r}")
-
-    validate = check
-
-    @classmethod
-    def from_wire(cls, wire: dict, where: str = "adam_params") -> AdamParams:
-        params = cls(**check_fields(cls, wire, where))
-        params.check(where)
-        return params
-
-    def to_wire(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

@@ -100,6 +100,8 @@ def check_value(value: Any, kind: Any, where: str, meta: Any = None) -> Any:
         if len(value) < meta.get("min_items", 0):
             raise _invalid(f"{where}: expected at least {meta['min_items']} item(s)")
         (item,) = get_args(kind)
+        if item is int and all(type(v) is int for v in value):  # token ids: the common, long case
+            return value
         return [check_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if kind is bool:
         if not isinstance(value, bool):

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from sess.engine.runtime.memory import resident_bytes
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.keys import KeyStore
@@ -138,7 +139,8 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
 
     @app.get("/healthz")
     async def healthz():
-        return json_response({"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout})
+        health = {"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout}
+        return json_response({**health, "rss_bytes": resident_bytes()})
 
     @app.post("/api/call")
     async def call(request: Request):

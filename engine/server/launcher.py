@@ -37,7 +37,8 @@ def _alive(pid: int) -> bool:
 
 
 def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) -> dict | None:
-    """The running engine of ``home`` ({url, pid, port, ...}) if it answers its health check."""
+    """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, ...}) if it answers
+    its health check."""
     path = sess_home(home) / ENGINE_FILE
     try:
         info = json.loads(path.read_text())
@@ -49,7 +50,9 @@ def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) 
         health = httpx.get(f"{info['url']}/healthz", timeout=timeout).json()
     except (httpx.HTTPError, ValueError):
         return None
-    return info if health.get("pid") == info["pid"] else None
+    if health.get("pid") != info["pid"]:
+        return None
+    return {**info, "idle_timeout": health.get("idle_timeout"), "rss_bytes": health.get("rss_bytes")}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,198 @@
+"""``sess runs``: list recorded runs, ``show`` one (config, per-step table, chart), ``compare`` two.
+
+A run is named by its directory, or by the directory's name under ``--dir`` (default ``runs``). All
+of it reads the run's files (``config.yaml``, ``meta.json``, ``metrics.jsonl``); no engine is needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sess.cli.main import app, fail
+from sess.cli.text_chart import line_chart
+
+out = Console()
+runs_app = typer.Typer(help="Recorded runs: list them, show one, compare two.", invoke_without_command=True)
+app.add_typer(runs_app, name="runs")
+RUNS_DIR = typer.Option(Path("runs"), "--dir", help="Where run records live.")
+# per-step columns, in this order, where a run has them: (metric key, column title)
+STEP_COLUMNS = (
+    ("loss", "loss"),
+    ("reward/mean", "reward"),
+    ("accuracy", "accuracy"),
+    ("margin", "margin"),
+    ("grad_norm", "grad norm"),
+    ("tokens", "tokens"),
+    ("seconds", "s"),
+)
+EVAL_KEYS = ("eval/accuracy", "eval/loss", "eval/margin", "eval/reward")
+
+
+@runs_app.callback()
+def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
+    """List recorded runs (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from sess.loops.records import list_runs
+
+    found = list_runs(runs_dir)
+    if not found:
+        out.print(f"no runs under {runs_dir}")
+        return
+    header = ("run", "loop", "model", "status", "step", "eval", "session")
+    rows = [
+        (
+            r["run"],
+            r["loop"],
+            r["model"],
+            r["status"],
+            f"{r['step']}/{r['steps']}" if r["steps"] else str(r["step"]),
+            "" if r["eval"] is None else f"{r['eval']:.3f}",
+            r["session"] or "",
+        )
+        for r in found
+    ]
+    if not out.is_terminal:  # pipes and scripts get whole names, tab-separated
+        for row in [header, *rows]:
+            print("\t".join(map(str, row)))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*map(str, row))
+    out.print(table)
+
+
+def _run_dir(run: str, runs_dir: Path) -> Path:
+    for candidate in (Path(run), runs_dir / run):
+        if (candidate / "meta.json").is_file():
+            return candidate
+    matches = (
+        sorted(p for p in runs_dir.glob(f"*{run}*") if (p / "meta.json").is_file())
+        if runs_dir.is_dir()
+        else []
+    )
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        fail(
+            f"run {run!r} matches {len(matches)} runs under {runs_dir}; give more of its name:\n"
+            + "\n".join(f"  {m.name}" for m in matches)
+        )
+    fail(f"no run {run!r} (a run directory, or a name under {runs_dir}; `sess runs` lists them)")
+
+
+def _summary(path: Path) -> dict:
+    """The run's meta, resolved config and metric rows."""
+    import json
+
+    import yaml
+
+    from sess.loops.records import read_jsonl
+
+    meta = json.loads((path / "meta.json").read_text())
+    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+    rows = read_jsonl(path / "metrics.jsonl")
+    return {
+        "meta": meta,
+        "config": config or {},
+        "train": [r for r in rows if r.get("kind") == "train"],
+        "eval": [r for r in rows if r.get("kind") == "eval"],
+    }
+
+
+@runs_app.command("show")
+def show(
+    run: str = typer.Argument(..., help="A run directory, or its name under --dir."),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """A run's config summary, its per-step metrics as a table, and a chart of reward and held-out
+    accuracy (or loss) over steps."""
+    path = _run_dir(run, runs_dir)
+    found = _summary(path)
+    meta, cfg = found["meta"], found["config"]
+    loop, data, model = cfg.get("loop", {}), cfg.get("data", {}), cfg.get("model", {})
+    out.print(
+        f"[bold]{path.name}[/bold]  {meta.get('status')}  created {meta.get('created')}", highlight=False
+    )
+    out.print(
+        f"loop {loop.get('name')} ({loop.get('steps')} steps, batch {loop.get('batch_size')}, lr "
+        f"{loop.get('learning_rate')}), model {model.get('name')} (LoRA rank {model.get('lora', {}).get('rank')}), "
+        f"data {data.get('name')}, seed {cfg.get('seed')}, engine {cfg.get('engine', {}).get('kind')}, "
+        f"session {meta.get('session')}",
+        highlight=False,
+    )
+    evals = {r["step"]: r for r in found["eval"]}
+    headline = next((k for k in EVAL_KEYS if any(k in r for r in found["eval"])), None)
+    columns = [(k, t) for k, t in STEP_COLUMNS if any(k in r for r in found["train"])]
+    table = Table("step", *[t for _, t in columns], *([f"eval {headline[5:]}"] if headline else []))
+    steps = sorted({r["step"] for r in found["train"]} | set(evals))
+    train = {r["step"]: r for r in found["train"]}
+    for step in steps:
+        row = train.get(step, {})
+        cells = [_cell(row.get(k)) for k, _ in columns]
+        if headline:
+            cells.append(_cell(evals.get(step, {}).get(headline)))
+        table.add_row(str(step), *cells)
+    out.print(table)
+    series = {
+        "train reward": [(r["step"], r["reward/mean"]) for r in found["train"] if "reward/mean" in r],
+        "train loss": []
+        if any("reward/mean" in r for r in found["train"])
+        else [(r["step"], r["loss"]) for r in found["train"] if "loss" in r],
+    }
+    if headline:
+        series[f"held-out {headline[5:]}"] = [
+            (r["step"], r[headline]) for r in found["eval"] if headline in r
+        ]
+    print(line_chart(series))
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
+    return str(value)
+
+
+@runs_app.command("compare")
+def compare(
+    first: str = typer.Argument(..., help="A run directory or name."),
+    second: str = typer.Argument(..., help="Another one."),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Two runs side by side: the config keys that differ, then their final metrics."""
+    a_path, b_path = _run_dir(first, runs_dir), _run_dir(second, runs_dir)
+    a, b = _summary(a_path), _summary(b_path)
+    flat_a, flat_b = _flatten(a["config"]), _flatten(b["config"])
+    differ = sorted(
+        k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k) and k != "session"
+    )
+    table = Table("config", a_path.name, b_path.name, title="config differences")
+    for key in differ:
+        table.add_row(key, str(flat_a.get(key, "-")), str(flat_b.get(key, "-")))
+    if not differ:
+        table.add_row("(same config)", "", "")
+    out.print(table)
+    final = Table("final", a_path.name, b_path.name, title="final metrics")
+    final.add_row("status", str(a["meta"].get("status")), str(b["meta"].get("status")))
+    final.add_row("steps done", *(str(s["train"][-1]["step"]) if s["train"] else "0" for s in (a, b)))
+    keys = [k for k, _ in STEP_COLUMNS if any(k in s["train"][-1] for s in (a, b) if s["train"])]
+    for key in keys:
+        final.add_row(key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b)))
+    for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
+        final.add_row(key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b)))
+    out.print(final)
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        flat: dict[str, object] = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): node}
