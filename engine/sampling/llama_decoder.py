@@ -289,7 +289,8 @@ def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
     part = take_rows(x, rows)
     padded, count = pad_rows(part, row_padding(part.device.type))
-    low = F.linear(padded, terms.a)  # [padded rows, sum of ranks]
+    # LoRA weights stay fp32 under a bf16 base model: its terms run in fp32, as peft runs them
+    low = F.linear(padded.to(terms.a.dtype), terms.a)  # [padded rows, sum of ranks]
     for name, b, scaling, columns, packed in terms.parts:
         out = outs[names.index(name)]
         if packed:

@@ -57,7 +57,7 @@ def decode_attention(query, key, value, bias):
     heads = query.shape[1]
     groups, count = heads // kv_heads, blocks * rows * kv_heads
     q = query.reshape(1, rows * kv_heads, groups, dim).expand(blocks, -1, -1, -1).reshape(count, groups, dim)
-    scores = torch.baddbmm(bias, q, key.view(count, BLOCK, dim).transpose(1, 2))
+    scores = torch.baddbmm(bias.to(q.dtype), q, key.view(count, BLOCK, dim).transpose(1, 2))
     scores = scores.view(blocks, rows, kv_heads, groups, BLOCK)
     top = scores.amax(dim=(0, 4), keepdim=True)  # exact: max does not round
     weights = scores.sub_(top).exp_()
