@@ -73,7 +73,7 @@ def up(
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
-    exec_as_engine(server_command(home_path, host, port, device, extra))  # malloc settings: memory.py
+    exec_as_engine(server_command(home_path, host, port, device, extra), device)  # malloc settings: memory.py
     serve(home_path, host, port, device, idle_timeout, max_sessions, dtype=dtype, memory_budget=memory_budget)
 
 

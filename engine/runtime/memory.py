@@ -20,6 +20,9 @@ environment of the engine processes sess starts (``sess engine up``, ``sess run`
 engine applies what can still be applied with ``mallopt`` (:func:`keep_freed_memory`), which helps
 less (measured: 0.8 M faults instead of 1.2 M). Linux with glibc only; ``SESS_MALLOC=system`` turns
 both off, and values already in the environment are kept.
+
+CPU engines only: on CUDA the activations live in the CUDA caching allocator, which keeps freed
+blocks by itself, and the host heap holds little, so an engine on a GPU keeps glibc's defaults.
 """
 
 from __future__ import annotations
@@ -43,33 +46,34 @@ IDLE_TRIM_S = 5.0  # seconds without an op or a decode step before the engine tr
 _applied: bool | None = None
 
 
-def _enabled(env) -> bool:
-    return sys.platform.startswith("linux") and env.get("SESS_MALLOC", "") != "system"
+def _enabled(env, device: str = "cpu") -> bool:
+    return device == "cpu" and sys.platform.startswith("linux") and env.get("SESS_MALLOC", "") != "system"
 
 
-def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for an engine process: ``base`` (default: this process's) plus the malloc
-    settings above, unless turned off or already set."""
+def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
+    """The environment for an engine process on ``device``: ``base`` (default: this process's)
+    plus the malloc settings above, unless turned off, already set, or the engine is not on CPU."""
     env = dict(os.environ if base is None else base)
-    if _enabled(env):
+    if _enabled(env, device):
         for key, value in ENGINE_MALLOC.items():
             env.setdefault(key, value)
     return env
 
 
-def exec_as_engine(argv: list[str]) -> None:
+def exec_as_engine(argv: list[str], device: str = "cpu") -> None:
     """Replace this process with ``argv`` (``argv[0]`` the program) under :func:`engine_env`, since
     glibc reads the settings only at start; return at once if they are in effect already."""
-    env = engine_env()
+    env = engine_env(device=device)
     if env != dict(os.environ):
         os.execve(argv[0], argv, env)
 
 
-def keep_freed_memory() -> bool:
-    """Apply the settings with ``mallopt`` in this process (once); whether glibc took them."""
+def keep_freed_memory(device: str = "cpu") -> bool:
+    """Apply the settings with ``mallopt`` in this process (once) for an engine on ``device``;
+    whether glibc took them."""
     global _applied
     if _applied is None:
-        _applied = _enabled(os.environ) and _mallopt()
+        _applied = _enabled(os.environ, device) and _mallopt()
     return _applied
 
 

@@ -45,7 +45,7 @@ class ManagedEngine(Executor):
         session_limits: Callable[[str], int | None] | None = None,
         runtime: Runtime | None = None,
     ):
-        keep_freed_memory()  # an engine process keeps freed memory for its next step: see memory.py
+        keep_freed_memory(device)  # a CPU engine process keeps freed memory for its next step: see memory.py
         runtime = runtime or Runtime(home, device)
         self.registry = Registry(runtime.home)
         self.idle_timeout = idle_timeout
@@ -122,10 +122,15 @@ class ManagedEngine(Executor):
         self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, usage)
 
     def idle(self) -> None:
-        """No work for a while: drop sampling's packed weight copies and hand free memory back."""
+        """No work for a while: drop sampling's packed weight copies and hand free memory back (the
+        host heap's, and on CUDA the caching allocator's free blocks)."""
         for host in self.runtime.hosts.values():
             host.release_sampling_memory()
         trim()
+        if self.runtime.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
 
     # idle sessions ---------------------------------------------------------------------------------
     def _watch_idle(self) -> None:
