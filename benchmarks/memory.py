@@ -127,6 +127,13 @@ def measure(args, home: Path, console: Console) -> dict:
     info = start_engine(home, extra_args=extra)
     pid = info["pid"]
     rows: list[tuple[str, str, float, dict]] = []
+
+    def done(name: str, speed: str, seconds: float, reading: dict) -> None:
+        rows.append((name, speed, seconds, reading))  # and a line now: a workload can take minutes
+        console.print(
+            f"{name}: {seconds:.1f} s {speed}, peak {reading['VmHWM'] / GB:.2f} GB, now {reading['VmRSS'] / GB:.2f} GB"
+        )
+
     try:
         started = status(pid)
         svc = ServiceClient(info["url"], home=home)
@@ -136,7 +143,7 @@ def measure(args, home: Path, console: Console) -> dict:
         loading_s = time.perf_counter() - t0
         vocab = len(tc.get_tokenizer())
         loaded = status(pid)
-        rows.append(("loading (model + 1 session)", "", loading_s, loaded))
+        done("loading (model + 1 session)", "", loading_s, loaded)
         adam = AdamParams(learning_rate=1e-5)
 
         reset_peak(pid)
@@ -148,9 +155,7 @@ def measure(args, home: Path, console: Console) -> dict:
         sc = tc.save_weights_and_get_sampling_client()
         fb.result()
         grpo_s = time.perf_counter() - t0
-        rows.append(
-            ("GRPO step: 64 x 60-100 tokens, ppo", f"{tokens / grpo_s:.0f} tok/s", grpo_s, status(pid))
-        )
+        done("GRPO step: 64 x 60-100 tokens, ppo", f"{tokens / grpo_s:.0f} tok/s", grpo_s, status(pid))
 
         reset_peak(pid)
         sft = sft_batch(vocab)
@@ -158,9 +163,7 @@ def measure(args, home: Path, console: Console) -> dict:
         loss = tc.forward_backward(sft).result().metrics["loss:sum"]
         tc.optim_step(adam).result()
         sft_s = time.perf_counter() - t0
-        rows.append(
-            ("SFT step: 4 x 1024 tokens, cross entropy", f"{4096 / sft_s:.0f} tok/s", sft_s, status(pid))
-        )
+        done("SFT step: 4 x 1024 tokens, cross entropy", f"{4096 / sft_s:.0f} tok/s", sft_s, status(pid))
 
         reset_peak(pid)
         rng = random.Random(2)
@@ -171,9 +174,7 @@ def measure(args, home: Path, console: Console) -> dict:
         futures = [sc.sample(p, num_samples=8, sampling_params=params) for p in prompts]
         sampled = sum(len(s.tokens) for f in futures for s in f.result().sequences)
         sample_s = time.perf_counter() - t0
-        rows.append(
-            ("sampling: 8 prompts x 8 x 64", f"{sampled / sample_s:.0f} new tok/s", sample_s, status(pid))
-        )
+        done("sampling: 8 prompts x 8 x 64", f"{sampled / sample_s:.0f} new tok/s", sample_s, status(pid))
 
         after = status(pid)
         time.sleep(args.idle_wait)
