@@ -35,13 +35,19 @@ export SESS_HOME=${SESS_HOME:-$(mktemp -d -t sess-gpu-check-XXXX)}
 REPORT=${OUT:-$(mktemp -d)}/gpu_check.txt
 exec > >(tee -a "$REPORT") 2>&1
 started=$(date +%s)
+failed=()
+step() {  # run one step under its time limit; a failure is reported at the end, the next step runs
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" || failed+=("$name (exit $?; 124: over its ${limit} s)")
+}
 echo "== gpu_check on $DEVICE ($("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')")), SESS_HOME=$SESS_HOME"
 
 echo "== 1. device-parametrised tests on $DEVICE"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bf16.py -k "$DEVICE"
+step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bf16.py -k "$DEVICE"
 
 echo "== 2. bf16 load of the largest model that fits"
-timeout 150 "$PY" - "$DEVICE" $MODELS <<'EOF'
+step "bf16 load" 150 "$PY" - "$DEVICE" $MODELS <<'EOF'
 import sys, time, torch
 from sess.engine.runtime.catalog import ModelNotAvailable, load_model, prepare
 
@@ -75,7 +81,11 @@ else:
 EOF
 
 echo "== 3. throughput against HF generate / plain PEFT ($BENCH_MODEL, $DTYPE)"
-timeout 150 "$PY" benchmarks/sampling.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" \
+step sampling 150 "$PY" benchmarks/sampling.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" \
   --skip latency,adapters,prefill
-timeout 120 "$PY" benchmarks/train.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" --rounds 3
+step training 120 "$PY" benchmarks/train.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" --rounds 3
 echo "== done in $(($(date +%s) - started)) s; report: $REPORT"
+if ((${#failed[@]})); then
+  printf 'failed: %s\n' "${failed[@]}"
+  exit 1
+fi
