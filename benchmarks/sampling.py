@@ -142,7 +142,7 @@ def main() -> None:
     as_engine_process(args.device)
     skip = set(filter(None, args.skip.split(",")))
     console = Console()
-    svc = in_process_client(args.home, args.device, args.dtype)
+    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
     runtime = svc.transport.engine.runtime
     sessions = [svc.create_lora_training_client(args.model, rank=args.rank, seed=i) for i in range(4)]
     tok = sessions[0].get_tokenizer()

@@ -79,7 +79,7 @@ def main() -> None:
     as_engine_process(args.device)
 
     if args.url == "inproc":
-        svc = in_process_client(args.home, args.device, args.dtype)
+        svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
     else:
         svc = ServiceClient(args.url, home=args.home)
     tc = svc.create_lora_training_client(args.model, rank=args.rank, alpha=2 * args.rank, seed=0)
