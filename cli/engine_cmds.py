@@ -40,7 +40,7 @@ def up(
     ),
     memory_budget: str = typer.Option(
         None,
-        help="Activation memory a training op may hold, e.g. 1G (default: 1G on cpu, half the free "
+        help="Activation memory a training op may hold, e.g. 1G (default: 512M on cpu, half the free "
         "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
         "with activation checkpointing, and one too long even then is refused.",
     ),
