@@ -32,6 +32,10 @@ def up(
         "and it is stopped (sess resume NAME continues it).",
     ),
     max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key."),
+    tls_cert: str = typer.Option(
+        None, "--tls-cert", help="PEM certificate (chain) to serve https with; needs --tls-key."
+    ),
+    tls_key: str = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     dtype: str = typer.Option(
         None,
         help="Precision of the base models' weights: float32 or bfloat16 (default: float32 on cpu, "
@@ -45,14 +49,23 @@ def up(
         "with activation checkpointing, and one too long even then is refused.",
     ),
 ) -> None:
-    """Start the engine server (in the foreground unless --detach)."""
+    """Start the engine server (in the foreground unless --detach).
+
+    It serves sess's SDK (/api), the OpenAI routes (/v1) and the Tinker protocol (/api/v1) that
+    the unmodified tinker SDK and tinker-cookbook speak. For an engine other machines reach, bind
+    --host 0.0.0.0, add keys (sess engine keys add) and serve https with --tls-cert/--tls-key;
+    clients then trust the certificate through SESS_CA_BUNDLE (sess) or SSL_CERT_FILE (tinker)."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.launcher import engine_info, server_command, start_engine
-    from sess.engine.server.serve import check_options, is_loopback, serve
+    from sess.engine.server.serve import check_options, check_tls, is_loopback, serve
 
     home_path = sess_home(home)
+    try:
+        check_tls(tls_cert, tls_key)
+    except SystemExit as exc:
+        fail(str(exc))
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"--device: expected cpu or cuda, got {device!r}")
     problem = check_options(device, dtype, memory_budget)
@@ -69,12 +82,25 @@ def up(
     extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
     extra += ["--dtype", dtype] if dtype else []
     extra += ["--memory-budget", memory_budget] if memory_budget else []
+    if tls_cert:
+        extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
     if detach:
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
     exec_as_engine(server_command(home_path, host, port, device, extra), device)  # malloc settings: memory.py
-    serve(home_path, host, port, device, idle_timeout, max_sessions, dtype=dtype, memory_budget=memory_budget)
+    serve(
+        home_path,
+        host,
+        port,
+        device,
+        idle_timeout,
+        max_sessions,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        dtype=dtype,
+        memory_budget=memory_budget,
+    )
 
 
 @engine_app.command("status")
@@ -117,18 +143,48 @@ def keys_add(
     max_sessions: int = typer.Option(None, help="Live sessions for this key (default: the engine's)."),
     home: str = HOME,
 ) -> None:
-    """Create an API key and print it (a key sees only its owner's sessions and checkpoints)."""
+    """Create an API key and print it: the one time it is shown (the home keeps only its hash).
+
+    The key (tml-<id>-<secret>) works for the sess SDK (api_key= or SESS_API_KEY) and the tinker
+    SDK (TINKER_API_KEY) alike, and sees only its owner's sessions and checkpoints."""
     from sess.engine.server.keys import KeyStore
 
-    entry = KeyStore(home).add(owner, max_sessions=max_sessions)
+    store = KeyStore(home)
+    entry = store.add(owner, max_sessions=max_sessions)
     print(entry["key"])
-    Console(stderr=True).print(f"key for owner {entry['owner']!r} added to {KeyStore(home).path}")
+    Console(stderr=True).print(f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}")
 
 
 @keys_app.command("list")
-def keys_list(home: str = HOME) -> None:
-    """List key owners (keys shown shortened)."""
+def keys_list(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List keys by id and owner (the keys themselves are not stored, only their hashes)."""
+    import time
+
     from sess.engine.server.keys import KeyStore
 
-    for entry in KeyStore(home).load().values():
-        out.print(f"{entry['key'][:10]}…  owner={entry['owner']}  max_sessions={entry.get('max_sessions')}")
+    entries = [
+        {k: e.get(k) for k in ("id", "owner", "created", "max_sessions", "local")}
+        for e in KeyStore(home).load().values()
+    ]
+    if as_json:
+        print(json.dumps(entries))
+        return
+    for e in entries:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"])) if e["created"] else "?"
+        local = "  (this home's own key, in api_key)" if e["local"] else ""
+        out.print(
+            f"{e['id']}  owner={e['owner']}  created={created}  max_sessions={e['max_sessions']}{local}"
+        )
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key: str = typer.Argument(..., help="The key's id (sess engine keys list) or the key."), home: str = HOME
+) -> None:
+    """Revoke a key: a running engine refuses it from its next request on."""
+    from sess.engine.server.keys import KeyStore
+
+    entry = KeyStore(home).revoke(key)
+    if entry is None:
+        fail(f"no key {key[:16]!r} in {KeyStore(home).path} (see sess engine keys list)")
+    out.print(f"key {entry['id']} of owner {entry['owner']!r} revoked")

@@ -51,7 +51,7 @@ def test_public_host_without_keys_is_refused_and_keys_add(tmp_path):
     result = runner.invoke(app, ["engine", "up", "--host", "0.0.0.0", "--home", home])
     assert result.exit_code == 1 and "without API keys" in result.output
     key = runner.invoke(app, ["engine", "keys", "add", "--owner", "alice", "--home", home]).stdout.strip()
-    assert key.startswith("sess-")
+    assert key.startswith("tml-")
     assert (tmp_path / "open" / "keys.json").stat().st_mode & 0o777 == 0o600
 
 

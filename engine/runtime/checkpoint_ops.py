@@ -47,6 +47,17 @@ def list_checkpoints(runtime: Runtime, owner: str, request: rq.ListCheckpoints) 
     return found
 
 
+def delete_checkpoint(runtime: Runtime, owner: str, request: rq.DeleteCheckpoint) -> dict:
+    """Delete one of ``owner``'s checkpoints (out of memory too, unless a request samples from it)."""
+    ref = parse_path(request.path)
+    checkpoint_dir(runtime, owner, request.path)
+    host = runtime.hosts.get(runtime.session(owner, ref.session, live=False).base_model)
+    if host is not None:
+        host.release_checkpoints([ref.uri])
+    ckpt.remove(ref, runtime.home)
+    return {"path": ref.uri}
+
+
 def _new_ref(session: Session, kind: str, name: str | None) -> CheckpointRef:
     session.saves += 1
     name = check_name(name, "name") if name else f"step{session.step:06d}-{session.saves:03d}"

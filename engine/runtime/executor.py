@@ -172,6 +172,11 @@ class Executor:
         with self._cv:
             return self._next_seq.get(session, 1)
 
+    def queued(self) -> int:
+        """Ops waiting for the executor thread: queued, or parked until an earlier sequence number."""
+        with self._cv:
+            return len(self._ready) + sum(len(parked) for parked in self._parked.values())
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

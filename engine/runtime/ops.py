@@ -48,6 +48,8 @@ OPS: dict[str, Op] = {
     "list_checkpoints": Op(
         rq.ListCheckpoints, checkpoint_ops.list_checkpoints, Kind.CONTROL, accounted=False
     ),
+    "delete_checkpoint": Op(rq.DeleteCheckpoint, checkpoint_ops.delete_checkpoint, Kind.CONTROL),
+    "model_info": Op(rq.ModelInfo, session_ops.model_info, Kind.CONTROL, accounted=False),
     "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, accounted=False),
     "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED),
     "forward_backward": Op(rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED),

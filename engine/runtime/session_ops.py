@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 import secrets
+from pathlib import Path
 
 from sess.engine.runtime import checkpoint_ops
-from sess.engine.runtime.catalog import list_models
+from sess.engine.runtime.catalog import CATALOG, list_models
 from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -27,6 +28,37 @@ def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[s
 def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) -> dict[str, str]:
     path = runtime.host(request.base_model).path
     return {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).exists()}
+
+
+def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
+    """A base model as another front end (the Tinker routes) needs it: its catalog name for any
+    spelling of it, vocabulary size, context length, architecture and local directory (loaded if
+    need be)."""
+    name = canonical_model(runtime, request.base_model)
+    host = runtime.host(name)
+    return {
+        "base_model": name,
+        "vocab_size": host.vocab_size,
+        "max_context": host.max_context,
+        "arch": str(getattr(host.model.config, "model_type", "unknown")),
+        "directory": str(host.path),
+    }
+
+
+def canonical_model(runtime: Runtime, name: str) -> str:
+    """A catalog model's name for its hub id, or for a path named after it that is not another model
+    directory here (a client's tokenizer directory, or the engine's own cache of the model)."""
+    if name in CATALOG:
+        return name
+    for spec in CATALOG.values():
+        if spec.source == "hf" and spec.repo == name:
+            return spec.name
+    path = Path(name)
+    if "/" in name and path.name in CATALOG:
+        own = runtime.home / "models" / path.name
+        if not (path / "config.json").is_file() or path.resolve() == own.resolve():
+            return path.name
+    return name
 
 
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:

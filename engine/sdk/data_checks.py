@@ -21,6 +21,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages"),  # optional: sequence_ratio_mask
 }
 
 DEFAULT_CONFIG: dict[str, dict[str, float]] = {
@@ -29,6 +30,7 @@ DEFAULT_CONFIG: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},  # the GSPO paper's
 }
 
 

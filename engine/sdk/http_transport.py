@@ -1,11 +1,12 @@
-"""The HTTP transport: the four transport verbs over keep-alive HTTP to an engine server.
+"""The HTTP transport: the four transport verbs over keep-alive HTTP(S) to an engine server.
 
 One pooled ``httpx`` client with TCP_NODELAY (a request's header and body go out as separate writes;
 Nagle plus delayed ACKs would add ~40 ms to each). Transient failures (connection refused or reset,
 503) are retried with exponential backoff; a 4xx never is. A submitted op always carries a client
 token, so a retry after a lost answer returns the first op instead of running it twice. Live
 training sessions of this client are kept alive by a heartbeat thread, so the engine's idle timeout
-only stops sessions whose client went away.
+only stops sessions whose client went away. https certificates are verified, against
+``SESS_CA_BUNDLE`` when set (an engine's own certificate, say); an untrusted one fails at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -56,6 +58,25 @@ def error_from(response: httpx.Response) -> SessError:
     return SessError(message, status=status)
 
 
+def tls_verification() -> ssl.SSLContext | bool:
+    """https certificates are always checked: against ``SESS_CA_BUNDLE`` (a PEM file, e.g. the
+    self-signed certificate of your own engine) when set, else the system's trusted CAs."""
+    bundle = os.environ.get("SESS_CA_BUNDLE")
+    if not bundle:
+        return True
+    if not Path(bundle).is_file():
+        raise SessError(f"SESS_CA_BUNDLE: no file {bundle} (a PEM file of the CA certificates to trust)")
+    return ssl.create_default_context(cafile=bundle)
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, ssl.SSLError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class HttpTransport:
     def __init__(self, url: str, api_key: str | None = None, *, home: str | os.PathLike | None = None):
         self.url = url.rstrip("/")
@@ -67,6 +88,7 @@ class HttpTransport:
             base_url=self.url,
             headers=headers,
             transport=httpx.HTTPTransport(
+                verify=tls_verification(),
                 socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
                 limits=httpx.Limits(max_connections=128, max_keepalive_connections=64),
             ),
@@ -101,6 +123,11 @@ class HttpTransport:
                     break
                 failure: Exception = error_from(response)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached the engine
+                if _tls_failure(exc):  # a certificate not trusted here stays so: no point retrying
+                    raise EngineUnavailable(
+                        f"cannot verify the https certificate of the engine at {self.url} ({exc}); "
+                        "trust it with SESS_CA_BUNDLE=/path/to/ca-or-cert.pem"
+                    ) from None
                 failure = exc
             except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
                 if not idempotent:

@@ -122,6 +122,13 @@ class TokenizerFiles(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModelInfo(Request):
+    """A base model by catalog name, hub id or directory (another front end's names for it)."""
+
+    base_model: str = bounded(max_length=1024)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointPath(Request):
     path: str
 
@@ -129,6 +136,11 @@ class CheckpointPath(Request):
 @dataclass(frozen=True, kw_only=True)
 class ListCheckpoints(Request):
     session: str = _name()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteCheckpoint(Request):
+    path: str
 
 
 # ops ordered by a session's sequence numbers ------------------------------------------------------------

@@ -35,6 +35,7 @@ class LossFunction(str, enum.Enum):
     ppo = "ppo"
     cispo = "cispo"
     dro = "dro"
+    gspo = "gspo"
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Handlers only authenticate, read the envelope, enqueue and answer; the executor reads each op's
 typed request before queueing it, and its one thread owns torch. The wire is small: ``POST
 /api/call`` (control ops), ``POST /api/submit`` (queue an op, get its id), ``POST /api/wait``
-(long-poll an op's result), ``POST /api/heartbeat``, checkpoint file downloads, ``GET /api/usage``
-and the OpenAI-compatible ``/v1`` routes (:mod:`.openai_routes`). Bodies are JSON (arrays inside
+(long-poll an op's result), ``POST /api/heartbeat``, checkpoint file downloads, ``GET /api/usage``,
+the OpenAI-compatible ``/v1`` routes (:mod:`.openai_routes`) and the Tinker protocol under
+``/api/v1`` (:mod:`.tinker`), all over the one engine. Bodies are JSON (arrays inside
 are base64, see :mod:`sess.engine.sdk.types`); errors are ``{"error": {"message", "status"}}`` with
 a 4xx for anything a client sent and a 5xx only for the engine's own failures.
 """
@@ -212,4 +213,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     from sess.engine.server.openai_routes import add_openai_routes
 
     add_openai_routes(app, engine, owner_of, read_json)
+    from sess.engine.server.tinker.routes import add_tinker_routes
+
+    add_tinker_routes(app, engine, keys, max_body_bytes)  # the Tinker protocol, under /api/v1
     return app

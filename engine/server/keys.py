@@ -1,13 +1,19 @@
-"""API keys of an engine: ``keys.json`` in the engine home (0600), each key mapped to an owner id.
+"""API keys of an engine: ``keys.json`` in the engine home (0600) holds salted hashes, never keys.
 
-The runtime scopes every session and checkpoint by owner, so a key sees only what its owner made.
-The local engine creates one key for the user of the home (owner ``local``) and writes it to
-``api_key`` (0600), which the SDK reads when no key is given. ``sess engine keys add`` adds more;
-a running engine rereads the file when it changes.
+A key is ``tml-<id>-<secret>``: the ``tml-`` prefix the tinker SDK requires of a key, so one key
+works for both SDKs; ``<id>`` names it in ``sess engine keys list|revoke``; the secret is 32
+random bytes. The file keeps, per key, its id, owner, a random salt and ``sha256(salt + key)``,
+so a leaked file lets no one in. The runtime scopes every session and checkpoint by owner: a key
+sees only what its owner made. The local engine creates one key for the user of the home (owner
+``local``) and writes it to ``api_key`` (0600, the key itself), which the SDK reads when no key is
+given. A running engine rereads ``keys.json`` whenever it changes, so a revoked key is refused at
+its next request. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
+the first time it is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -19,6 +25,7 @@ from sess.engine.sdk.home import LOCAL_KEY_FILE, atomic_write_bytes, sess_home
 
 KEYS_FILE = "keys.json"
 LOCAL_OWNER = "local"
+PREFIX = "tml-"  # what the tinker SDK requires of a key (tinker/lib/_auth_token_provider.py)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -26,63 +33,114 @@ def _write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
-def new_key() -> str:
-    return "sess-" + secrets.token_urlsafe(24)
+def _digest(salt: str, key: str) -> str:
+    return hashlib.sha256(bytes.fromhex(salt) + key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _hashed(key: str, **fields) -> dict:
+    salt = secrets.token_hex(16)
+    return {**fields, "salt": salt, "sha256": _digest(salt, key)}
+
+
+def _key_id(key: str) -> str | None:
+    """The id a ``tml-<id>-<secret>`` key carries (older keys carry none)."""
+    if key.startswith(PREFIX) and len(key) > 13 and key[12] == "-":
+        return key[4:12]
+    return None
+
+
+def new_key() -> tuple[str, str]:
+    """(id, key) of a new key."""
+    key_id = secrets.token_hex(4)
+    return key_id, f"{PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
 
 
 class KeyStore:
-    """Keys of one home; :meth:`owner` maps a presented key to its owner id (or None)."""
+    """Keys of one home; :meth:`entry` maps a presented key to its entry (owner, ...) or None."""
 
     def __init__(self, home: str | os.PathLike | None = None):
         self.home = sess_home(home)
         self.path = self.home / KEYS_FILE
-        self._mtime: float | None = None
+        self._version: tuple | None = None
         self._keys: dict[str, dict] = {}
 
     def load(self) -> dict[str, dict]:
+        """id -> entry (``id``, ``owner``, ``created``, ``max_sessions``, ``salt``, ``sha256``)."""
         try:
-            mtime = self.path.stat().st_mtime_ns
+            stat = self.path.stat()
         except FileNotFoundError:
-            self._keys, self._mtime = {}, None
+            self._keys, self._version = {}, None
             return self._keys
-        if mtime != self._mtime:
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        if version != self._version:
             entries = json.loads(self.path.read_text()).get("keys", [])
-            self._keys, self._mtime = {e["key"]: e for e in entries}, mtime
+            if any("key" in e for e in entries):
+                entries = self._migrate(entries)
+            self._keys, self._version = {e["id"]: e for e in entries}, version
         return self._keys
 
-    def _save(self, keys: dict[str, dict]) -> None:
-        _write_private(self.path, json.dumps({"keys": list(keys.values())}, indent=1).encode())
-        self._mtime = None
+    def _migrate(self, entries: list[dict]) -> list[dict]:
+        """Replace plaintext keys (a file from before hashing) with salted hashes, in place on disk."""
+        migrated = []
+        for entry in entries:
+            if "key" in entry:
+                key = entry.pop("key")
+                entry = _hashed(key, id=_key_id(key) or secrets.token_hex(4), **entry)
+            migrated.append(entry)
+        self._save(migrated)
+        return migrated
 
-    def add(
-        self, owner: str | None = None, *, max_sessions: int | None = None, key: str | None = None
-    ) -> dict:
+    def _save(self, entries) -> None:
+        _write_private(self.path, json.dumps({"version": 2, "keys": list(entries)}, indent=1).encode())
+        self._version = None
+
+    def add(self, owner: str | None = None, *, max_sessions: int | None = None, local: bool = False) -> dict:
+        """Create a key; the returned entry carries the key itself under ``key`` (shown once)."""
         keys = dict(self.load())
-        entry = {
-            "key": key or new_key(),
-            "owner": owner or f"user-{secrets.token_hex(4)}",
-            "created": time.time(),
-            "max_sessions": max_sessions,
-        }
-        keys[entry["key"]] = entry
-        self._save(keys)
+        key_id, key = new_key()
+        entry = _hashed(
+            key,
+            id=key_id,
+            owner=owner or f"user-{secrets.token_hex(4)}",
+            created=time.time(),
+            max_sessions=max_sessions,
+            local=local,
+        )
+        keys[key_id] = entry
+        self._save(keys.values())
+        return {**entry, "key": key}
+
+    def revoke(self, key_or_id: str) -> dict | None:
+        """Remove a key, named by its id or by the key itself; the removed entry, or None."""
+        keys = dict(self.load())
+        entry = keys.get(key_or_id) or self.entry(key_or_id)
+        if entry is None:
+            return None
+        del keys[entry["id"]]
+        self._save(keys.values())
         return entry
 
     def entry(self, key: str | None) -> dict | None:
-        if not key:
+        if not key or not isinstance(key, str) or len(key) > 512:
             return None
-        for known, entry in self.load().items():
-            if hmac.compare_digest(known.encode(), key.encode()):
+        keys = self.load()
+        key_id = _key_id(key)
+        candidates = [keys[key_id]] if key_id in keys else [] if key_id else list(keys.values())
+        for entry in candidates:
+            if hmac.compare_digest(_digest(entry["salt"], key), entry["sha256"]):
                 return entry
         return None
 
     def ensure_local_key(self) -> str:
-        """The home's own key (owner ``local``), created with its 0600 ``api_key`` file if missing."""
+        """The home's own key (owner ``local``), created with its 0600 ``api_key`` file if missing;
+        a local key from before ``tml-`` keys is replaced, so the local key works for both SDKs."""
         local_file = self.home / LOCAL_KEY_FILE
         if local_file.exists():
             key = local_file.read_text().strip()
-            if self.entry(key) is not None:
+            if key.startswith(PREFIX) and self.entry(key) is not None:
                 return key
-        key = self.add(LOCAL_OWNER, key=new_key())["key"]
+            if self.entry(key) is not None:
+                self.revoke(key)
+        key = self.add(LOCAL_OWNER, local=True)["key"]
         _write_private(local_file, key.encode())
         return key

@@ -110,6 +110,8 @@ class ManagedEngine(Executor):
         if op.name == "delete_session" and op.error is None:
             self.registry.forget_session(name)
             session = None
+        if op.name == "delete_checkpoint" and op.error is None:
+            self.registry.remove_checkpoint(op.result["path"])
         if session is not None:
             self.registry.save_session(session.summary(), session.owner)
             if op.error is None and op.name in ("save_weights", "save_state"):

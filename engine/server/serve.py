@@ -2,6 +2,8 @@
 
 Run it with ``sess engine up`` or ``python -m sess.engine.server --home DIR --port N``. The running
 engine writes ``engine.json`` (url, pid, port) into its home, which the launcher and the CLI read.
+With ``--tls-cert`` and ``--tls-key`` (PEM files, handed to uvicorn) it serves https, for an
+engine that other machines reach: keys then never cross the network in clear text.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def serve(
     idle_timeout: float = IDLE_TIMEOUT_S,
     max_sessions: int = MAX_SESSIONS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
     dtype: str | None = None,
     memory_budget: str | None = None,
 ) -> None:
@@ -100,6 +104,14 @@ def serve(
             f"refusing to listen on {host} without API keys: add one first (sess engine keys add --home {home})"
         )
     keys.ensure_local_key()
+    tls = check_tls(tls_cert, tls_key)
+    if not is_loopback(host) and not tls:
+        print(
+            f"warning: serving plain http on {host}: API keys cross the network in clear text; "
+            "pass --tls-cert and --tls-key to serve https",
+            file=sys.stderr,
+            flush=True,
+        )
     sock = bind(host, port)
     port = sock.getsockname()[1]
     runtime = Runtime(
@@ -120,11 +132,12 @@ def serve(
     )
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     info = {
-        "url": f"http://{url_host}:{port}",
+        "url": f"{'https' if tls else 'http'}://{url_host}:{port}",
         "pid": os.getpid(),
         "host": host,
         "port": port,
         "started": time.time(),
+        **({"tls_cert": tls[0]} if tls else {}),
     }
     atomic_write_bytes(home / ENGINE_FILE, json.dumps(info).encode())
     app = create_app(engine, keys, max_body_bytes=max_body_bytes)
@@ -135,6 +148,7 @@ def serve(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=3,
+        **({"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}),
     )
     server = uvicorn.Server(config)
     print(f"sess engine serving {info['url']} (home {home}, pid {os.getpid()})", flush=True)
@@ -147,6 +161,18 @@ def serve(
         except (OSError, ValueError):
             pass
         engine.close()
+
+
+def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
+    """The (certificate, key) PEM paths to serve https with, or None for http; both or neither."""
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise SystemExit("--tls-cert and --tls-key go together: give the certificate and its private key")
+    for what, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(path).is_file():
+            raise SystemExit(f"{what}: no file {path}")
+    return str(Path(cert).resolve()), str(Path(key).resolve())
 
 
 def _interrupt(signum, frame) -> None:
@@ -162,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S)
     parser.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="live sessions per key")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve https")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, or DEFAULT,MODEL=DTYPE,...")
     parser.add_argument("--memory-budget", default=None, help="activation memory of a training op, e.g. 1G")
     args = parser.parse_args(argv)
@@ -176,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             args.idle_timeout,
             args.max_sessions,
             args.max_body_bytes,
+            args.tls_cert,
+            args.tls_key,
             args.dtype,
             args.memory_budget,
         )

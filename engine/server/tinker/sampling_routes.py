@@ -1,0 +1,116 @@
+"""Tinker sampling routes: sampling sessions, ``GET /samplers/{id}`` and ``asample``.
+
+A sampling session samples a checkpoint (``tinker://…/sampler_weights/…`` or ``…/weights/…``) or
+a base model; ``save_weights_for_sampler`` without a name makes one of the model's current weights
+(:mod:`.training_routes`). ``asample`` is sess's ``sample`` op: the request joins the engine's
+continuous decode batch, each sampled token carries its logprob, and prompt logprobs and top-k
+prompt logprobs come from the same prefill (``compute_logprobs`` is a one-token sample that asks
+for prompt logprobs). Sample requests are not ordered; a re-sent one (same sampling session and
+``seq_id``) gets the same request id.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from sess.engine.sdk.checkpoint_paths import parse_path
+from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.server.tinker import ids, wire
+from sess.engine.server.tinker.futures import Answer
+from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
+
+
+def add_routes(route, tinker: Tinker) -> None:
+    async def target_of(
+        owner: str, model_path: str | None, base_model: str | None
+    ) -> tuple[dict, str | None]:
+        """The sess sampling target of a checkpoint path or base model, checked to exist and be owner's."""
+        if (model_path is None) == (base_model is None):
+            raise InvalidRequest("model_path, base_model: give exactly one")
+        if model_path is not None:
+            path = ids.to_sess_path(model_path, "model_path")
+            await tinker.call(owner, "checkpoint_files", {"path": path})
+            return {"model_path": path}, parse_path(path).session
+        facts = await tinker.facts(owner, base_model)
+        return {"base_model": facts["base_model"]}, None
+
+    @route("POST", "/create_sampling_session")
+    async def create_sampling_session(request: Request) -> Response:
+        owner = tinker.owner(request)
+        body = await tinker.json(request)
+        session = tinker.session(owner, field_of(body, "session_id", str))
+        sampler_id = ids.sampler_id(session.id, field_of(body, "sampling_session_seq_id", int))
+        model_path = field_of(body, "model_path", str, None)
+
+        async def make() -> dict:
+            target, of = await target_of(owner, model_path, field_of(body, "base_model", str, None))
+            tinker.add_sampler(Sampler(sampler_id, owner, target, of, model_path))
+            return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+        return json_response(await tinker.once((owner, "sampler", sampler_id), make))
+
+    @route("GET", "/samplers/{sampler_id}")
+    async def get_sampler(request: Request) -> Response:
+        owner = tinker.owner(request)
+        sampler = tinker.sampler(owner, request.path_params["sampler_id"])
+        if sampler.session is not None:
+            name, summary, facts = await tinker.model(owner, sampler.session)
+            base_model = tinker.client_model_name(name, summary, facts)
+        else:
+            base_model = sampler.target["base_model"]
+        return json_response(
+            {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
+        )
+
+    @route("POST", "/asample")
+    async def asample(request: Request) -> Response:
+        owner = tinker.owner(request)
+        body = await tinker.json(request)
+        for option, what in wire.UNSUPPORTED_SAMPLE_OPTIONS.items():
+            if body.get(option):
+                raise InvalidRequest(f"{option}: {what} is not supported by this engine")
+        num_samples = field_of(body, "num_samples", int, 1)
+        prompt = wire.read_prompt(body.get("prompt"))
+        params = wire.sampling_params(body.get("sampling_params"))
+        topk = field_of(body, "topk_prompt_logprobs", int, 0)
+        if body.get("sampling_session_id") is not None:
+            sampler = tinker.sampler(owner, body["sampling_session_id"])
+            target, of = sampler.target, sampler.session
+            key = (owner, "sample", sampler.id, field_of(body, "seq_id", int))
+        else:  # the schema also allows naming the weights directly (the 0.38 SDK never does)
+            target, of = await target_of(
+                owner, field_of(body, "model_path", str, None), body.get("base_model")
+            )
+            key = None
+        args = {
+            "target": target,
+            "prompt": prompt,
+            "num_samples": num_samples,
+            "sampling_params": params,
+            "include_prompt_logprobs": field_of(body, "prompt_logprobs", bool, False),
+            "topk_prompt_logprobs": topk or None,
+        }
+
+        async def make() -> dict:
+            if of is not None:
+                facts = await tinker.model_facts(owner, of)
+            else:
+                facts = await tinker.facts(owner, target["base_model"])
+            bad = next((t for t in prompt if not 0 <= t < facts["vocab_size"]), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"prompt: token id {bad} is outside the vocabulary (0..{facts['vocab_size'] - 1})"
+                )
+            op_id = await tinker.submit(owner, "sample", args)
+            request_id = tinker.op_future(owner, op_id, _sample_output)
+            return {
+                "request_id": request_id,
+                "sample_sequence_ids": [f"{request_id}.{i}" for i in range(num_samples)],
+            }
+
+        return json_response(await (tinker.once(key, make) if key else make()))
+
+
+def _sample_output(result: dict) -> Answer:
+    return Answer(wire.sample_output(result), "application/x-protobuf")
