@@ -48,6 +48,11 @@ def up(
         "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
         "with activation checkpointing, and one too long even then is refused.",
     ),
+    nproc: int = typer.Option(
+        1,
+        help="Ranks (torch.distributed: gloo on cpu, NCCL on cuda), one per CPU core or GPU at most: "
+        "base models are sharded with FSDP2 and each rank trains on a share of every batch.",
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -75,6 +80,12 @@ def up(
         fail(
             f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
         )
+    from sess.engine.runtime.distributed_launch import check_nproc
+
+    try:
+        check_nproc(nproc, device)
+    except ValueError as exc:
+        fail(str(exc))
     running = engine_info(home_path)
     if running is not None:
         out.print(f"engine already running at {running['url']} (pid {running['pid']})")
@@ -84,11 +95,18 @@ def up(
     extra += ["--memory-budget", memory_budget] if memory_budget else []
     if tls_cert:
         extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
+    if nproc != 1:
+        extra += ["--nproc", str(nproc)]
     if detach:
         info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
-    exec_as_engine(server_command(home_path, host, port, device, extra), device)  # malloc settings: memory.py
+    command = server_command(home_path, host, port, device, extra)
+    exec_as_engine(command, device)  # malloc settings: memory.py
+    if nproc != 1:  # the elastic agent starts the ranks: see engine/server/serve_ranks.py
+        from sess.engine.server.serve_ranks import run_agent
+
+        raise typer.Exit(run_agent(nproc, command[3:], home_path))
     serve(
         home_path,
         host,

@@ -56,18 +56,18 @@ class ModelConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = MISSING  # local | wandb (conf/logger/<name>.yaml)
-    project: str = "sess"
+    name: str = MISSING  # local | wandb | mlflow (conf/logger/<name>.yaml)
+    project: str = "sess"  # wandb's project, MLflow's experiment
     entity: str | None = None
     mode: str = "online"
     tags: list[str] = field(default_factory=list)
 
 
 ENGINE_KINDS = ("local", "inprocess", "remote")
-LOGGERS = ("local", "wandb")
+LOGGERS = ("local", "wandb", "mlflow")
 
 
-GROUPS = ("engine", "model", "loop", "data", "logger")
+GROUPS = ("engine", "model", "loop", "data", "logger", "grader")
 # Keys that moved to another group (the reward is the env's, the visiting order the data's).
 MOVED = {"loop.format_penalty": "data.format_penalty", "loop.shuffle": "data.shuffle"}
 
@@ -77,6 +77,7 @@ def register_options() -> None:
     the engine, model and logger schemas where their YAML options extend them (``/schema/<group>``)."""
     from hydra.core.config_store import ConfigStore
 
+    from .code_data import GRADERS, GraderConfig
     from .datasets import DATA_SOURCES
     from .registry import LOOPS
 
@@ -87,6 +88,8 @@ def register_options() -> None:
         store.store(group="loop", name=name, node=loop.config)
     for name, source in DATA_SOURCES.items():
         store.store(group="data", name=name, node=source.config)
+    for name in GRADERS:
+        store.store(group="grader", name=name, node=GraderConfig(name=name))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -97,9 +100,25 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     try:
         with _hydra():
             cfg = hydra_compose("config", overrides=list(overrides))
+            default_data = _loop_default_data(cfg, overrides)
+            if default_data is not None:  # e.g. loop=code_rl trains on code_tasks unless told otherwise
+                cfg = hydra_compose("config", overrides=[f"data={default_data}", *overrides])
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc, list(overrides))) from exc
     return validate(cfg)
+
+
+def _loop_default_data(cfg: DictConfig, overrides) -> str | None:
+    from .registry import LOOPS
+
+    loop = LOOPS.get(cfg.loop.get("name"))
+    if (
+        loop is None
+        or loop.default_data is None
+        or any(o.lstrip("+~").startswith("data=") for o in overrides)
+    ):
+        return None
+    return loop.default_data
 
 
 def _explain(exc: BaseException, overrides: list[str]) -> str:
@@ -172,13 +191,14 @@ def _hydra():
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Merge each group into its schema; returns a resolved, read-only config."""
+    from .code_data import GraderConfig
     from .datasets import DATA_SOURCES
     from .registry import LOOPS
 
     checked = {}
     try:
         top = dict(cfg)
-        known = {"engine", "model", "loop", "data", "logger", "seed", "runs_dir", "session", "keep_session"}
+        known = {*GROUPS, "seed", "runs_dir", "session", "keep_session"}
         for key in top:
             if key not in known:
                 raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(known))}")
@@ -196,6 +216,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             "logger": LoggerConfig,
             "loop": LOOPS[loop_name].config,
             "data": DATA_SOURCES[data_name].config,
+            "grader": GraderConfig,
         }
         for group, schema in schemas.items():
             checked[group] = _merge(group, schema, cfg[group])
@@ -240,6 +261,14 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
     if cfg.engine.kind == "remote" and not cfg.engine.url:
         raise ConfigError("engine.url: a remote engine needs its address; set engine.url=http://host:port")
+    from .code_data import GRADERS
+
+    if cfg.grader.name not in GRADERS:
+        raise ConfigError(f"grader.name: expected one of {', '.join(GRADERS)}, got {cfg.grader.name!r}")
+    if cfg.grader.name == "sandbox_fusion" and not cfg.grader.url:
+        raise ConfigError(
+            "grader.url: grader=sandbox_fusion needs its server; set grader.url=http://host:port"
+        )
     if cfg.logger.name not in LOGGERS:
         raise ConfigError(f"logger.name: expected one of {', '.join(LOGGERS)}, got {cfg.logger.name!r}")
     loop = cfg.loop
@@ -282,6 +311,7 @@ def _upgrade(recorded: DictConfig) -> DictConfig:
     moved to ``data`` (the reward belongs to the env, the visiting order to the data), and SFT and KTO
     dropped an unused ``temperature``. Moving them keeps such runs resumable with the same behaviour."""
     plain = OmegaConf.to_container(recorded)
+    plain.setdefault("grader", {"name": "local"})  # runs from before the grader group graded nothing
     loop, data = plain.get("loop", {}), plain.get("data", {})
     moved = {"format_penalty": ("arithmetic", "gsm8k"), "shuffle": ("gsm8k", "chat_jsonl", "feedback_jsonl")}
     for key, sources in moved.items():

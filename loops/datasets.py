@@ -8,6 +8,7 @@ and a fixed held-out list): *envs* (environment factories, for the RL loops and 
   envs, as chats with a worked answer, and as feedback (the worked answer, or a wrong one).
 - ``gsm8k``: a GSM8K-style JSONL file, as envs and chats.
 - ``chat_jsonl``, ``feedback_jsonl``: JSONL files of chats, of feedback (:mod:`.data_files`).
+- ``code_tasks``, ``code_jsonl``: programming problems graded in a sandbox (:mod:`.code_data`).
 - ``env``: any :class:`~.env.Env` of your own, named ``path/to/file.py:Name`` or ``package.module:Name``:
   ``Name(rng)`` builds one episode of a problem drawn from ``rng`` (a ``random.Random`` seeded by
   (seed, split, k), so a group's envs share their problem and item k is the same in every run).
@@ -30,7 +31,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 from omegaconf import MISSING
 
-from . import data_files
+from . import code_data, data_files
 from .arithmetic import ArithmeticData, ArithmeticProblems, Problem
 from .data_files import Feedback, Messages
 from .env import EnvFactory
@@ -207,6 +208,7 @@ def import_named(spec: str, key: str):
 class DataSource(NamedTuple):
     config: type
     load: Callable[..., Data]
+    graded: bool = False  # load(cfg, seed, grader_cfg): its envs run code through the run's grader
 
 
 DATA_SOURCES: dict[str, DataSource] = {
@@ -215,9 +217,12 @@ DATA_SOURCES: dict[str, DataSource] = {
     "chat_jsonl": DataSource(ChatJsonlData, load_chat_jsonl),
     "feedback_jsonl": DataSource(FeedbackJsonlData, load_feedback_jsonl),
     "env": DataSource(EnvData, load_env),
+    "code_tasks": DataSource(code_data.CodeTasksData, code_data.load_code_tasks, graded=True),
+    "code_jsonl": DataSource(code_data.CodeJsonlData, code_data.load_code_jsonl, graded=True),
 }
 
 
-def load(cfg, seed: int) -> Data:
-    """The :class:`Data` of a validated ``cfg.data``."""
-    return DATA_SOURCES[cfg.name].load(cfg, seed)
+def load(cfg, seed: int, grader_cfg=None) -> Data:
+    """The :class:`Data` of a validated ``cfg.data`` (code sources grade with ``grader_cfg``)."""
+    source = DATA_SOURCES[cfg.name]
+    return source.load(cfg, seed, grader_cfg) if source.graded else source.load(cfg, seed)

@@ -7,6 +7,13 @@ text) goes to :meth:`Env.step`, which answers with a :class:`StepResult`: a rewa
 is over, and otherwise the next observation messages (a tool result, the next user turn) that are
 appended to the conversation before the policy speaks again. ``metrics`` are numbers worth averaging
 (``accuracy``, ``parsed``); the loops log their batch means and evaluation their held-out means.
+``failure`` says why an episode ended badly rather than just wrongly (a malformed tool call, a solution
+that hung); the loops record it with the step. An env that raises, or answers a reward that is not a
+finite number, ends only its own episode: :mod:`.rollouts` records the reason and the run goes on.
+
+``max_turns`` is set by the rollout before the first turn: the most replies this episode will get. An
+env whose offer depends on it reads it (a tool is worth offering only with a turn left to use its
+result); the episode is cut after that many replies whatever the env says.
 
 An env that offers tools parses the call from the reply text itself; :func:`parse_tool_call` reads
 the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` form that Hermes-style templates
@@ -47,12 +54,14 @@ class StepResult:
     done: bool
     observation: Messages = field(default_factory=list)  # what the env says next, when not done
     metrics: dict[str, float] = field(default_factory=dict)
+    failure: str = ""  # why the episode ended badly ("malformed tool call: ..."), recorded by the loops
 
 
 class Env(ABC):
     """One episode. Subclasses write :meth:`initial_observation` and :meth:`step`; ``tools`` is optional."""
 
     tools: Sequence[ToolSpec] = ()
+    max_turns: int = 1  # set by the rollout before the first turn (see the module docstring)
 
     @abstractmethod
     def initial_observation(self) -> Messages:

@@ -17,14 +17,21 @@ from . import rendering, rollouts
 from .env import EnvFactory, Messages
 
 
-def greedy_episodes(tc: TrainingClient, envs: list[EnvFactory], max_tokens: int, seeds: list[int]) -> dict:
-    """Mean reward and env metrics of one greedy episode per env, sampled from the session's weights."""
+def greedy_episodes(
+    tc: TrainingClient,
+    envs: list[EnvFactory],
+    max_tokens: int,
+    seeds: list[int],
+    max_turns: int | None = None,
+) -> dict:
+    """Mean reward and env metrics of one greedy episode per env, sampled from the session's weights
+    (at most ``max_turns`` replies each; None: the rollouts' default)."""
     sc = tc.create_sampling_client()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     groups = rollouts.rollout_groups(
-        sc, tc.get_tokenizer(), [[make_env()] for make_env in envs], greedy, seeds
+        sc, tc.get_tokenizer(), [[make_env()] for make_env in envs], greedy, seeds, max_turns=max_turns
     )
-    episodes = [g.episodes_G[0] for g in groups]
+    episodes = [g.episodes_G[0] for g in groups if g.episodes_G]  # an env that failed to open has none
     metrics = {}
     for key in dict.fromkeys(k for e in episodes for k in e.metrics):
         metrics[f"eval/{key}"] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))

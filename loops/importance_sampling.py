@@ -1,7 +1,7 @@
 """Off-policy RL: rollout workers sample while the trainer trains; importance weights correct the lag.
 
-``rollout_workers`` threads each take the next problem index k (or a requeued one), run
-``group_size`` episodes of that problem's environment with the newest published policy (the env
+``rollout_workers`` threads (:mod:`.rollout_workers`) each take the next problem index k (or a
+requeued one), run ``group_size`` episodes of that problem's environment with the newest published policy (the env
 scores them: for arithmetic, exact final answer 1, wrong 0, unparseable ``-data.format_penalty``) and
 hand the group to the trainer, tagged with the policy's step.
 At most ``batch_size * (max_steps_off_policy + 1)`` groups are sampled ahead of the trainer. Each
@@ -20,10 +20,7 @@ own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
@@ -32,7 +29,7 @@ from . import rollouts
 from .datasets import Dataset
 from .env import EnvFactory
 from .hooks import Hooks
-from .rollouts import Group, derive_seed
+from .rollout_workers import RolloutWorkers
 
 
 @dataclass
@@ -62,80 +59,6 @@ def check(cfg: Config) -> None:
         raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
 
 
-class RolloutWorkers:
-    """The worker pool: problem indices in, groups (tagged with their policy step) out.
-
-    Problem k's first attempt samples with seed (run seed, k, 0); a requeued attempt a with (.., k, a).
-    """
-
-    def __init__(
-        self, cfg: Config, tok, envs: Dataset[EnvFactory], seed: int, first_index: int, sc, policy_step: int
-    ):
-        self.cfg, self.tok, self.envs, self.seed = cfg, tok, envs, seed
-        self.sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.next_index = first_index
-        self.requeued: deque[tuple[int, int]] = deque()
-        self.policy = (policy_step, sc)
-        self.lock = threading.Lock()
-        self.out: queue.Queue = queue.Queue()
-        self.room = threading.Semaphore(cfg.batch_size * (cfg.max_steps_off_policy + 1))
-        self.stopping = threading.Event()
-        self.errors: list[BaseException] = []
-        self.threads = [
-            threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
-            for i in range(cfg.rollout_workers)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def publish(self, policy_step: int, sc) -> None:
-        with self.lock:
-            self.policy = (policy_step, sc)
-
-    def requeue(self, k: int, attempt: int) -> None:
-        with self.lock:
-            self.requeued.append((k, attempt + 1))
-
-    def take(self) -> tuple[int, int, Group]:
-        while True:
-            if self.errors:
-                raise self.errors[0]
-            try:
-                item = self.out.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self.room.release()
-            return item
-
-    def _work(self) -> None:
-        while not self.stopping.is_set():
-            if not self.room.acquire(timeout=0.2):
-                continue
-            with self.lock:
-                if self.requeued:
-                    k, attempt = self.requeued.popleft()
-                else:
-                    k, attempt = self.next_index, 0
-                    self.next_index += 1
-                policy_step, sc = self.policy
-            try:
-                make_env = self.envs.train(k)
-                envs_G = [make_env() for _ in range(self.cfg.group_size)]
-                seed = derive_seed(self.seed, "sample", k, attempt)
-                (group,) = rollouts.rollout_groups(
-                    sc, self.tok, [envs_G], self.sampling, [seed], policy_step=policy_step
-                )
-            except BaseException as exc:  # surfaced to the trainer at its next take()
-                self.errors.append(exc)
-                return
-            self.out.put((k, attempt, group))
-
-    def close(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=30)
-
-
 def train(
     cfg: Config,
     tc: TrainingClient,
@@ -147,21 +70,28 @@ def train(
 ) -> None:
     check(cfg)
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sc = tc.save_weights_and_get_sampling_client()
-    pool = RolloutWorkers(cfg, tc.get_tokenizer(), envs, seed, start_step * cfg.batch_size, sc, start_step)
+    pool = RolloutWorkers(
+        tc.get_tokenizer(),
+        envs,
+        seed=seed,
+        group_size=cfg.group_size,
+        sampling=SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+        workers=cfg.rollout_workers,
+        capacity=cfg.batch_size * (cfg.max_steps_off_policy + 1),
+        first_index=start_step * cfg.batch_size,
+        sampler=tc.save_weights_and_get_sampling_client(),
+        policy_step=start_step,
+    )
     try:
         for step in range(start_step, cfg.steps):
             started = time.perf_counter()
             # Take batch_size groups no more than max_steps_off_policy behind; requeue or drop the rest.
             groups_P, stale, lags = [], 0, []
             while len(groups_P) < cfg.batch_size:
-                k, attempt, group = pool.take()
-                lag = step - group.policy_step
-                if lag > cfg.max_steps_off_policy:
-                    stale += 1
-                    if cfg.stale_policy == "requeue":
-                        pool.requeue(k, attempt)
-                    continue
+                group, lag, skipped = pool.take_fresh(
+                    step, cfg.max_steps_off_policy, requeue=cfg.stale_policy == "requeue"
+                )
+                stale += skipped
                 groups_P.append(group)
                 lags.append(lag)
             metrics = rollouts.batch_metrics(groups_P)

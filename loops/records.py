@@ -4,7 +4,11 @@
 session, command line, status), ``metrics.jsonl`` (one row per train step or eval, keyed by ``step`` =
 steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step) and ``usage.json``.
 The local logger appends to ``metrics.jsonl`` and drives a rich progress line; ``logger=wandb`` also
-sends config and metrics to Weights & Biases (online or offline).
+sends config and metrics to Weights & Biases (online or offline); ``logger=mlflow`` also logs params
+(the flattened config), per-step metrics and the resolved config (``config.yaml`` artifact) to MLflow:
+to ``MLFLOW_TRACKING_URI`` when set, else to a local store in the run directory (``mlflow.db``, SQLite,
+artifacts under ``mlartifacts/``), offline; ``mlflow ui --backend-store-uri sqlite:///<run>/mlflow.db``
+shows it.
 """
 
 from __future__ import annotations
@@ -177,27 +181,91 @@ def _headline(row: dict) -> float | None:
 
 
 class Logger:
-    """metrics.jsonl + an optional wandb run; the progress display lives in the runner."""
+    """metrics.jsonl + an optional wandb or MLflow run; the progress display lives in the runner."""
 
     def __init__(self, record: RunRecord, cfg, config_dict: dict):
         self.record = record
         self.wandb = None
+        self.mlflow = None
         if cfg.name == "wandb":
             self.wandb = _start_wandb(record, cfg, config_dict)
+        elif cfg.name == "mlflow":
+            self.mlflow = MlflowRun(record, cfg, config_dict)
 
     def log(self, row: dict) -> None:
         row = {"time": round(time.time(), 3), **row}
         self.record.append("metrics.jsonl", row)
+        numbers = {
+            k: v
+            for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("step", "time")
+        }
         if self.wandb is not None:
-            numbers = {
-                k: v for k, v in row.items() if isinstance(v, int | float) and k not in ("step", "time")
-            }
             self.wandb.log(numbers, step=int(row["step"]))
+        if self.mlflow is not None:
+            self.mlflow.log(numbers, int(row["step"]), row["time"])
 
-    def close(self) -> None:
+    def close(self, status: str = "completed") -> None:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.mlflow is not None:
+            self.mlflow.close(status)
+            self.mlflow = None
+
+
+class MlflowRun:
+    """One MLflow run through ``MlflowClient`` (no process-wide active run): params, metrics, config."""
+
+    def __init__(self, record: RunRecord, cfg, config_dict: dict):
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise RuntimeError("logger=mlflow needs the mlflow package: pip install 'sess[mlflow]'") from None
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(record.path / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(cfg.project)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            artifacts = (
+                None if os.environ.get("MLFLOW_TRACKING_URI") else (record.path / "mlartifacts").resolve()
+            )
+            experiment_id = self.client.create_experiment(
+                cfg.project, artifact_location=artifacts.as_uri() if artifacts else None
+            )
+        tags = {f"tag.{t}": "true" for t in cfg.tags}
+        run = self.client.create_run(experiment_id, run_name=record.path.name, tags=tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:6000]) for k, v in _flat(config_dict).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client.log_text(self.run_id, yaml.safe_dump(config_dict, sort_keys=False), "config.yaml")
+        record.update_meta(mlflow={"tracking_uri": uri, "run_id": self.run_id, "experiment": cfg.project})
+
+    def log(self, numbers: dict, step: int, when: float) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(when * 1000)
+        metrics = [Metric(k, float(v), stamp, step) for k, v in numbers.items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if status == "completed" else "FAILED")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """``{"loop": {"steps": 2}}`` -> ``{"loop.steps": 2}`` (lists stay values)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _start_wandb(record: RunRecord, cfg, config_dict: dict):

@@ -7,19 +7,67 @@ keep the text the longer rendering adds. An assistant turn (content plus end-of-
 its own and appended, so the tokens trained on are the tokens a policy would sample; only assistant
 tokens get weight. An observation in a multi-turn episode (:func:`observation_tokens`) is the text the
 template puts between a reply and the next generation prompt, appended after the sampled tokens.
+
+Tools (an env's ``tools``, OpenAI-style function entries) go to the template as ``tools=`` when it
+renders them (Qwen, SmolLM3, Llama 3.1 templates do), and ``role: tool`` messages render as the
+template says. Where the template ignores ``tools`` (ChatML as SmolLM2 and the tiny test models ship
+it), the *fallback* writes the same thing as text, in the Hermes format those templates use: the tool
+list in ``<tools></tools>`` and how to call one (``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``) at the end of the first user message, and each tool result as a user message
+``<tool_response>\n...\n</tool_response>``, which is how Qwen's template renders a tool message.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
 from sess.engine import Datum, ModelInput
 
+_NATIVE_TOOLS: dict[str, bool] = {}  # chat template -> renders tools= itself
+
 
 def _text(tok, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    if tools and not renders_tools(tok):
+        messages, tools = with_tool_text(messages, tools), None
     return tok.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
     )
+
+
+def renders_tools(tok) -> bool:
+    """Whether the tokenizer's chat template writes ``tools=`` into the prompt (its native tool format)."""
+    template = str(tok.chat_template)
+    if template not in _NATIVE_TOOLS:
+        probe = {
+            "type": "function",
+            "function": {"name": "sess_probe_tool", "description": "", "parameters": {}},
+        }
+        shown = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=[probe], add_generation_prompt=True, tokenize=False
+        )
+        _NATIVE_TOOLS[template] = "sess_probe_tool" in shown
+    return _NATIVE_TOOLS[template]
+
+
+def with_tool_text(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The fallback for templates without tools: the tool list in the first user message, tool results
+    as user messages in ``<tool_response>`` tags (module docstring)."""
+    listing = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+    how = (
+        f"\n\nYou may call a tool. The tools:\n<tools>\n{listing}\n</tools>\n"
+        'To call one, reply with <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>; '
+        "its result comes back in <tool_response></tool_response>."
+    )
+    out, told = [], False
+    for message in messages:
+        if message["role"] == "user" and not told:
+            message, told = {**message, "content": message["content"] + how}, True
+        elif message["role"] == "tool":
+            message = {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        out.append(message)
+    return out if told else [{"role": "system", "content": how.strip()}, *out]
 
 
 def encode(tok, text: str) -> list[int]:

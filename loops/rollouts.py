@@ -14,11 +14,20 @@ its own. Every request of a turn is in flight before any result is read, so the 
 Seeds: group i's first turn uses ``seeds_P[i]``, member g's turn t > 0 ``derive_seed(seeds_P[i], g, t)``.
 Names carry their shapes (tinker-cookbook style): ``rewards_G`` per group member, ``tokens_T`` per
 token, ``groups_P`` per prompt.
+
+Bad envs end only their own episode. An env whose ``step`` raises, or answers a reward that is not a
+finite number, leaves its episode with an ``error`` and no reward of its own: in ``rewards_G`` it
+stands at its group's mean, so it carries no advantage and is not trained on. An env whose
+``initial_observation`` raises leaves an empty group with the ``error``. An env that ends its episode
+with a ``failure`` (a malformed tool call, a solution that hung) keeps the reward it gave.
+:func:`batch_metrics` counts both and keeps their reasons, which the loops record with the step.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +37,9 @@ from sess.engine import Datum, SamplingClient, SamplingParams
 
 from . import rendering
 from .env import Env, Messages
+
+DEFAULT_MAX_TURNS = 16  # replies per episode when a loop sets no cap of its own
+STEP_THREADS = 8  # envs stepped at once within a rollout
 
 
 def derive_seed(*parts: Any) -> int:
@@ -45,6 +57,8 @@ class Episode:
     reward: float = 0.0  # the sum of the env's step rewards
     metrics: dict[str, float] = field(default_factory=dict)  # the env's metrics (a later step's win)
     turns: int = 0
+    error: str = ""  # the env raised or gave a non-finite reward: no reward, no advantage
+    failure: str = ""  # the env ended the episode badly, and said why (its reward stands)
 
     @classmethod
     def opening(cls, prompt_T: list[int], messages: Messages) -> Episode:
@@ -60,10 +74,21 @@ class Episode:
 class Group:
     episodes_G: list[Episode]
     policy_step: int = 0  # the optimizer step whose weights sampled this group
+    error: str = ""  # the env could not even open the episode (no episodes then)
 
     @property
     def rewards_G(self) -> list[float]:
-        return [e.reward for e in self.episodes_G]
+        """Each member's reward; a member with an ``error`` gets the mean of the others (advantage 0)."""
+        scored = [e.reward for e in self.episodes_G if not e.error]
+        mean = float(np.mean(scored)) if scored else 0.0
+        return [mean if e.error else e.reward for e in self.episodes_G]
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why episodes of this group erred or failed, one line each."""
+        return [self.error] * bool(self.error) + [
+            e.error or e.failure for e in self.episodes_G if e.error or e.failure
+        ]
 
 
 @dataclass
@@ -85,18 +110,26 @@ def rollout_groups(
     seeds_P: list[int],
     *,
     policy_step: int = 0,
-    max_turns: int = 16,
+    max_turns: int | None = None,
 ) -> list[Group]:
     """One episode per env; the envs of a group must open with the same observation and tools.
 
     ``params`` gives max_tokens and temperature per turn; an env still talking after ``max_turns``
-    replies is cut off there (its rewards so far stand).
+    replies (default :data:`DEFAULT_MAX_TURNS`) is cut off there (its rewards so far stand).
     """
+    max_turns = max_turns or DEFAULT_MAX_TURNS
     groups_P, live_P_G, futures_P = [], [], []
     for envs_G, seed in zip(envs_P_G, seeds_P):
         # First turn: one request per group; its G samples are the members' first replies.
-        first, tools = envs_G[0].initial_observation(), [t.to_json() for t in envs_G[0].tools] or None
-        if any(env.initial_observation() != first for env in envs_G[1:]):
+        try:
+            for env in envs_G:
+                env.max_turns = max_turns
+            first, tools = envs_G[0].initial_observation(), [t.to_json() for t in envs_G[0].tools] or None
+            same = all(env.initial_observation() == first for env in envs_G[1:])
+        except Exception as exc:  # a broken env loses its group, not the batch
+            groups_P.append(Group([], policy_step, error=f"env raised in initial_observation: {_said(exc)}"))
+            continue
+        if not same:
             raise ValueError(
                 "rollout: the envs of a group must share their initial observation (one problem)"
             )
@@ -109,10 +142,12 @@ def rollout_groups(
         (item, s) for live_G, f in zip(live_P_G, futures_P) for item, s in zip(live_G, f.result().sequences)
     ]
     for turn in range(1, max_turns + 1):
-        # The envs score this turn's replies; those that go on get their observation and sample again.
-        going = [
-            item for item, sequence in replies if _take_turn(tok, item, sequence, last=turn == max_turns)
-        ]
+        # The envs score this turn's replies (at once: an env may wait on a sandbox or a server); those
+        # that go on get their observation and sample again.
+        last = turn == max_turns
+        with ThreadPoolExecutor(max(1, min(len(replies), STEP_THREADS))) as pool:
+            goes = list(pool.map(lambda r: _take_turn(tok, *r, last=last), replies))  # noqa: B023
+        going = [item for (item, _), go in zip(replies, goes) if go]
         if not going:
             break
         futures = [
@@ -135,9 +170,20 @@ def _take_turn(tok, item: _Live, sequence, *, last: bool) -> bool:
     episode.sampled_T += [True] * len(sequence.tokens)
     episode.logprobs_T += [float(x) for x in sequence.logprobs]
     episode.turns += 1
-    result = item.env.step(text)
-    episode.reward += result.reward
+    try:
+        result = item.env.step(text)
+        reward = float(result.reward)
+    except Exception as exc:  # the env's bug ends this episode only
+        result, episode.error = None, f"env raised in step: {_said(exc)}"
+    else:
+        if not math.isfinite(reward):
+            episode.error = f"env gave reward {reward} (not a finite number)"
+    if result is None or episode.error:
+        episode.messages.append({"role": "assistant", "content": text})
+        return False
+    episode.reward += reward
     episode.metrics.update(result.metrics)
+    episode.failure = result.failure or episode.failure
     if result.done or last:
         episode.messages.append({"role": "assistant", "content": text})
         return False
@@ -170,14 +216,32 @@ def policy_datum(episode: Episode, advantage) -> Datum:
 
 
 def batch_metrics(groups_P: list[Group]) -> dict:
-    """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode."""
+    """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode; the
+    count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines)."""
     episodes = [e for g in groups_P for e in g.episodes_G]
-    metrics = {"reward/mean": float(np.mean([e.reward for e in episodes]))}
+    scored = [e for e in episodes if not e.error]
+    metrics = {"reward/mean": float(np.mean([e.reward for e in scored])) if scored else 0.0}
     for key in dict.fromkeys(k for e in episodes for k in e.metrics):
         metrics[key] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))
-    metrics["completion_tokens"] = float(np.mean([e.n_sampled for e in episodes]))
+    metrics["completion_tokens"] = float(np.mean([e.n_sampled for e in episodes])) if episodes else 0.0
     metrics["groups_with_signal"] = sum(len(set(g.rewards_G)) > 1 for g in groups_P) / len(groups_P)
+    reasons = [r for g in groups_P for r in g.reasons]
+    if reasons:
+        metrics["episodes/errors"] = sum(bool(e.error) for e in episodes) + sum(
+            bool(g.error) for g in groups_P
+        )
+        metrics["episodes/failed"] = sum(bool(e.failure) and not e.error for e in episodes)
+        metrics["failures"] = list(dict.fromkeys(reasons))[:MAX_REASONS]
     return metrics
+
+
+MAX_REASONS = 5  # distinct failure reasons kept per step: enough to see what broke, not a transcript
+
+
+def _said(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line and short."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text[:300]
 
 
 def sampled_tokens(groups_P: list[Group]) -> int:

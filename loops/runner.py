@@ -138,7 +138,8 @@ class RunHooks:
         if self.data.envs is not None:
             envs = self.data.envs.held_out
             seeds = [derive_seed(self.cfg.seed, "sample", done, i) for i in range(len(envs))]
-            metrics.update(evaluation.greedy_episodes(self.tc, envs, self.cfg.loop.max_tokens, seeds))
+            turns = self.cfg.loop.get("max_turns")  # loops that cap turns evaluate under the same cap
+            metrics.update(evaluation.greedy_episodes(self.tc, envs, self.cfg.loop.max_tokens, seeds, turns))
         elif self.data.chats is not None:
             metrics.update(evaluation.chat_loss(self.tc, self.data.chats.held_out))
         if self.loop.evaluate is not None:
@@ -246,7 +247,7 @@ def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume
 
 def _load_data(cfg: DictConfig) -> datasets.Data:
     """The run's data; fails early when it lacks what the loop trains on."""
-    data = datasets.load(cfg.data, int(cfg.seed))
+    data = datasets.load(cfg.data, int(cfg.seed), cfg.grader)
     data.need(LOOPS[cfg.loop.name].data, cfg.loop.name)
     return data
 
@@ -281,7 +282,7 @@ def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_
         status = "interrupted"
         raise
     finally:
-        logger.close()
+        logger.close(status)
         if tc is not None:
             try:
                 record.write_usage(svc.get_usage(tc.name).to_wire())

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
 import torch
@@ -92,3 +99,33 @@ def clear_grads(runtime, session: str) -> None:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a)[:3], sorted(b)[:3])
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@contextlib.contextmanager
+def sandbox_server(limit_s: int):
+    """``python -m sess.sandbox.server`` on a free port with ``limit_s`` wall and CPU seconds a run;
+    yields its URL once it answers ``/ping`` (a route only sess's server has), stops it after."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    limits = ["--wall-s", str(limit_s), "--cpu-s", str(limit_s)]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sess.sandbox.server", "--port", str(port), *limits],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/ping", timeout=1).read()
+                break
+            except OSError:
+                assert server.poll() is None, server.stdout.read().decode()
+                assert time.monotonic() < deadline, "the sandbox server did not start"
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=10)

@@ -26,6 +26,8 @@ REQUIRED = {
     ("data", "chat_jsonl"): ["data.path=x.jsonl"],
     ("data", "feedback_jsonl"): ["data.path=x.jsonl"],
     ("data", "env"): ["data.env=my_envs.py:MyEnv"],
+    ("data", "code_jsonl"): ["data.path=x.jsonl"],
+    ("grader", "sandbox_fusion"): ["grader.url=http://127.0.0.1:1"],
 }
 
 
@@ -42,7 +44,7 @@ def test_default_is_grpo_on_smollm2_arithmetic_local():
 
 @pytest.mark.parametrize(
     "group,option",
-    [(g, o) for g in ("engine", "model", "loop", "data", "logger") for o in _options(g)],
+    [(g, o) for g in config.GROUPS for o in _options(g)],
 )
 def test_every_option_composes(group, option):
     overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
@@ -53,11 +55,20 @@ def test_every_option_composes(group, option):
 
 
 def test_all_groups_have_their_options():
-    assert set(_options("loop")) == {"sft", "grpo", "ppo", "importance_sampling", "kto"}
+    assert set(_options("loop")) == {"sft", "grpo", "ppo", "importance_sampling", "kto", "code_rl"}
     assert {"smollm2-135m", "gpt-oss-20b", "qwen3-0.6b", "tiny-llama"} <= set(_options("model"))
-    assert set(_options("data")) == {"arithmetic", "gsm8k", "chat_jsonl", "feedback_jsonl", "env"}
+    assert set(_options("data")) == {
+        "arithmetic",
+        "gsm8k",
+        "chat_jsonl",
+        "feedback_jsonl",
+        "env",
+        "code_tasks",
+        "code_jsonl",
+    }
     assert set(_options("engine")) == {"local", "inprocess", "remote"}
-    assert set(_options("logger")) == {"local", "wandb"}
+    assert set(_options("logger")) == {"local", "wandb", "mlflow"}
+    assert set(_options("grader")) == {"local", "sandbox_fusion"}
 
 
 @pytest.mark.parametrize(

@@ -183,29 +183,40 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
         tc.stop()
 
 
-@pytest.mark.parametrize("path", ["lean step", "modules"])
-def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, svc, path):
+@pytest.mark.parametrize(
+    "model, path",
+    [
+        ("tiny-llama", "lean step"),
+        ("tiny-llama", "modules"),
+        pytest.param("smollm2-135m", "lean step", marks=pytest.mark.slow),  # real weights and shapes
+    ],
+)
+def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, svc, model, path):
     """The decode batch is driven step by step so each composition surely happens: the same seeded
     request alone, after a one-row request (its rows at odd offsets of a 5-row batch), prefilled
     together with a long prompt, and joined later by rows of another adapter. Tokens and logprobs
     must be identical to the bit, which is what makes whole runs reproducible. Both decoders: the
     lean llama decoder the engine uses here (merging requests) and the model's modules (other
-    architectures, one request at a time)."""
+    architectures, one request at a time). GRPO-sized batches (8 prompts x 8 samples) too, prefilled at
+    once or arriving over steps."""
     from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
     from sess.engine.sampling.llama_decoder import LlamaDecoder
     from sess.engine.sampling.module_decoder import ModuleDecoder
     from sess.engine.sampling.token_choice import StopChecker
 
-    sessions = [svc.create_lora_training_client("tiny-llama", rank=4, seed=s) for s in (1, 2)]
+    sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
     for i, tc in enumerate(sessions):
         train_steps(tc, [SENTENCES[i]], 5e-2)  # waited for: the weights stay put from here
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
-    host = runtime.host("tiny-llama")
+    host = runtime.host(model)
     assert isinstance(host.decoder, LlamaDecoder)
     decoder = host.decoder if path == "lean step" else ModuleDecoder(host.activate)
     x = tok.encode("Question: what is 3 + 4? Answer:")
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
+
+    def question(i: int) -> list[int]:
+        return tok.encode(f"Question: what is {i} + {2 * i}? Answer:")
 
     def run(plan):
         batch = DecodeBatch(decoder)
@@ -230,12 +241,18 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         assert error is None
         return [(s.tokens, s.logprobs) for s in seqs]
 
-    alone = run([(0, "x", x, 4, adapters[0])])
+    alone = run([(0, "x", x, 8, adapters[0])])
     compositions = {
-        "after a one-row request": [(0, "o", short, 1, adapters[0]), (2, "x", x, 4, adapters[0])],
-        "prefilled with a long prompt": [(0, "o", long, 3, adapters[0]), (0, "x", x, 4, adapters[0])],
-        "joined by another adapter": [(0, "x", x, 4, adapters[0]), (3, "o", long, 3, adapters[1])],
-        "base-model rows and an adapter": [(0, "o", short, 2, None), (1, "x", x, 4, adapters[0])],
+        "after a one-row request": [(0, "o", short, 1, adapters[0]), (2, "x", x, 8, adapters[0])],
+        "prefilled with a long prompt": [(0, "o", long, 3, adapters[0]), (0, "x", x, 8, adapters[0])],
+        "joined by another adapter": [(0, "x", x, 8, adapters[0]), (3, "o", long, 3, adapters[1])],
+        "base-model rows and an adapter": [(0, "o", short, 2, None), (1, "x", x, 8, adapters[0])],
+        "a GRPO-sized batch": [(0, "x", x, 8, adapters[0])]
+        + [(0, f"p{i}", question(i), 8, adapters[0]) for i in range(7)],
+        "a GRPO-sized batch, arriving over steps": [
+            (i, f"p{i}", question(i), 8, adapters[0]) for i in range(4)
+        ]
+        + [(2, "x", x, 8, adapters[0])],
     }
     for name, plan in compositions.items():
         assert run(plan) == alone, name

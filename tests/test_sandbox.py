@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +23,8 @@ import pytest
 import sess.sandbox
 from sess.sandbox import GradeJob, Grader, Limits, SandboxFusionGrader, SandboxUnavailable
 from sess.sandbox.isolation import find_bwrap
+
+from helpers import sandbox_server
 
 FAST = Limits(cpu_s=2, wall_s=3, memory_mb=256, processes=16, output_bytes=1 << 16)
 SECRET = "sess-test-secret-5f1e"
@@ -334,25 +334,7 @@ def _post_json(url: str, body: dict) -> dict:
 
 
 def test_sandboxfusion_client_against_the_sess_server():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sess.sandbox.server", "--port", str(port), "--wall-s", "10", "--cpu-s", "10"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/ping", timeout=1).read()  # the route only sess's server has
-                break
-            except OSError:
-                assert server.poll() is None, server.stdout.read().decode()
-                assert time.monotonic() < deadline, "the sandbox server did not start"
-                time.sleep(0.1)
+    with sandbox_server(10) as url:
         jobs = [
             _job("def add(a, b):\n    return a + b", "assert add(1, 2) == 3"),
             _job("def add(a, b):\n    return a - b", "assert add(1, 2) == 3"),
@@ -375,9 +357,6 @@ def test_sandboxfusion_client_against_the_sess_server():
         assert reply["status"] == "Failed" and reply["run_result"]["status"] == "Finished"
         assert (reply["run_result"]["stdout"], reply["run_result"]["return_code"]) == ("cba\n", 3)
         assert _post_json(url + "/run_code", {**raw, "language": "cpp"})["status"] == "SandboxError"
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=10)
 
 
 def _world_traversable(path: Path) -> bool:

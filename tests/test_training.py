@@ -301,3 +301,39 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
         for d, o in zip(data, out.loss_fn_outputs):
             assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
     clear_grads(runtime, tc.name)
+
+
+def test_the_same_rl_batch_gives_the_same_gradients_to_the_bit(tc, runtime):
+    """Whole runs repeat exactly on one machine only if a batch's gradients do. A GRPO-shaped batch
+    (7 prompts x 8 completions, each prompt's KV repeated for its completions) used to give
+    gradients differing in the last bits from one call to the next: the repeated rows' gradients were
+    added up by several CPU threads in whatever order they came (batched_forward.repeat_rows)."""
+    tok = tc.get_tokenizer()
+    rng = np.random.default_rng(3)
+    data = []
+    for p in range(7):
+        prompt = tok.encode(
+            f"<|im_start|>user\nWhat is {7 * p + 3} plus {11 * p + 5}? Reply briefly.<|im_end|>\n"
+        )
+        for _ in range(8):
+            completion = [int(t) for t in rng.integers(5, len(tok) - 1, int(rng.integers(6, 16)))]
+            d = ce_datum(prompt + completion)
+            n = d.model_input.length
+            tensor = d.loss_fn_inputs["weights"].__class__.from_numpy
+            d.loss_fn_inputs["logprobs"] = tensor(rng.uniform(-4, -1, n).astype(np.float32))
+            d.loss_fn_inputs["advantages"] = tensor(
+                np.r_[np.zeros(len(prompt) - 1), np.full(n - len(prompt) + 1, rng.normal())].astype(
+                    np.float32
+                )
+            )
+            data.append(d)
+    train_steps(tc, SENTENCES, 1e-2)  # LoRA B off zero: every weight gets gradients
+    runs = []
+    for _ in range(6):
+        clear_grads(runtime, tc.name)
+        tc.forward_backward(data, "ppo").result()
+        runs.append(engine_grads(runtime, tc.name))
+    clear_grads(runtime, tc.name)
+    for grads in runs[1:]:
+        differing = [k for k in runs[0] if not torch.equal(grads[k], runs[0][k])]
+        assert not differing, differing[:3]

@@ -152,7 +152,7 @@ def shared_prefix_pairs(decoder, groups: list[tuple[list[Datum], list[torch.Tens
         )
         parts.append(out.last_hidden_state[0])
         cache = out.cache
-        cache.batch_select_indices(torch.zeros(len(groups), dtype=torch.long, device=device))
+        repeat_rows(cache, torch.zeros(len(groups), dtype=torch.long, device=device))
     prefix_ids, own_mask, _ = _right_padded([p[root:] for p in prefixes], None, device)
     prefix_mask = torch.cat([own_mask.new_ones(len(groups), root), own_mask], dim=1)
     positions = root + torch.arange(prefix_ids.shape[1], device=device)
@@ -166,7 +166,7 @@ def shared_prefix_pairs(decoder, groups: list[tuple[list[Datum], list[torch.Tens
     parts.append(out.last_hidden_state[own_mask.bool()])
     owner = [g for g, (datums, _, _) in enumerate(groups) for _ in datums]
     cache = out.cache
-    cache.batch_select_indices(torch.tensor(owner, device=device))  # repeat each prefix for its members
+    repeat_rows(cache, torch.tensor(owner, device=device))  # repeat each prefix for its members
     members = [(d, t, shared) for datums, targets, shared in groups for d, t in zip(datums, targets)]
     ids, suffix_mask, _ = _right_padded(
         [d.model_input.to_ints()[shared:] for d, _, shared in members], None, device
@@ -202,6 +202,18 @@ def _spans(datums: list[Datum]) -> list[slice]:
         spans.append(slice(start, start + d.model_input.length))
         start += d.model_input.length
     return spans
+
+
+def repeat_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Make row i of every layer's keys and values the old row ``rows[i]`` (rows repeat), keeping
+    the backward exact from run to run: the cache's own ``batch_select_indices`` indexes with
+    ``keys[rows]``, whose backward (``index_put_`` with accumulate) adds a repeated row's gradients
+    from several CPU threads in whatever order they come, so the same batch gave gradients that
+    differed in the last bits between runs (and so whole RL runs diverged from their second step).
+    ``index_select`` adds them up in a fixed order."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
 
 
 def shared_root(prefixes: list[list[int]]) -> int:

@@ -56,6 +56,15 @@ class Operation:
         self.done.set()
 
 
+def internal_error(op: Operation, exc: BaseException) -> SessError:
+    """A 500 naming what failed inside the engine (a bug of its own, not the client's input); the
+    traceback goes to the engine's log."""
+    log.error("op %s failed:\n%s", op.name or "internal", "".join(traceback.format_exception(exc)))
+    return SessError(
+        f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}", status=500
+    )
+
+
 class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
@@ -318,10 +327,8 @@ class Executor:
             op.usage = usage_of(op.request, None, time.perf_counter() - started)
             self._finish(op, error=exc)
         except Exception as exc:
-            log.error("op %s failed:\n%s", op.name or "internal", traceback.format_exc())
             op.usage = usage_of(op.request, None, time.perf_counter() - started)
-            message = f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}"
-            self._finish(op, error=SessError(message, status=500))
+            self._finish(op, error=internal_error(op, exc))
 
     def _execute(self, op: Operation) -> None:
         if op.fn is not None:
@@ -333,6 +340,7 @@ class Executor:
             self._finish(op, result=result)
             return
         started = time.perf_counter()
+        op.request = self.runtime.prepare(op.name, op.owner, op.request)
         result = OPS[op.name].handler(self.runtime, op.owner, op.request)
         if op.name == "session_info":  # the executor's ordering state belongs in the answer
             result = {**result, "next_seq": self.next_seq(op.request.name)}
@@ -342,8 +350,11 @@ class Executor:
     def _start_sample(self, op: Operation) -> None:
         def done(result, error, usage) -> None:
             op.usage = usage
+            if error is not None and not isinstance(error, SessError):  # a bug of the engine's own
+                error = internal_error(op, error)
             self._finish(op, result=result, error=error)
 
+        op.request = self.runtime.prepare(op.name, op.owner, op.request)
         OPS[op.name].handler(self.runtime, op.owner, op.request, done)
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:

@@ -74,7 +74,7 @@ def saved_bytes(run, model: torch.nn.Module, device: torch.device) -> int:
     """Bytes of the distinct tensors autograd saves while ``run()`` builds its graph: activations
     only, not weights (neither ``model``'s parameters nor anything that takes no gradient, such as
     the frozen weights a sharded model gathers for the pass)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {_data_ptr(p) for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor):
@@ -87,6 +87,13 @@ def saved_bytes(run, model: torch.nn.Module, device: torch.device) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
     return sum(seen.values())
+
+
+def _data_ptr(param: torch.Tensor) -> int | None:
+    try:
+        return param.untyped_storage().data_ptr()
+    except RuntimeError:  # a weight FSDP holds sharded has no local storage of its own here
+        return None
 
 
 def measure_cost(model: torch.nn.Module, decoder: torch.nn.Module, vocab_size: int) -> ActivationCost:

@@ -9,6 +9,7 @@ The ops themselves are functions over this state, one module per area (``session
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sess.engine.runtime.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.memory_budget import default_budget
@@ -17,6 +18,10 @@ from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import DecodeBatch
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import sess_home
+from sess.engine.sdk.requests import Request
+
+if TYPE_CHECKING:
+    from sess.engine.runtime.distributed import Ranks
 
 
 class Runtime:
@@ -36,14 +41,22 @@ class Runtime:
         self.sessions: dict[str, Session] = {}
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
+        self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:
         """The base model ``base_model`` in memory, loaded on first use."""
         if base_model not in self.hosts:
-            try:
+
+            def make() -> ModelHost:
                 dtype = DTYPES[self.dtypes.name_for(base_model, self.device)]
-                self.hosts[base_model] = ModelHost(base_model, self.home, self.device, dtype=dtype)
+                return ModelHost(base_model, self.home, self.device, dtype=dtype)
+
+            try:
+                ranks = self.ranks
+                self.hosts[base_model] = (
+                    ranks.load_host(base_model, make, ModelNotAvailable) if ranks else make()
+                )
             except ModelNotAvailable as exc:
                 raise NotFound(f"base_model: {exc}") from None
         return self.hosts[base_model]
@@ -80,6 +93,17 @@ class Runtime:
         self._adapters += 1
         return f"session{self._adapters}"
 
+    def prepare(self, name: str, owner: str, request: Request | None) -> Request | None:
+        """Called by the executor before op ``name`` runs; returns the request to run. With several
+        ranks, rank 0 sends it to the others or gathers the weights it needs
+        (:meth:`.distributed.Ranks.prepare`)."""
+        return request if self.ranks is None else self.ranks.prepare(self, name, owner, request)
+
+    def full_weights(self) -> None:
+        """With several ranks: rank 0 is about to use the base weights alone; gather them."""
+        if self.ranks is not None:
+            self.ranks.full_weights()
+
     # decoding --------------------------------------------------------------------------------------
     def batch(self, host: ModelHost) -> DecodeBatch:
         """The running decode batch of ``host``'s base model."""
@@ -94,6 +118,7 @@ class Runtime:
 
     def decode_step(self) -> None:
         """Admit waiting sample requests and decode one token for every running row."""
+        self.full_weights()
         for batch in list(self.batches.values()):
             if batch.active:
                 batch.step()

@@ -85,6 +85,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     """Each prompt token's logprob given the ones before it (the first is None)."""
     host, adapter, _ = resolve_target(runtime, owner, request.target)
     check_prompt(request.prompt, host.vocab_size)
+    runtime.full_weights()  # several ranks: loading a checkpoint's adapter may have dropped them
     with host.activate(adapter) as model:
         logprobs, _ = prompt_logprobs(model, request.prompt, None)
     return {"logprobs": logprobs}

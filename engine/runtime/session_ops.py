@@ -63,7 +63,7 @@ def canonical_model(runtime: Runtime, name: str) -> str:
 
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
     base_model = request.base_model
-    name = check_name(request.name or _default_name(base_model), "training_session_name")
+    name = check_name(request.name or default_name(base_model), "training_session_name")
     if name in runtime.sessions:
         raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
     host = runtime.host(base_model)
@@ -88,7 +88,7 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
     return session.summary()
 
 
-def _default_name(base_model: str) -> str:
+def default_name(base_model: str) -> str:
     """``<model>-<6 hex>``: a hub id's name part, a local directory's last part, made name-safe."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", base_model.rstrip("/").rsplit("/", 1)[-1]).strip("-.")
     return f"{(stem or 'model')[:40]}-{secrets.token_hex(3)}"

@@ -12,6 +12,8 @@ loss's gradient go through the output layer in chunks (:mod:`.output_layer`), so
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
@@ -55,17 +57,32 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
-    with host.activate(session.adapter) as model:
+    ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
+    with host.activate(session.adapter) as model, _root_gathered(ranks, host):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
         cost, budget = host.activation_cost(model), runtime.memory_budget
         # without gradients a position holds about one layer's activations at a time
         per_position = cost.plain if backward else cost.plain / host.layers
-        batches = plan(datums, int(budget // per_position), share_prefixes=host.shares_prefixes)
-        checkpointed = [backward and _check_fits(datums, batch, cost, budget) for batch in batches]
+        capacity = int(budget // per_position)
+        batches = (
+            ranks.plan(datums, capacity)
+            if ranks
+            else plan(datums, capacity, share_prefixes=host.shares_prefixes)
+        )
+        if ranks and backward:  # every rank refuses alike (on the whole batch's longest datum) or none
+            longest_datum = max(range(len(datums)), key=lambda i: datums[i].model_input.length)
+            _check_fits(datums, ([longest_datum], []), cost, budget)
+        checkpointed = [
+            backward and bool(padded or groups) and _check_fits(datums, (padded, groups), cost, budget)
+            for padded, groups in batches
+        ]
         with torch.set_grad_enabled(backward):
             for (padded, groups), checkpoint in zip(batches, checkpointed):
+                if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
+                    ranks.idle_round(decoder, backward)
+                    continue
                 with checkpointing(model, checkpoint):
                     if groups:
                         indices = [i for idx, _ in groups for i in idx]
@@ -85,6 +102,8 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
+    if ranks:
+        all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
     outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
@@ -120,6 +139,12 @@ def _logprobs(
     return lps
 
 
+def _root_gathered(ranks, host):
+    """Several ranks: the model's root FSDP unit (embeddings, final norm, output layer) gathered for
+    the op, since training runs the decoder and the output layer apart (:mod:`.output_layer`)."""
+    return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
+
+
 def _check_fits(datums, batch, cost, budget: int) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
     not fit even then (before anything of the op has run)."""
@@ -143,6 +168,8 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     session = runtime.session(owner, request.session)
     adam = request.adam_params
     params = list(session.params.values())
+    if runtime.ranks:  # each rank holds its share's token-sum gradients: sum them, never average
+        runtime.ranks.sum_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     grad_norm = (
         torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

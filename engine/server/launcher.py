@@ -51,7 +51,7 @@ def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) 
         health = httpx.get(f"{info['url']}/healthz", timeout=timeout, verify=_own_certificate(info)).json()
     except (httpx.HTTPError, ValueError, OSError):
         return None
-    if health.get("pid") != info["pid"]:
+    if health.get("pid") != info.get("serving_pid", info["pid"]):  # serving_pid: rank 0 of several
         return None
     return {**info, "idle_timeout": health.get("idle_timeout"), "rss_bytes": health.get("rss_bytes")}
 

@@ -166,7 +166,9 @@ class ManagedEngine(Executor):
             self.registry.add_checkpoint(path, name, owner, "state")
         except SessError as exc:
             log.warning("idle session %s: saving its state failed: %s", name, exc)
-        session_ops.stop_session(runtime, owner, rq.SessionName(name=name))
+        stop = rq.SessionName(name=name)
+        runtime.prepare("stop_session", owner, stop)  # other ranks stop it too
+        session_ops.stop_session(runtime, owner, stop)
         self.registry.save_session(session.summary(), owner)
         log.warning(
             "session %s was idle for over %.0f s: state saved, session stopped", name, self.idle_timeout

@@ -83,8 +83,11 @@ def serve(
     tls_key: str | None = None,
     dtype: str | None = None,
     memory_budget: str | None = None,
+    ranks=None,
 ) -> None:
-    """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home."""
+    """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
+
+    ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks."""
     import uvicorn
 
     from sess.engine.runtime.catalog import Dtypes
@@ -130,6 +133,11 @@ def serve(
             (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
         ),
     )
+    if ranks is not None:
+        from sess.engine.runtime.distributed_follow import session_snapshot
+
+        engine.runtime.ranks = ranks
+        engine.run(lambda runtime: ranks.send(session_snapshot(runtime)))
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     info = {
         "url": f"{'https' if tls else 'http'}://{url_host}:{port}",
@@ -139,6 +147,8 @@ def serve(
         "started": time.time(),
         **({"tls_cert": tls[0]} if tls else {}),
     }
+    if ranks is not None:  # the agent's pid stops the engine; rank 0's answers /healthz
+        info.update(pid=os.getppid(), serving_pid=os.getpid(), rank_pids=ranks.pids)
     atomic_write_bytes(home / ENGINE_FILE, json.dumps(info).encode())
     app = create_app(engine, keys, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(
@@ -156,11 +166,14 @@ def serve(
         server.run(sockets=[sock])
     finally:
         try:
-            if json.loads((home / ENGINE_FILE).read_text()).get("pid") == os.getpid():
+            written = json.loads((home / ENGINE_FILE).read_text())
+            if written.get("serving_pid", written.get("pid")) == os.getpid():
                 (home / ENGINE_FILE).unlink()
         except (OSError, ValueError):
             pass
         engine.close()
+        if ranks is not None:
+            ranks.close()
 
 
 def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
@@ -192,7 +205,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, or DEFAULT,MODEL=DTYPE,...")
     parser.add_argument("--memory-budget", default=None, help="activation memory of a training op, e.g. 1G")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks (torch.distributed, FSDP2): one per CPU core or GPU at most",
+    )
     args = parser.parse_args(argv)
+    problem = check_options(args.device, args.dtype, args.memory_budget)
+    if problem:  # before any rank starts
+        raise SystemExit(f"sess engine: {problem}")
+    ranks = None
+    if args.nproc != 1:
+        from sess.engine.runtime.distributed_launch import RANKS_ENV, check_nproc
+
+        try:
+            check_nproc(args.nproc, args.device)
+        except ValueError as exc:
+            raise SystemExit(f"sess engine: {exc}") from None
+        from sess.engine.server import serve_ranks
+
+        if RANKS_ENV not in os.environ:  # the agent: start the ranks, each runs this command line
+            sys.exit(serve_ranks.run_agent(args.nproc, sys.argv[1:] if argv is None else argv, args.home))
+        from sess.engine.runtime.distributed import Ranks
+
+        ranks = Ranks(args.device)
+        args.device = ranks.device
+        if not ranks.leader:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            serve_ranks.follow_rank(args.home, ranks, args.dtype, args.memory_budget)
+            sys.exit(0)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after a graceful shutdown
     try:
@@ -208,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             args.tls_key,
             args.dtype,
             args.memory_budget,
+            ranks,
         )
     except KeyboardInterrupt:
         pass

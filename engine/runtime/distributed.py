@@ -1,0 +1,329 @@
+"""Several ranks of one engine on torch.distributed: rank 0 serves and leads, the others follow.
+
+Rank 0's executor runs every op as a single-process engine does; before an op that changes what
+all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
+request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
+(:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
+layer, then the whole model); LoRA adapters are small and replicated: every rank computes its share
+of a batch's datums (:meth:`Ranks.plan`), the adapters' gradients are summed over the ranks before
+AdamW (:meth:`Ranks.sum_grads`: token-sum losses stay sums, nothing is divided by the world size), and
+every rank takes the same AdamW step, so the adapters stay equal without being sent.
+
+Sampling, ``compute_logprobs`` and merged saves run on rank 0 alone with the base weights gathered
+(:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
+gives for the same seed; rank 0 drops the gathered copy before the next followed op. Checkpoints are
+rank 0's adapter and AdamW state, the same files as one process writes.
+
+A collective that fails (a rank died) raises :class:`RankFailed`; the launcher
+(:mod:`.distributed_launch`) then stops the engine and its sessions become Interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import signal
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from sess.engine.runtime.batched_forward import plan as plan_batches
+from sess.engine.runtime.checkpoint_ops import checkpoint_dir
+from sess.engine.runtime.checkpoints import read_state
+from sess.engine.runtime.session_ops import default_name
+from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.sdk.requests import Request
+from sess.engine.sdk.types import Datum
+
+log = logging.getLogger("sess.engine")
+
+# ops every rank runs: they change the sessions, adapters or optimizer state all ranks hold
+FOLLOWED = frozenset(
+    {
+        "create_session",
+        "create_session_from_state",
+        "stop_session",
+        "delete_session",
+        "forward",
+        "forward_backward",
+        "optim_step",
+        "load_state",
+    }
+)
+# A follower waits in a broadcast for rank 0's next op for as long as the engine idles, so the
+# collectives' timeout must not end an idle engine; a dead rank is found by the agent (its process
+# exited) and by the broken connection (the collective fails at once), not by this timeout.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+
+
+class RankFailed(SessError):
+    """A collective failed: another rank died or stopped answering. The engine cannot continue."""
+
+    def __init__(self, what: str, exc: BaseException):
+        super().__init__(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} failed ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); another rank died or stopped answering. The engine is stopping; its "
+            "sessions become Interrupted: start it again and resume them from their last saved state",
+            status=503,
+        )
+
+
+class Ranks:
+    """This process's place among the engine's ranks (from the environment the elastic agent sets)."""
+
+    def __init__(self, device: str = "cpu"):
+        cuda = device.startswith("cuda")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = f"cuda:{local_rank}" if cuda else "cpu"
+        self._comm_device = torch.device(self.device)
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        pids = torch.zeros(self.world, dtype=torch.long, device=self._comm_device)
+        pids[self.rank] = os.getpid()
+        self._collective("startup", lambda: dist.all_reduce(pids))
+        self.pids = [int(p) for p in pids.tolist()]
+        self.modules: list[Any] = []  # every FSDP module of every base model, in load order
+        self.gathered = False  # rank 0 holds the base weights gathered
+        self.announced: dict | None = None  # a follower's pending host announcement
+        self.closing = False
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to stop; every rank: leave the process group."""
+        self.closing = True
+        try:
+            if self.leader:
+                self.send({"stop": True})
+            dist.destroy_process_group()
+        except (RuntimeError, RankFailed):  # a rank already gone: nothing left to tell
+            pass
+
+    # messages --------------------------------------------------------------------------------------
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
+            if self.leader and not self.closing:  # stop serving (gracefully), so the agent stops every rank
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise RankFailed(what, exc) from exc
+
+    def send(self, message: dict) -> None:
+        """Rank 0: broadcast ``message`` (JSON) to the followers."""
+        data = json.dumps(message).encode()
+        size = torch.tensor([len(data)], dtype=torch.long, device=self._comm_device)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
+        self._collective("sending an op", lambda: (dist.broadcast(size, 0), dist.broadcast(payload, 0)))
+
+    def receive(self) -> dict:
+        """A follower: the next message rank 0 broadcasts."""
+        size = torch.zeros(1, dtype=torch.long, device=self._comm_device)
+        self._collective("receiving an op", lambda: dist.broadcast(size, 0))
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device)
+        self._collective("receiving an op", lambda: dist.broadcast(payload, 0))
+        return json.loads(payload.cpu().numpy().tobytes().decode())
+
+    # what rank 0 does before an op -----------------------------------------------------------------
+    def prepare(self, runtime, name: str, owner: str, request: Request | None) -> Request | None:
+        """Rank 0, before running op ``name``: followed ops go to every rank (sharded weights), with
+        the choices a handler would make at random made here (:func:`_decided`). Returns the
+        request to run. (Ops on the base weights alone gather them where they use them: decode
+        steps and ``compute_logprobs`` call :meth:`full_weights`.)"""
+        if not self.leader:
+            return request
+        if name == "save_weights" and getattr(request, "merge", False):
+            raise InvalidRequest(
+                "merge: merged saves are not supported on an engine of several ranks yet (--nproc "
+                f"{self.world}); save the adapter (merge=False), which any engine or peft loads, and merge "
+                "it on an engine of one rank"
+            )
+        if name in FOLLOWED:
+            request = _decided(runtime, name, owner, request)
+            self.sharded()
+            wire = request.to_wire() if request is not None else {}
+            wire.update({field: getattr(request, field) for field in getattr(request, "envelope", ())})
+            self.send({"op": name, "owner": owner, "request": wire})
+        return request
+
+    # sharding --------------------------------------------------------------------------------------
+    def load_host(self, name: str, make: Callable[[], Any], missing: type[Exception]) -> Any:
+        """Load base model ``name`` on every rank (rank 0 first, so one process builds a cache) and
+        shard it. Rank 0 announces the outcome; a follower takes it from a pending announcement
+        (its loop) or receives it here (inside a followed op)."""
+        if self.leader:
+            was_gathered = self.gathered
+            self.sharded()
+            try:
+                host = make()
+            except missing:
+                self.send({"host": name, "ok": False})
+                raise
+            self.send({"host": name, "ok": True})
+        else:
+            message, self.announced = self.announced or self.receive(), None
+            if message.get("host") != name:
+                raise RankFailed("following rank 0", RuntimeError(f"expected model {name}, got {message}"))
+            if not message["ok"]:
+                raise missing(f"{name} could not be loaded on rank 0")
+            host = make()
+        self.shard(host.model)
+        host.shares_prefixes = False  # every rank runs the same number of model calls: see plan()
+        if self.leader and was_gathered:
+            self.full_weights()
+        return host
+
+    def shard(self, model: torch.nn.Module) -> None:
+        """FSDP2: each decoder layer its own unit (its weights gathered only while it runs), then the
+        rest (embeddings, final norm, output layer) as the root."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        units = [fully_shard(layer, mesh=self.mesh) for layer in layers]
+        units.append(fully_shard(model, mesh=self.mesh))
+        self.modules += units
+        # FSDP picks its root at the first forward through it: make that the whole model's (every
+        # rank, in the same op), since training runs the decoder and the output layer apart
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._comm_device))
+        model.reshard()
+
+    def full_weights(self) -> None:
+        """Rank 0: gather every base model's weights for work of its own (the followers join the
+        all-gather and drop their copies at once). Gathered weights stay until :meth:`sharded`, or
+        until a state dict is read or loaded (peft does, for adapter weights): FSDP then registers
+        the shards again, and the next call gathers anew."""
+        if not self.modules or (self.gathered and not self._any_sharded()):
+            return
+        self.sharded()
+        self.send({"gather": True})
+        self._unshard()
+        self.gathered = True
+
+    def join_gather(self) -> None:
+        """A follower: take part in rank 0's gather."""
+        self._unshard()
+        self._reshard()
+
+    def sharded(self) -> None:
+        """Rank 0: drop the gathered weights (local), so the next forward all-gathers with the others."""
+        if self.gathered:
+            self._reshard()
+            self.gathered = False
+
+    def _any_sharded(self) -> bool:
+        return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
+
+    def _unshard(self) -> None:
+        for module in self.modules:
+            self._collective("gathering weights", module.unshard)
+            module.set_reshard_after_forward(False, recurse=False)
+
+    def _reshard(self) -> None:
+        for module in self.modules:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+    # a batch across ranks --------------------------------------------------------------------------
+    def share(self, count: int, rank: int | None = None) -> range:
+        """The datum indices rank ``rank`` (this one by default) computes: a contiguous share."""
+        rank = self.rank if rank is None else rank
+        return range(count * rank // self.world, count * (rank + 1) // self.world)
+
+    def plan(self, datums: list[Datum], max_positions: int) -> list[tuple[list[int], list]]:
+        """This rank's micro-batches (global datum indices, at most ``max_positions`` positions each:
+        the memory budget's), plus empty ``([], [])`` rounds up to the largest rank's count: every
+        rank must make the same model calls, as each one all-gathers weights (forward and backward)
+        with the others."""
+        plans = []
+        for rank in range(self.world):
+            mine = list(self.share(len(datums), rank))
+            local = (
+                plan_batches([datums[i] for i in mine], max_positions, share_prefixes=False) if mine else []
+            )
+            plans.append([([mine[i] for i in padded], []) for padded, _ in local])
+        rounds = max(len(p) for p in plans)
+        return plans[self.rank] + [([], [])] * (rounds - len(plans[self.rank]))
+
+    def idle_round(self, decoder: torch.nn.Module, backward: bool) -> None:
+        """A decoder call (and its backward) on one token for a rank with fewer micro-batches: it
+        joins the others' weight gathers (the decoder layers'; the root's are held for the op, see
+        :meth:`root_gathered`) and adds exact zeros to the gradients."""
+        device = decoder.get_input_embeddings().weight.device
+        hidden = decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).last_hidden_state
+        if backward and hidden.requires_grad:  # as a real micro-batch's backward_from
+            (hidden.float().sum() * 0.0).backward()
+
+    @contextlib.contextmanager
+    def root_gathered(self, model: torch.nn.Module) -> Iterator[None]:
+        """``model``'s root FSDP unit (embeddings, final norm, output layer) gathered inside the block
+        (every rank enters it in the same op): training calls the decoder and the output layer
+        apart, not the root's forward that would gather them. The decoder layers gather their own
+        weights as they run. Nothing to do while rank 0 holds every weight gathered already."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule) or not isinstance(model.get_input_embeddings().weight, DTensor):
+            yield
+            return
+        self._collective("gathering weights", model.unshard)
+        try:
+            yield
+        finally:
+            model.reshard()
+
+    def gather_logprobs(self, logprobs: list[torch.Tensor | None], datums: list[Datum]) -> list[torch.Tensor]:
+        """Every datum's logprobs on every rank: each rank fills its own, zeros elsewhere, summed."""
+        lengths = [d.model_input.length for d in datums]
+        flat = torch.zeros(sum(lengths), dtype=torch.float32, device=self._comm_device)
+        start = 0
+        for lp, length in zip(logprobs, lengths):
+            if lp is not None:
+                flat[start : start + length] = lp.detach().float().to(self._comm_device)
+            start += length
+        self._collective("gathering logprobs", lambda: dist.all_reduce(flat))
+        return [part.cpu() if self.device == "cpu" else part for part in flat.split(lengths)]
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the adapter's gradients over the ranks (each holds its share's token-sum gradients);
+        a parameter without a gradient on every rank keeps none, as on one rank."""
+        any_grad = torch.tensor([float(any(p.grad is not None for p in params))], device=self._comm_device)
+        self._collective("summing gradients", lambda: dist.all_reduce(any_grad, op=dist.ReduceOp.MAX))
+        if not any_grad.item():
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device)
+        self._collective("summing gradients", lambda: dist.all_reduce(flat))
+        for p, part in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = part.view_as(p).to(p.device).clone()
+
+
+def _decided(runtime, name: str, owner: str, request: Request) -> Request:
+    """``request`` with what its handler would pick at random (a session's default name, its LoRA
+    seed) picked once here, so every rank creates the same session."""
+    if name == "create_session" and (request.name is None or request.seed is None):
+        return dataclasses.replace(
+            request,
+            name=request.name or default_name(request.base_model),
+            seed=secrets.randbits(31) if request.seed is None else request.seed,
+        )
+    if name == "create_session_from_state" and request.name is None:
+        try:
+            meta = read_state(checkpoint_dir(runtime, owner, request.path))[3]
+        except (SessError, OSError, ValueError):
+            return request  # every rank's handler refuses it alike
+        return dataclasses.replace(request, name=default_name(meta["base_model"]))
+    return request

@@ -1,0 +1,72 @@
+"""An engine of several ranks: the agent process that starts them, and what each rank runs.
+
+``python -m sess.engine.server --nproc N`` (or ``sess engine up --nproc N``) runs
+:func:`run_agent`: torch.distributed's elastic agent starts N ranks of the same command line
+(:mod:`sess.engine.runtime.distributed_launch`). Rank 0 serves the API (:func:`serve` with its
+:class:`~sess.engine.runtime.distributed.Ranks`); the others run :func:`follow_rank`. When a rank dies
+the agent stops the rest, marks the sessions the engine had live as Interrupted in the registry
+(resumable from their saved state, as after any engine crash) and exits with a message naming the
+rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from sess.engine.sdk.home import sess_home
+
+log = logging.getLogger("sess.engine")
+
+
+def run_agent(nproc: int, argv: list[str], home: str | Path | None) -> int:
+    """Run the engine as ``nproc`` ranks of ``python -m sess.engine.server *argv``; the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from sess.engine.runtime.distributed_launch import run_ranks
+    from sess.engine.server.registry import Registry
+
+    try:
+        failure = run_ranks(nproc, argv)
+    except SignalException:  # stopped (sess engine down): the agent stopped the ranks
+        return 0
+    if failure is None:
+        return 0
+    registry = Registry(sess_home(home))
+    try:
+        interrupted = registry.interrupt_live()
+    finally:
+        registry.close()
+    names = ", ".join(interrupted) if interrupted else "none"
+    print(
+        f"sess engine: {failure}; the engine stopped. Sessions now Interrupted: {names}. Start the "
+        "engine again and resume each from its last saved state (sess resume NAME, or "
+        "create_training_client_from_state).",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
+def follow_rank(
+    home: str | Path | None, ranks, dtype: str | None = None, memory_budget: str | None = None
+) -> None:
+    """A rank other than 0: hold its share of the weights and run rank 0's ops until told to stop.
+    ``dtype`` and ``memory_budget`` are the engine's options (every rank gets the same command line)."""
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.distributed_follow import follow
+    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.runtime import Runtime
+
+    runtime = Runtime(
+        home,
+        ranks.device,
+        dtypes=Dtypes.parse(dtype),
+        memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+    )
+    runtime.ranks = ranks
+    try:
+        follow(runtime, ranks)
+    finally:
+        ranks.close()
