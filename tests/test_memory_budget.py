@@ -155,7 +155,7 @@ def test_no_output_layer_call_sees_more_than_a_chunk_of_positions(tc, runtime, m
     (of 128 rows here: the tiny model's vocabulary is small, and the chunk is sized in logits)."""
     tok, _, host = _prepared(tc, runtime)
     monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 128 * host.vocab_size)
-    rows = output_layer.chunk_rows(host.vocab_size)
+    rows = output_layer.chunk_rows(host.vocab_size, runtime.memory_budget)
     data = _batch(tok, np.random.default_rng(6), [300] * 6)
     seen = []
     head = host.peft.get_base_model().get_output_embeddings()
@@ -168,6 +168,25 @@ def test_no_output_layer_call_sees_more_than_a_chunk_of_positions(tc, runtime, m
     clear_grads(runtime, tc.name)
     assert sum(shape[0] for shape in seen) == 2 * 6 * 300
     assert max(shape[0] for shape in seen) <= rows < 6 * 300
+
+
+def test_output_layer_chunks_are_sized_by_the_memory_budget(tc, runtime):
+    """A micro-batch whose logits fit in the budget's share goes through the output layer at once;
+    under a budget too small for that, in chunks of what the share holds."""
+    tok, _, host = _prepared(tc, runtime)
+    data = _batch(tok, np.random.default_rng(7), [100] * 3)
+    head = host.peft.get_base_model().get_output_embeddings()
+    share = output_layer.LOGITS_SHARE / output_layer.BYTES_PER_LOGIT
+    for value, most in [(1 << 30, 300), (int(80 * host.vocab_size / share) + 24, 80)]:
+        seen: list[int] = []
+        hook = head.register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.shape[0]))
+        try:
+            with budget(runtime, value):
+                tc.forward_backward(data, "cross_entropy").result()
+        finally:
+            hook.remove()
+        clear_grads(runtime, tc.name)
+        assert sum(seen) == 300 and max(seen) == most, (value, seen)
 
 
 def test_the_activation_probe_measures_checkpointing_as_cheaper(tc, runtime):

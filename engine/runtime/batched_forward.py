@@ -241,16 +241,17 @@ def _right_padded(rows: list[list[int]], targets: list[torch.Tensor] | None, dev
     return ids, mask, tgt
 
 
-def prompt_logprobs(model, prompt: list[int], topk: int | None):
+def prompt_logprobs(model, prompt: list[int], topk: int | None, budget: int):
     """Each prompt token's logprob given the ones before it (the first None), and with ``topk`` the
-    top-k (token, logprob) pairs of each position, over the output layer in chunks."""
+    top-k (token, logprob) pairs of each position, over the output layer in chunks (sized by the
+    memory budget ``budget``)."""
     decoder, head, cap = decoder_and_head(model)
     with torch.no_grad():
         device = _device(decoder)
         hidden = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=False).last_hidden_state[
             0
         ]
-        step = chunk_rows(output_size(head))
+        step = chunk_rows(output_size(head), budget)
         chosen, top = [], [None] if topk else None
         following = torch.tensor(prompt[1:], device=device)
         for start in range(0, len(prompt) - 1, step):

@@ -2,7 +2,10 @@
 
 A training forward runs the model's decoder to its final (normed) hidden states and stops there;
 the output layer (the model's ``lm_head``, LoRA included when the adapter trains it) then runs over
-chunks of at most :data:`CHUNK_LOGITS` logits. Each chunk's logits exist only while the chunk is
+chunks of positions whose logits fit in a share of the engine's memory budget (:func:`chunk_rows`):
+a micro-batch whose logits fit runs as one chunk, as fast as the unchunked pass (smaller chunks
+cost the output layer's matmuls their efficiency: on smollm2 with its 49k vocabulary, 16 MB chunks
+made training ~10 % slower). Each chunk's logits exist only while the chunk is
 worked on: the logprobs of its targets are kept, and with a backward pass the loss's gradient with
 respect to those logprobs goes through the output layer at once, which leaves the gradient with
 respect to the chunk's hidden states ([positions x hidden], small) and adds the output layer's
@@ -25,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK_LOGITS = 1 << 22  # logits per chunk (16 MB in fp32): the output layer's share of the memory budget
+LOGITS_SHARE = 0.5  # of the memory budget, for a chunk's logits (the decoder's activations use the budget)
+BYTES_PER_LOGIT = 12  # a chunk holds fp32 logits, their log-softmax and, training, its gradient
+CHUNK_LOGITS: int | None = None  # a fixed chunk size in logits instead (None: from the budget)
 MIN_CHUNK_ROWS = 64  # fewer rows per matmul than this waste the output layer's time on big vocabularies
 
 LossGrad = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logprobs, pair indices) -> dloss/dlp
@@ -51,8 +56,10 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base.get_decoder(), base.get_output_embeddings(), cap
 
 
-def chunk_rows(vocab_size: int) -> int:
-    return max(MIN_CHUNK_ROWS, CHUNK_LOGITS // vocab_size)
+def chunk_rows(vocab_size: int, budget: int) -> int:
+    """Positions per output-layer chunk under a memory budget of ``budget`` bytes."""
+    logits = CHUNK_LOGITS if CHUNK_LOGITS else int(budget * LOGITS_SHARE) // BYTES_PER_LOGIT
+    return max(MIN_CHUNK_ROWS, logits // vocab_size)
 
 
 def logits_of(head: torch.nn.Module, hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -67,11 +74,13 @@ def logprobs(
     head: torch.nn.Module,
     cap: float | None,
     pairs: Pairs,
+    budget: int,
     *,
     loss_grad: LossGrad | None = None,
     grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each pair's logprob [pairs] (detached), chunk by chunk over the hidden rows.
+    """Each pair's logprob [pairs] (detached), chunk by chunk over the hidden rows (chunks sized by
+    the memory budget ``budget``).
 
     With ``loss_grad`` (the loss's gradient from a chunk's logprobs) or ``grad`` (the gradient of
     every pair, known before), the gradient also goes back through the output layer chunk by chunk:
@@ -81,7 +90,7 @@ def logprobs(
     backward = loss_grad is not None or grad is not None
     order = torch.argsort(rows, stable=True)
     sorted_rows = rows[order]
-    step = chunk_rows(output_size(head))
+    step = chunk_rows(output_size(head), budget)
     edges = torch.searchsorted(sorted_rows, torch.arange(0, hidden.shape[0] + step, step, device=rows.device))
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
     hidden_grad = torch.zeros_like(hidden) if backward else None

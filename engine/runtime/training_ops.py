@@ -98,7 +98,9 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                         pairs = token_pairs(
                             decoder, [datums[i] for i in indices], [targets[i] for i in indices]
                         )
-                    lps = _logprobs(head, cap, pairs, loss_fn, config, [inputs[i] for i in indices], backward)
+                    lps = _logprobs(
+                        head, cap, pairs, budget, loss_fn, config, [inputs[i] for i in indices], backward
+                    )
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
@@ -111,11 +113,11 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
 
 
 def _logprobs(
-    head, cap, pairs, loss_fn: str, config: dict, inputs: list[dict], backward: bool
+    head, cap, pairs, budget: int, loss_fn: str, config: dict, inputs: list[dict], backward: bool
 ) -> torch.Tensor:
     """One micro-batch's logprobs (pair order); with ``backward``, the loss's gradients too."""
     if not backward:
-        return logprobs(head, cap, pairs)[0]
+        return logprobs(head, cap, pairs, budget)[0]
     device = pairs.hidden.device
     flat = {
         key: torch.cat([x[key][: span.stop - span.start] for x, span in zip(inputs, pairs.spans)]).to(device)
@@ -127,14 +129,16 @@ def _logprobs(
         return compute_loss(loss_fn, config, lps, pair_inputs)[0]
 
     if loss_fn in PER_TOKEN_LOSSES:
-        lps, hidden_grad = logprobs(head, cap, pairs, loss_grad=token_loss_grad(loss, flat))
+        lps, hidden_grad = logprobs(head, cap, pairs, budget, loss_grad=token_loss_grad(loss, flat))
     else:
-        lps, _ = logprobs(head, cap, pairs)
+        lps, _ = logprobs(head, cap, pairs, budget)
         leaf = lps.detach().requires_grad_(True)
         per_datum = [leaf[span] for span in pairs.spans]
         value = compute_loss(loss_fn, config, per_datum, inputs)[0]
         (grad,) = torch.autograd.grad(value, leaf, allow_unused=True)
-        lps, hidden_grad = logprobs(head, cap, pairs, grad=torch.zeros_like(leaf) if grad is None else grad)
+        lps, hidden_grad = logprobs(
+            head, cap, pairs, budget, grad=torch.zeros_like(leaf) if grad is None else grad
+        )
     backward_from(pairs.hidden, hidden_grad)
     return lps
 
