@@ -46,7 +46,8 @@ def up(
         None,
         help="Activation memory a training op may hold, e.g. 1G (default: 512M on cpu, half the free "
         "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
-        "with activation checkpointing, and one too long even then is refused.",
+        "with activation checkpointing, and one too long even then is refused. The output layer's "
+        "logits take up to half as much again, in chunks.",
     ),
     nproc: int = typer.Option(
         1,

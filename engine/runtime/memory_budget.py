@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 # bytes of activations on CPU. Measured on smollm2-135m (1.2 MB a position, 0.11 MB checkpointed;
 # benchmarks/memory.py): engine peak RSS 3.53 GiB at a 1 GiB budget, 2.43 GiB at 512 MiB over
-# issue 14's GRPO step, whose 64 x 60-100-token batch then runs as 8 micro-batches of one group.
+# issue 14's GRPO step, whose 64 x 60-100-token batch then runs as 8 micro-batches of one group
+# (2.71 GiB since the output layer's chunks take half the budget: benchmarks/README.md).
 CPU_BUDGET = 512 << 20
 CUDA_SHARE = 0.5  # of the device's free memory when the first training op runs
 PROBE_TOKENS = 128

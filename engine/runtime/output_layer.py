@@ -30,6 +30,7 @@ import torch
 
 LOGITS_SHARE = 0.5  # of the memory budget, for a chunk's logits (the decoder's activations use the budget)
 BYTES_PER_LOGIT = 12  # a chunk holds fp32 logits, their log-softmax and, training, its gradient
+MAX_CHUNK_BYTES = 1 << 30  # bounds the logits where the budget is tens of GB (a GPU's half of free memory)
 CHUNK_LOGITS: int | None = None  # a fixed chunk size in logits instead (None: from the budget)
 MIN_CHUNK_ROWS = 64  # fewer rows per matmul than this waste the output layer's time on big vocabularies
 
@@ -58,7 +59,7 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
 
 def chunk_rows(vocab_size: int, budget: int) -> int:
     """Positions per output-layer chunk under a memory budget of ``budget`` bytes."""
-    logits = CHUNK_LOGITS if CHUNK_LOGITS else int(budget * LOGITS_SHARE) // BYTES_PER_LOGIT
+    logits = CHUNK_LOGITS or int(min(budget * LOGITS_SHARE, MAX_CHUNK_BYTES)) // BYTES_PER_LOGIT
     return max(MIN_CHUNK_ROWS, logits // vocab_size)
 
 
