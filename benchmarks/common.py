@@ -29,8 +29,35 @@ def on_engine(svc, fn: Callable[..., T], *args, **kwargs) -> T:
     return svc.transport.engine.run(lambda runtime: fn(*args, **kwargs))
 
 
-def as_engine_process() -> None:
+def in_process_client(
+    home=None, device: str = "cpu", dtype: str | None = None, memory_budget: str | None = None
+):
+    """A ServiceClient on this process's engine for ``home``, on ``device``, its base models in
+    ``dtype``, training under ``memory_budget`` (the engine's ``--device``, ``--dtype`` and
+    ``--memory-budget``; None: the engine's defaults)."""
+    from sess.engine import ServiceClient
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.sdk.transport import shared_engine
+
+    runtime = shared_engine(home, device=device).runtime
+    runtime.dtypes = Dtypes.parse(dtype)
+    runtime.memory_budget = parse_bytes(memory_budget) if memory_budget else None
+    return ServiceClient("inproc", home=home)
+
+
+def add_device_options(parser) -> None:
+    parser.add_argument("--device", default="cpu", help="the engine's device: cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--dtype", default=None, help="base model precision, float32 or bfloat16 (default: the device's)"
+    )
+    parser.add_argument(
+        "--memory-budget", default=None, help="the engine's training memory budget, e.g. 512M"
+    )
+
+
+def as_engine_process(device: str = "cpu") -> None:
     """Run this script with the malloc settings of an engine process (engine/memory.py): glibc
     reads them at start, so the script starts again with them if they are missing. Baselines in
     the same process run with them too, which can only help them."""
-    exec_as_engine([sys.executable, *sys.argv])
+    exec_as_engine([sys.executable, *sys.argv], device)

@@ -17,6 +17,8 @@ prompts, num_samples, max_tokens and temperature:
 
     python benchmarks/sampling.py                      # smollm2-135m, the acceptance setting
     python benchmarks/sampling.py --model tiny-llama   # a quick check
+    python benchmarks/sampling.py --dtype bfloat16 --skip latency,adapters,prefill   # bf16 batch
+    python benchmarks/sampling.py --device cuda        # on a GPU (no matmul floor: it is oneDNN's)
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from sess.engine import AdamParams, SamplingParams, ServiceClient  # noqa: E402
+from sess.engine import AdamParams, SamplingParams  # noqa: E402
 
-from common import as_engine_process, on_engine  # noqa: E402
+from common import add_device_options, as_engine_process, in_process_client, on_engine  # noqa: E402
 
 TOPICS = [
     "the sea",
@@ -69,8 +71,8 @@ def sess_batch(sc, prompts, k, params) -> tuple[int, float]:
 
 def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, float]:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -135,11 +137,12 @@ def main() -> None:
     parser.add_argument(
         "--skip", default="", help="comma list of parts to skip: batch,latency,adapters,prefill"
     )
+    add_device_options(parser)
     args = parser.parse_args()
-    as_engine_process()
+    as_engine_process(args.device)
     skip = set(filter(None, args.skip.split(",")))
     console = Console()
-    svc = ServiceClient("inproc", home=args.home)
+    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
     runtime = svc.transport.engine.runtime
     sessions = [svc.create_lora_training_client(args.model, rank=args.rank, seed=i) for i in range(4)]
     tok = sessions[0].get_tokenizer()
@@ -156,7 +159,8 @@ def main() -> None:
     host = runtime.hosts[args.model]
     adapter = host.checkpoint_adapters[sc.model_path]
     table = Table(
-        title=f"sampling on {args.model} (LoRA rank {args.rank}, {torch.get_num_threads()} threads)"
+        title=f"sampling on {args.model} ({host.dtype}, {args.device}; LoRA rank {args.rank}, "
+        f"{torch.get_num_threads()} threads)"
     )
     for col in ("case", "sess tok/s", "baseline tok/s", "ratio"):
         table.add_column(col)
@@ -181,6 +185,7 @@ def main() -> None:
             f"{figures['batch']:.2f}x",
         )
         rows = args.prompts * args.samples
+    if "batch" not in skip and args.device == "cpu" and host.dtype == torch.float32:
         floor = on_engine(svc, matmul_floor, host, rows)
         table.add_row(
             f"matmul floor: base linears only, {rows} rows ({floor * 1e3:.1f} ms/step)",

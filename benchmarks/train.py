@@ -7,6 +7,8 @@ hits both alike. Prints tokens/s for each and the ratio engine / plain (target >
     python benchmarks/train.py                          # smollm2-135m, 8 x 128, in-process engine
     python benchmarks/train.py --url http://127.0.0.1:PORT   # through an engine server
     python benchmarks/train.py --model tiny-llama --rounds 5
+    python benchmarks/train.py --dtype bfloat16          # both sides with a bf16 base model
+    python benchmarks/train.py --device cuda             # on a GPU (bf16 there by default)
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
-from sess.engine.runtime.catalog import load_model, lora_targets  # noqa: E402
+from sess.engine.runtime.catalog import DTYPES, Dtypes, load_model, lora_targets  # noqa: E402
 
-from common import as_engine_process, on_engine  # noqa: E402
+from common import add_device_options, as_engine_process, in_process_client, on_engine  # noqa: E402
 
 
 def batch(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -34,8 +36,10 @@ def batch(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(10, vocab - 10, (rows, length + 1), generator=g)
 
 
-def plain_peft(model_name: str, home, rank: int, alpha: float, seed: int):
-    model, _, _ = load_model(model_name, home=home)
+def plain_peft(
+    model_name: str, home, rank: int, alpha: float, seed: int, device: str = "cpu", dtype=torch.float32
+):
+    model, _, _ = load_model(model_name, home=home, device=device, dtype=dtype)
     targets = lora_targets(model, train_attn=True, train_mlp=True, train_unembed=True)
     torch.manual_seed(seed)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, **targets))
@@ -46,6 +50,7 @@ def plain_peft(model_name: str, home, rank: int, alpha: float, seed: int):
     )
 
     def step(tokens: torch.Tensor) -> float:
+        tokens = tokens.to(model.device)
         logits = model(input_ids=tokens[:, :-1]).logits.float()
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum"
@@ -69,17 +74,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--url", default="inproc", help="engine URL (default: in-process engine)")
     parser.add_argument("--home", default=None)
+    add_device_options(parser)
     args = parser.parse_args()
-    as_engine_process()
+    as_engine_process(args.device)
 
-    svc = ServiceClient(args.url, home=args.home)
+    if args.url == "inproc":
+        svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
+    else:
+        svc = ServiceClient(args.url, home=args.home)
     tc = svc.create_lora_training_client(args.model, rank=args.rank, alpha=2 * args.rank, seed=0)
     vocab = len(tc.get_tokenizer())
 
     def here(fn, *a, **k):  # an in-process engine's thread runs the baseline too: see common.py
         return on_engine(svc, fn, *a, **k) if args.url == "inproc" else fn(*a, **k)
 
-    step = here(plain_peft, args.model, args.home, args.rank, 2 * args.rank, seed=0)
+    dtype = DTYPES[Dtypes.parse(args.dtype).name_for(args.model, args.device)]
+    step = here(plain_peft, args.model, args.home, args.rank, 2 * args.rank, 0, args.device, dtype)
 
     def plain(tokens: torch.Tensor) -> float:
         return here(step, tokens)
@@ -113,7 +123,8 @@ def main() -> None:
     engine_tps = tokens_per_step / statistics.median(times["engine"])
     plain_tps = tokens_per_step / statistics.median(times["plain"])
     table = Table(
-        title=f"forward_backward + optim_step, {args.model}, {args.rows}x{args.length}, LoRA rank {args.rank} ({args.url})"
+        title=f"forward_backward + optim_step, {args.model} ({dtype}, {args.device}), {args.rows}x{args.length}, "
+        f"LoRA rank {args.rank} ({args.url})"
     )
     for col in ("", "tokens/s", "median step s"):
         table.add_column(col)

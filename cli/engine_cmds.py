@@ -36,6 +36,19 @@ def up(
         None, "--tls-cert", help="PEM certificate (chain) to serve https with; needs --tls-key."
     ),
     tls_key: str = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    dtype: str = typer.Option(
+        None,
+        help="Precision of the base models' weights: float32 or bfloat16 (default: float32 on cpu, "
+        "bfloat16 on cuda); per model with MODEL=DTYPE, e.g. float32,gpt-oss-20b=bfloat16. LoRA "
+        "weights and optimizer state stay float32.",
+    ),
+    memory_budget: str = typer.Option(
+        None,
+        help="Activation memory a training op may hold, e.g. 1G (default: 512M on cpu, half the free "
+        "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
+        "with activation checkpointing, and one too long even then is refused. The output layer's "
+        "logits take up to half as much again, in chunks.",
+    ),
     nproc: int = typer.Option(
         1,
         help="Ranks (torch.distributed: gloo on cpu, NCCL on cuda), one per CPU core or GPU at most: "
@@ -52,7 +65,7 @@ def up(
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.launcher import engine_info, server_command, start_engine
-    from sess.engine.server.serve import check_tls, is_loopback, serve
+    from sess.engine.server.serve import check_options, check_tls, is_loopback, serve
 
     home_path = sess_home(home)
     try:
@@ -61,6 +74,9 @@ def up(
         fail(str(exc))
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"--device: expected cpu or cuda, got {device!r}")
+    problem = check_options(device, dtype, memory_budget)
+    if problem:
+        fail(problem)
     if not is_loopback(host) and not KeyStore(home_path).load():
         fail(
             f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
@@ -76,6 +92,8 @@ def up(
         out.print(f"engine already running at {running['url']} (pid {running['pid']})")
         return
     extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
+    extra += ["--dtype", dtype] if dtype else []
+    extra += ["--memory-budget", memory_budget] if memory_budget else []
     if tls_cert:
         extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
     if nproc != 1:
@@ -85,12 +103,23 @@ def up(
         out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
         return
     command = server_command(home_path, host, port, device, extra)
-    exec_as_engine(command)  # malloc settings: memory.py
+    exec_as_engine(command, device)  # malloc settings: memory.py
     if nproc != 1:  # the elastic agent starts the ranks: see engine/server/serve_ranks.py
         from sess.engine.server.serve_ranks import run_agent
 
         raise typer.Exit(run_agent(nproc, command[3:], home_path))
-    serve(home_path, host, port, device, idle_timeout, max_sessions, tls_cert=tls_cert, tls_key=tls_key)
+    serve(
+        home_path,
+        host,
+        port,
+        device,
+        idle_timeout,
+        max_sessions,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        dtype=dtype,
+        memory_budget=memory_budget,
+    )
 
 
 @engine_app.command("status")

@@ -50,6 +50,55 @@ def test_engine_env_keeps_user_choices():
     )
     assert not set(ENGINE_MALLOC) & set(engine_env({"SESS_MALLOC": "system"}))
     assert engine_env({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"
+    # a GPU engine's tensors live in the CUDA caching allocator: glibc keeps its defaults there
+    assert not set(ENGINE_MALLOC) & set(engine_env({}, device="cuda"))
+
+
+# under the engine settings (nothing is ever trimmed by itself), allocate and free 400 MB, then trim
+TRIM_PROBE = """
+import torch
+from sess.engine.runtime.memory import trim
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+xs = [torch.ones(3 * 2**20) for _ in range(32)]
+del xs
+held = rss()
+trim()
+print(held - rss())
+"""
+
+
+@linux
+def test_trim_hands_the_heap_s_free_memory_back():
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM_PROBE], env=engine_env(), capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.split()[-1]) > 300 * 2**20
+
+
+def test_an_idle_executor_calls_its_idle_hook_once_per_quiet_spell(tmp_path):
+    """What lets an idle engine hand memory back (ManagedEngine.idle): called after idle_after_s
+    without work, once, and again only after more work."""
+    import time
+
+    from sess.engine.runtime.executor import Executor
+
+    class Watched(Executor):
+        idle_after_s = 0.3
+        calls = 0
+
+        def idle(self):
+            Watched.calls += 1
+
+    engine = Watched(home=tmp_path)
+    try:
+        time.sleep(1.6)
+        assert Watched.calls == 1
+        engine.run(lambda runtime: None)
+        time.sleep(1.6)
+        assert Watched.calls == 2
+    finally:
+        engine.close()
 
 
 @linux

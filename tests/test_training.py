@@ -231,7 +231,7 @@ def test_plan_groups_completions_where_sharing_saves_positions(system, own, grou
         for _ in range(4):
             tokens = head + question + list(rng.integers(10, 1000, 12))
             data.append(Datum(ModelInput.from_ints(tokens), {"target_tokens": np.array(tokens)}))
-    (batch,) = plan(data, 1000, share_prefixes=True)
+    (batch,) = plan(data, 4096, share_prefixes=True)
     assert batch[0] == [] and len(batch[1]) == groups
     assert sorted(i for members, _ in batch[1] for i in members) == list(range(8))
     # every group shares at least what its members have in common up to their prompt
@@ -286,7 +286,7 @@ def test_completions_of_one_prompt_share_its_prefix_and_match_plain_torch(tc, ru
                 ].astype(np.float32)
             )
             data.append(d)
-    batches = plan(data, len(tok), share_prefixes=True)
+    batches = plan(data, 4096, share_prefixes=True)
     assert [sorted(len(idx) for idx, _ in groups) for _, groups in batches] == [[5, 5]]  # both in one pass
     # each group shares its whole prompt, not just the system line both prompts begin with
     shared = sorted(shared for _, groups in batches for _, shared in groups)

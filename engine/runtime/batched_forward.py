@@ -1,12 +1,14 @@
 """Batched forward passes: per-token logprobs of datum batches and of prompts.
 
-:func:`plan` splits a batch into micro-batches whose logits stay under ``LOGITS_BUDGET`` floats (the
-losses are token sums, so backward per micro-batch gives the same gradients). Datums that share a
-long prefix (the G completions of one prompt in RL) form one micro-batch whose prefix runs once:
-its KV cache is repeated for the members and only their suffixes run, which is the same function
-with fewer FLOPs (in RL batches the prompt is often most of each sequence). Prompts of one
-micro-batch that begin alike (a chat template's system lines) run that start once as well. The
-rest are right-padded into ordinary batches.
+:func:`plan` splits a batch into micro-batches of at most ``max_positions`` positions each (the
+memory budget's share, :mod:`.memory_budget`; the losses are token sums, so backward per
+micro-batch gives the same gradients). Datums that share a long prefix (the G completions of one
+prompt in RL) form one micro-batch whose prefix runs once: its KV cache is repeated for the members
+and only their suffixes run, which is the same function with fewer FLOPs (in RL batches the prompt
+is often most of each sequence). Prompts of one micro-batch that begin alike (a chat template's
+system lines) run that start once as well. The rest are right-padded into ordinary batches. The
+passes stop at the decoder's final hidden states; logprobs come from the output layer in chunks
+(:mod:`.output_layer`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from sess.engine.sampling.token_choice import chosen_logprobs, prompt_logprobs_from
+from sess.engine.runtime.output_layer import Pairs, chunk_rows, decoder_and_head, logits_of, output_size
 from sess.engine.sdk.types import Datum
-
-LOGITS_BUDGET = 1 << 27  # floats of logits per micro-batch: bounds memory on long batches
-
 
 MIN_SHARED = 16  # a shorter common prefix is not worth a separate pass
 # Running the prefixes' common start once costs a model call of its own over few rows: on smollm2,
@@ -32,10 +31,12 @@ Group = tuple[list[int], int]  # datum indices sharing their first ``shared`` in
 
 
 def plan(
-    datums: list[Datum], vocab_size: int, *, share_prefixes: bool
+    datums: list[Datum], max_positions: int, *, share_prefixes: bool
 ) -> list[tuple[list[int], list[Group]]]:
-    """Micro-batches: (indices for one right-padded batch, []) or ([], groups run with shared prefixes)."""
-    budget = max(1, LOGITS_BUDGET // vocab_size)
+    """Micro-batches: (indices for one right-padded batch, []) or ([], groups run with shared
+    prefixes), each computing at most ``max_positions`` positions, except a datum longer than that,
+    which comes alone (:func:`positions` of a micro-batch says how many it computes)."""
+    budget = max(1, max_positions)
     tokens = [d.model_input.to_ints() for d in datums]
     batches: list[tuple[list[int], list[Group]]] = []
     alone = list(range(len(datums)))
@@ -64,22 +65,38 @@ def plan(
                 continue
             members.sort()
             suffix = max(len(tokens[m]) for m in members) - shared
-            logits = (rows + len(members)) * max(suffix_width, suffix) + (len(packed) + 1) * max(
-                prefix_width, shared
-            )
-            if packed and (
-                logits > budget or (rows + len(members)) * max(suffix_width, suffix) > PACK_TOKENS
-            ):
-                batches.append(([], packed))
-                packed, rows, prefix_width, suffix_width = [], 0, 0, 0
-            packed.append((members, shared))
-            rows += len(members)
-            prefix_width, suffix_width = max(prefix_width, shared), max(suffix_width, suffix)
+            # a group too big for one micro-batch runs in parts, each with its own prefix pass
+            per_part = max(0, budget - shared) // suffix
+            for part in [members[i : i + max(per_part, 1)] for i in range(0, len(members), max(per_part, 1))]:
+                if len(part) < 2:
+                    alone += part
+                    continue
+                count = (rows + len(part)) * max(suffix_width, suffix) + (len(packed) + 1) * max(
+                    prefix_width, shared
+                )
+                if packed and (
+                    count > budget or (rows + len(part)) * max(suffix_width, suffix) > PACK_TOKENS
+                ):
+                    batches.append(([], packed))
+                    packed, rows, prefix_width, suffix_width = [], 0, 0, 0
+                packed.append((part, shared))
+                rows += len(part)
+                prefix_width, suffix_width = max(prefix_width, shared), max(suffix_width, suffix)
         if packed:
             batches.append(([], packed))
         alone.sort()
     batches += [([alone[j] for j in chunk], []) for chunk in chunks([datums[i] for i in alone], budget)]
     return batches
+
+
+def positions(datums: list[Datum], batch: tuple[list[int], list[Group]]) -> int:
+    """How many positions a micro-batch of :func:`plan` computes, padding included."""
+    padded, groups = batch
+    if padded:
+        return len(padded) * max(datums[i].model_input.length for i in padded)
+    prefix = max(shared for _, shared in groups)
+    suffix = max(datums[i].model_input.length - shared for members, shared in groups for i in members)
+    return len(groups) * prefix + sum(len(members) for members, _ in groups) * suffix
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,71 +122,86 @@ def chunks(datums: list[Datum], token_budget: int) -> list[list[int]]:
     return chunks
 
 
-def token_logprobs(model, datums: list[Datum], targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """log p(target_i | input_0..i) for each datum, right-padded into one batch."""
-    device = next(model.parameters()).device
+def token_pairs(decoder, datums: list[Datum], targets: list[torch.Tensor]) -> Pairs:
+    """The decoder's final hidden states for each datum's positions, right-padded into one batch
+    (the padding's rows dropped), and each position's target."""
+    device = _device(decoder)
     ids, mask, tgt = _right_padded([d.model_input.to_ints() for d in datums], targets, device)
-    lp = chosen_logprobs(model(input_ids=ids, attention_mask=mask).logits.float(), tgt)
-    return [lp[row, : d.model_input.length] for row, d in enumerate(datums)]
+    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    valid = mask.bool()
+    return Pairs(hidden[valid], torch.arange(int(valid.sum()), device=device), tgt[valid], _spans(datums))
 
 
-def shared_prefix_logprobs(
-    model, groups: list[tuple[list[Datum], list[torch.Tensor], int]]
-) -> list[list[torch.Tensor]]:
-    """Like :func:`token_logprobs`, for groups of datums whose first ``shared`` input tokens agree.
+def shared_prefix_pairs(decoder, groups: list[tuple[list[Datum], list[torch.Tensor], int]]) -> Pairs:
+    """Like :func:`token_pairs`, for groups of datums whose first ``shared`` input tokens agree.
 
     All groups' prefixes run as one right-padded batch, after the start they all share
     (:func:`shared_root`, e.g. a chat template's system lines), which runs once with its KV rows
     repeated for each prefix; each prefix's KV rows are repeated for its members; then all
-    suffixes run as one batch attending to their own prefix. Returns each
-    group's list of per-datum logprobs."""
-    device = next(model.parameters()).device
+    suffixes run as one batch attending to their own prefix. A prefix's hidden states are rows of
+    their own, read by every member with its own targets (the last prefix position's target is the
+    member's first own token). Datums come in group order."""
+    device = _device(decoder)
     prefixes = [datums[0].model_input.to_ints()[:shared] for datums, _, shared in groups]
     root = shared_root(prefixes)
-    cache = DynamicCache(config=model.config)
-    root_lp = None
+    cache = DynamicCache(config=decoder.config)
+    parts = []
     if root:  # the prompts' common start runs once too, its KV repeated for each prompt
-        out = model(input_ids=torch.tensor([prefixes[0][:root]], device=device), cache=cache, use_cache=True)
-        root_lp, cache = out.logits[0].float().log_softmax(-1), out.cache
+        out = decoder(
+            input_ids=torch.tensor([prefixes[0][:root]], device=device), cache=cache, use_cache=True
+        )
+        parts.append(out.last_hidden_state[0])
+        cache = out.cache
         repeat_rows(cache, torch.zeros(len(groups), dtype=torch.long, device=device))
-    prefix_ids, prefix_mask, _ = _right_padded([p[root:] for p in prefixes], None, device)
-    prefix_mask = torch.cat([prefix_mask.new_ones(len(groups), root), prefix_mask], dim=1)
+    prefix_ids, own_mask, _ = _right_padded([p[root:] for p in prefixes], None, device)
+    prefix_mask = torch.cat([own_mask.new_ones(len(groups), root), own_mask], dim=1)
     positions = root + torch.arange(prefix_ids.shape[1], device=device)
-    out = model(
+    out = decoder(
         input_ids=prefix_ids,
         attention_mask=prefix_mask,
         position_ids=positions[None, :].expand(len(groups), -1),
         cache=cache,
         use_cache=True,
     )
-    # log-softmax once per prefix row; each member reads its own targets from it (the last prefix
-    # position's target is the member's first own token)
-    prefix_lp = out.logits.float().log_softmax(-1)
+    parts.append(out.last_hidden_state[own_mask.bool()])
     owner = [g for g, (datums, _, _) in enumerate(groups) for _ in datums]
     cache = out.cache
     repeat_rows(cache, torch.tensor(owner, device=device))  # repeat each prefix for its members
     members = [(d, t, shared) for datums, targets, shared in groups for d, t in zip(datums, targets)]
-    ids, suffix_mask, tgt = _right_padded(
-        [d.model_input.to_ints()[shared:] for d, _, shared in members],
-        [t[shared:] for _, t, shared in members],
-        device,
+    ids, suffix_mask, _ = _right_padded(
+        [d.model_input.to_ints()[shared:] for d, _, shared in members], None, device
     )
     mask = torch.cat([prefix_mask[owner], suffix_mask], dim=1)
     starts = torch.tensor([shared for _, _, shared in members], device=device)
     positions = starts[:, None] + torch.arange(ids.shape[1], device=device)[None, :]
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-    ).logits.float()
-    suffix_lp = chosen_logprobs(logits, tgt)
-    result: list[list[torch.Tensor]] = [[] for _ in groups]
-    for row, (datum, target, shared) in enumerate(members):
-        g, target = owner[row], target[:shared].to(device=device, dtype=torch.long)
-        parts = [prefix_lp[g, : shared - root].gather(-1, target[root:, None]).squeeze(-1)]
-        if root:  # the root's logits exist once, for every group
-            parts.insert(0, root_lp.gather(-1, target[:root, None]).squeeze(-1))
-        suffix = suffix_lp[row, : datum.model_input.length - shared]
-        result[g].append(torch.cat([*parts, suffix]))
-    return result
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    parts.append(out.last_hidden_state[suffix_mask.bool()])
+    # row numbers: the root's, then each prefix's own rows, then each member's suffix rows
+    prefix_start = [root + sum(s - root for _, _, s in groups[:g]) for g in range(len(groups))]
+    suffix_start = prefix_start[-1] + groups[-1][2] - root if groups else root
+    rows, targets = [], []
+    for m, (datum, target, shared) in enumerate(members):
+        n, g = datum.model_input.length, owner[m]
+        rows += [
+            torch.arange(root, device=device),
+            prefix_start[g] + torch.arange(shared - root, device=device),
+            suffix_start + torch.arange(n - shared, device=device),
+        ]
+        suffix_start += n - shared
+        targets.append(target[:n].to(device=device, dtype=torch.long))
+    return Pairs(torch.cat(parts), torch.cat(rows), torch.cat(targets), _spans([d for d, _, _ in members]))
+
+
+def _device(decoder) -> torch.device:
+    return decoder.get_input_embeddings().weight.device
+
+
+def _spans(datums: list[Datum]) -> list[slice]:
+    spans, start = [], 0
+    for d in datums:
+        spans.append(slice(start, start + d.model_input.length))
+        start += d.model_input.length
+    return spans
 
 
 def repeat_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
@@ -209,8 +241,24 @@ def _right_padded(rows: list[list[int]], targets: list[torch.Tensor] | None, dev
     return ids, mask, tgt
 
 
-def prompt_logprobs(model, prompt: list[int], topk: int | None):
+def prompt_logprobs(model, prompt: list[int], topk: int | None, budget: int):
+    """Each prompt token's logprob given the ones before it (the first None), and with ``topk`` the
+    top-k (token, logprob) pairs of each position, over the output layer in chunks (sized by the
+    memory budget ``budget``)."""
+    decoder, head, cap = decoder_and_head(model)
     with torch.no_grad():
-        device = next(model.parameters()).device
-        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0].float()
-        return prompt_logprobs_from(logits, prompt, topk or 0)
+        device = _device(decoder)
+        hidden = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=False).last_hidden_state[
+            0
+        ]
+        step = chunk_rows(output_size(head), budget)
+        chosen, top = [], [None] if topk else None
+        following = torch.tensor(prompt[1:], device=device)
+        for start in range(0, len(prompt) - 1, step):
+            stop = min(start + step, len(prompt) - 1)
+            logp = logits_of(head, hidden[start:stop], cap).log_softmax(-1)
+            chosen += logp.gather(-1, following[start:stop, None]).squeeze(-1).tolist()
+            if topk:
+                values, indices = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+                top += [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+    return [None, *chosen], top

@@ -6,7 +6,8 @@ shipped inside a PyPI wheel, dequantises it once and caches it as safetensors; `
 hub id (network or a filled HF cache); ``local`` is a transformers directory on disk. :func:`prepare`
 turns any of them into a local directory ready for ``from_pretrained``, cached under
 ``models_dir(home)/<name>`` and written atomically; :func:`load_model` loads it; :func:`lora_targets`
-says which modules and parameters LoRA adapters should wrap for each architecture.
+says which modules and parameters LoRA adapters should wrap for each architecture. :class:`Dtypes`
+says which precision each model's weights load in (the engine's ``--dtype``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,78 @@ CATALOG: dict[str, ModelSpec] = {
         ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B"),
     ]
 }
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def dtype_name(text: str) -> str:
+    """``float32`` or ``bfloat16`` (``fp32`` / ``bf16`` accepted); anything else is a ValueError."""
+    name = DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if name in ("float16", "fp16", "half"):
+        raise ValueError(
+            "dtype float16 is not supported: LoRA training in fp16 needs loss scaling; use bfloat16 "
+            "(same memory, fp32's range) or float32"
+        )
+    if name not in DTYPES:
+        raise ValueError(f"dtype {text!r}: expected one of {', '.join(DTYPES)}")
+    return name
+
+
+def default_dtype(device: str) -> str:
+    """fp32 on CPU (sampler/trainer parity to 1e-4); bf16 on CUDA devices that have it (half the
+    memory, tensor cores), fp32 on older ones."""
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bfloat16"
+    return "float32"
+
+
+def check_device_dtype(name: str, device: str) -> None:
+    """Refuse a precision the device cannot compute in, naming the device and what it lacks."""
+    if name == "bfloat16" and device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        if not torch.cuda.is_bf16_supported():
+            major, minor = torch.cuda.get_device_capability(index)
+            raise ValueError(
+                f"dtype bfloat16: {torch.cuda.get_device_name(index)} (compute capability {major}.{minor}) "
+                "has no bf16 support (it needs 8.0 or later); use --dtype float32"
+            )
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The precision of each base model's weights: ``default`` for every model, ``per_model``
+    overrides; ``--dtype bfloat16`` or ``--dtype float32,gpt-oss-20b=bfloat16``. LoRA weights and
+    optimizer state are fp32 whatever the base model's precision."""
+
+    default: str | None = None  # None: default_dtype(device)
+    per_model: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str | None) -> Dtypes:
+        if not text or text.strip().lower() == "auto":
+            return cls()
+        default, per_model = None, []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            model, _, value = part.rpartition("=")
+            if model:
+                per_model.append((model.strip(), dtype_name(value)))
+            elif default is None:
+                default = dtype_name(value)
+            else:
+                raise ValueError(f"dtype {text!r}: give one default, then MODEL=DTYPE entries")
+        return cls(default, tuple(per_model))
+
+    def name_for(self, model: str, device: str) -> str:
+        return dict(self.per_model).get(model) or self.default or default_dtype(device)
+
+    def check(self, device: str) -> None:
+        for name in {self.default or default_dtype(device), *dict(self.per_model).values()}:
+            check_device_dtype(name, device)
+
+    def to_text(self) -> str:
+        return ",".join([self.default or "auto", *(f"{m}={d}" for m, d in self.per_model)])
 
 
 def list_models() -> list[str]:

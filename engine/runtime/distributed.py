@@ -20,18 +20,20 @@ A collective that fails (a rank died) raises :class:`RankFailed`; the launcher
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from sess.engine.runtime.batched_forward import plan as plan_batches
 from sess.engine.runtime.checkpoint_ops import checkpoint_dir
@@ -194,6 +196,11 @@ class Ranks:
         units = [fully_shard(layer, mesh=self.mesh) for layer in layers]
         units.append(fully_shard(model, mesh=self.mesh))
         self.modules += units
+        # FSDP picks its root at the first forward through it: make that the whole model's (every
+        # rank, in the same op), since training runs the decoder and the output layer apart
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._comm_device))
+        model.reshard()
 
     def full_weights(self) -> None:
         """Rank 0: gather every base model's weights for work of its own (the followers join the
@@ -219,8 +226,6 @@ class Ranks:
             self.gathered = False
 
     def _any_sharded(self) -> bool:
-        from torch.distributed.tensor import DTensor
-
         return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
 
     def _unshard(self) -> None:
@@ -239,25 +244,46 @@ class Ranks:
         rank = self.rank if rank is None else rank
         return range(count * rank // self.world, count * (rank + 1) // self.world)
 
-    def plan(self, datums: list[Datum], vocab_size: int) -> list[tuple[list[int], list]]:
-        """This rank's micro-batches (global datum indices), plus empty ``([], [])`` rounds up to the
-        largest rank's count: every rank must make the same model calls, as each one all-gathers
-        weights (forward and backward) with the others."""
+    def plan(self, datums: list[Datum], max_positions: int) -> list[tuple[list[int], list]]:
+        """This rank's micro-batches (global datum indices, at most ``max_positions`` positions each:
+        the memory budget's), plus empty ``([], [])`` rounds up to the largest rank's count: every
+        rank must make the same model calls, as each one all-gathers weights (forward and backward)
+        with the others."""
         plans = []
         for rank in range(self.world):
             mine = list(self.share(len(datums), rank))
-            local = plan_batches([datums[i] for i in mine], vocab_size, share_prefixes=False) if mine else []
+            local = (
+                plan_batches([datums[i] for i in mine], max_positions, share_prefixes=False) if mine else []
+            )
             plans.append([([mine[i] for i in padded], []) for padded, _ in local])
         rounds = max(len(p) for p in plans)
         return plans[self.rank] + [([], [])] * (rounds - len(plans[self.rank]))
 
-    def idle_round(self, model: torch.nn.Module, backward: bool) -> None:
-        """A model call (and its backward) on one token for a rank with fewer micro-batches: it joins
-        the others' weight gathers and adds exact zeros to the gradients."""
-        device = next(model.parameters()).device
-        logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits
-        if backward:
-            (logits.float().sum() * 0.0).backward()
+    def idle_round(self, decoder: torch.nn.Module, backward: bool) -> None:
+        """A decoder call (and its backward) on one token for a rank with fewer micro-batches: it
+        joins the others' weight gathers (the decoder layers'; the root's are held for the op, see
+        :meth:`root_gathered`) and adds exact zeros to the gradients."""
+        device = decoder.get_input_embeddings().weight.device
+        hidden = decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).last_hidden_state
+        if backward and hidden.requires_grad:  # as a real micro-batch's backward_from
+            (hidden.float().sum() * 0.0).backward()
+
+    @contextlib.contextmanager
+    def root_gathered(self, model: torch.nn.Module) -> Iterator[None]:
+        """``model``'s root FSDP unit (embeddings, final norm, output layer) gathered inside the block
+        (every rank enters it in the same op): training calls the decoder and the output layer
+        apart, not the root's forward that would gather them. The decoder layers gather their own
+        weights as they run. Nothing to do while rank 0 holds every weight gathered already."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule) or not isinstance(model.get_input_embeddings().weight, DTensor):
+            yield
+            return
+        self._collective("gathering weights", model.unshard)
+        try:
+            yield
+        finally:
+            model.reshard()
 
     def gather_logprobs(self, logprobs: list[torch.Tensor | None], datums: list[Datum]) -> list[torch.Tensor]:
         """Every datum's logprobs on every rank: each rank fills its own, zeros elsewhere, summed."""

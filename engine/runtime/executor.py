@@ -79,6 +79,8 @@ class Executor:
         self._parked: dict[str, dict[int, Operation]] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._closed = False
+        self._last_work = time.monotonic()
+        self._idle_since_work = False  # whether idle() ran since the last op or decode step
         self._thread = threading.Thread(target=self._loop, name="sess-executor", daemon=True)
         self._thread.start()
 
@@ -197,6 +199,11 @@ class Executor:
     def finished(self, op: Operation) -> None:
         """Called on the executor thread once ``op`` has its result or error."""
 
+    idle_after_s: float | None = None  # seconds without work before idle() runs (None: never)
+
+    def idle(self) -> None:
+        """Called on the executor thread once it has had no op or decode step for ``idle_after_s``."""
+
     # queueing --------------------------------------------------------------------------------------
     def _owned(self, owner: str, op_id: Any) -> Operation:
         with self._cv:
@@ -274,16 +281,26 @@ class Executor:
         while True:
             with self._cv:
                 while not self._ready and not self.runtime.decoding and not self._closed:
+                    if self._idle_due():
+                        break
                     self._cv.wait(timeout=1.0)
                     self._expire_parked()
                 if self._closed:
                     return
+                idle = self._idle_due()
                 samples = [op for op in self._ready if op.name and OPS[op.name].kind is Kind.BATCHED]
                 if samples:
                     self._ready = deque(
                         op for op in self._ready if not op.name or OPS[op.name].kind is not Kind.BATCHED
                     )
                 op = self._ready.popleft() if self._ready else None
+            if idle:
+                self._idle_since_work = True
+                try:
+                    self.idle()
+                except Exception:  # an observer must never take the executor down
+                    log.exception("the idle observer failed")
+                continue
             for sample in samples:
                 self._guarded(sample, self._start_sample)
             if op is not None:
@@ -295,6 +312,13 @@ class Executor:
                     log.error("decode step failed:\n%s", traceback.format_exc())
                     message = f"sampling failed inside the engine: {type(exc).__name__}: {exc}"
                     self.runtime.fail_decoding(SessError(message, status=500))
+            self._idle_since_work, self._last_work = False, time.monotonic()
+
+    def _idle_due(self) -> bool:
+        """(Under the lock) whether idle() should run now: nothing to do, long enough."""
+        if self.idle_after_s is None or self._idle_since_work or self._ready or self.runtime.decoding:
+            return False
+        return time.monotonic() - self._last_work >= self.idle_after_s
 
     def _guarded(self, op: Operation, run: Callable[[Operation], None]) -> None:
         """Run ``op``; its failure (a SessError, or an engine bug as a 500) is its result, never the

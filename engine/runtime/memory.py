@@ -1,4 +1,4 @@
-"""Freed memory stays with the engine process for the next op (glibc malloc settings).
+"""Freed memory stays with the engine process while it works, and goes back once it is idle.
 
 A training step allocates gigabytes of activations and gradients and frees them at its end. With
 glibc's defaults every allocation of more than a few MB is a fresh ``mmap`` and every free gives it
@@ -6,14 +6,23 @@ back to the kernel, so the next step takes a page fault for each 4 KiB page agai
 2-core machine of benchmarks/README.md, a GRPO ``forward_backward`` of ~2,300 tokens took 1.2 M page
 faults and 7 s of kernel time (20.7 s in all); with the settings below the same step took 4 faults
 and 15.4 s. They make malloc serve every thread from one heap that is never trimmed, so after the
-first step the same pages are reused. The process keeps its peak footprint, which an engine reaches
-again on its next step anyway.
+first step the same pages are reused.
+
+Kept for good, though, that memory is the engine's peak footprint for the rest of its life (the
+default ``sess run`` engine held 6.5 GB after its run ended). So an engine that has been idle for
+:data:`IDLE_TRIM_S` seconds gives its free heap back (:func:`trim`, glibc's ``malloc_trim``): a
+loop that sends its next op within seconds keeps its pages, and a finished or paused one costs
+only what it holds. The bound that makes this cheap is the training memory budget
+(:mod:`.memory_budget`): a step's peak is a few times the weights, not dozens.
 
 glibc reads these settings when a process starts, so :func:`engine_env` puts them in the
 environment of the engine processes sess starts (``sess engine up``, ``sess run``). An in-process
 engine applies what can still be applied with ``mallopt`` (:func:`keep_freed_memory`), which helps
 less (measured: 0.8 M faults instead of 1.2 M). Linux with glibc only; ``SESS_MALLOC=system`` turns
 both off, and values already in the environment are kept.
+
+CPU engines only: on CUDA the activations live in the CUDA caching allocator, which keeps freed
+blocks by itself, and the host heap holds little, so an engine on a GPU keeps glibc's defaults.
 """
 
 from __future__ import annotations
@@ -32,36 +41,39 @@ ENGINE_MALLOC = {
 # the same, as mallopt parameters (glibc malloc.h)
 _MALLOPT = ((-8, 1), (-4, 0), (-1, KEEP))  # M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD
 
+IDLE_TRIM_S = 5.0  # seconds without an op or a decode step before the engine trims its heap
+
 _applied: bool | None = None
 
 
-def _enabled(env) -> bool:
-    return sys.platform.startswith("linux") and env.get("SESS_MALLOC", "") != "system"
+def _enabled(env, device: str = "cpu") -> bool:
+    return device == "cpu" and sys.platform.startswith("linux") and env.get("SESS_MALLOC", "") != "system"
 
 
-def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for an engine process: ``base`` (default: this process's) plus the malloc
-    settings above, unless turned off or already set."""
+def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
+    """The environment for an engine process on ``device``: ``base`` (default: this process's)
+    plus the malloc settings above, unless turned off, already set, or the engine is not on CPU."""
     env = dict(os.environ if base is None else base)
-    if _enabled(env):
+    if _enabled(env, device):
         for key, value in ENGINE_MALLOC.items():
             env.setdefault(key, value)
     return env
 
 
-def exec_as_engine(argv: list[str]) -> None:
+def exec_as_engine(argv: list[str], device: str = "cpu") -> None:
     """Replace this process with ``argv`` (``argv[0]`` the program) under :func:`engine_env`, since
     glibc reads the settings only at start; return at once if they are in effect already."""
-    env = engine_env()
+    env = engine_env(device=device)
     if env != dict(os.environ):
         os.execve(argv[0], argv, env)
 
 
-def keep_freed_memory() -> bool:
-    """Apply the settings with ``mallopt`` in this process (once); whether glibc took them."""
+def keep_freed_memory(device: str = "cpu") -> bool:
+    """Apply the settings with ``mallopt`` in this process (once) for an engine on ``device``;
+    whether glibc took them."""
     global _applied
     if _applied is None:
-        _applied = _enabled(os.environ) and _mallopt()
+        _applied = _enabled(os.environ, device) and _mallopt()
     return _applied
 
 
@@ -72,6 +84,19 @@ def _mallopt() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in _MALLOPT)
+
+
+def trim() -> bool:
+    """Hand the heap's free memory back to the kernel (glibc ``malloc_trim``); whether it could."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True
 
 
 def resident_bytes() -> int | None:

@@ -24,16 +24,29 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from sess.engine.runtime.catalog import load_model, lora_targets
+from sess.engine.runtime.memory_budget import ActivationCost, measure_cost, transformer_layers
+from sess.engine.runtime.output_layer import decoder_and_head
 from sess.engine.sampling.decoder import Decoder, full_attention_only
 from sess.engine.sampling.llama_decoder import LlamaDecoder, unsupported
 from sess.engine.sampling.module_decoder import ModuleDecoder
 
 
 class ModelHost:
-    def __init__(self, name: str, home: Path, device: str, max_checkpoint_adapters: int = 8):
+    def __init__(
+        self,
+        name: str,
+        home: Path,
+        device: str,
+        max_checkpoint_adapters: int = 8,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.name = name
-        self.model, self.tokenizer, self.path = load_model(name, home=home, device=device)
+        self.dtype = dtype
+        self.model, self.tokenizer, self.path = load_model(name, home=home, device=device, dtype=dtype)
         self.model.requires_grad_(False)
+        self.layers = len(transformer_layers(self.model))
+        _page_in(self.model)
+        self._activation_cost: ActivationCost | None = None
         self.peft: PeftModel | None = None
         self.checkpoint_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint uri -> adapter name
         self.pinned: Callable[[], set[str]] = set  # adapters in use by running sample requests
@@ -57,6 +70,21 @@ class ModelHost:
         self.decoder: Decoder = (
             ModuleDecoder(self.activate) if self.lean_unsupported else LlamaDecoder(lambda: self.model)
         )
+
+    # memory -------------------------------------------------------------------------------------
+    def activation_cost(self, model: torch.nn.Module) -> ActivationCost:
+        """What a training position holds (measured once, through ``model`` with its adapter)."""
+        if self._activation_cost is None:
+            decoder, _, _ = decoder_and_head(model)
+            self._activation_cost = measure_cost(model, decoder, self.vocab_size)
+        return self._activation_cost
+
+    def release_sampling_memory(self) -> None:
+        """Drop what only sampling uses and the decoder makes again on demand (its prepacked copies
+        of the base weights: as large as the weights themselves)."""
+        release = getattr(self.decoder, "release_memory", None)
+        if release is not None:
+            release()
 
     # adapters -----------------------------------------------------------------------------------
     def lora_config(
@@ -234,6 +262,16 @@ class ModelHost:
             if not untie:
                 state.pop("lm_head.weight", None)
         return state, untie
+
+
+def _page_in(model: torch.nn.Module) -> None:
+    """Read every weight once, so a loaded model is in memory rather than mapped from its file on
+    first use (safetensors loads lazily): the first request pays no disk reads, and RSS after
+    loading is the model's true footprint."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu" and param.numel():
+                param.view(-1)[:: max(1, 4096 // param.element_size())].sum()
 
 
 def _layout(config: dict) -> str:

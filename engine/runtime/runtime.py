@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sess.engine.runtime.catalog import ModelNotAvailable
+from sess.engine.runtime.catalog import DTYPES, Dtypes, ModelNotAvailable
+from sess.engine.runtime.memory_budget import default_budget
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import DecodeBatch
@@ -24,9 +25,18 @@ if TYPE_CHECKING:
 
 
 class Runtime:
-    def __init__(self, home: str | Path | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        device: str = "cpu",
+        *,
+        dtypes: Dtypes | None = None,
+        memory_budget: int | None = None,
+    ):
         self.home = sess_home(home)
         self.device = device
+        self.dtypes = dtypes or Dtypes()
+        self._memory_budget = memory_budget  # None: memory_budget.default_budget, once a model is in
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
@@ -39,7 +49,8 @@ class Runtime:
         if base_model not in self.hosts:
 
             def make() -> ModelHost:
-                return ModelHost(base_model, self.home, self.device)
+                dtype = DTYPES[self.dtypes.name_for(base_model, self.device)]
+                return ModelHost(base_model, self.home, self.device, dtype=dtype)
 
             try:
                 ranks = self.ranks
@@ -49,6 +60,17 @@ class Runtime:
             except ModelNotAvailable as exc:
                 raise NotFound(f"base_model: {exc}") from None
         return self.hosts[base_model]
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes a training op may hold in activations (the engine's ``--memory-budget``)."""
+        if self._memory_budget is None:
+            self._memory_budget = default_budget(self.device)
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, value: int | None) -> None:
+        self._memory_budget = value
 
     def session(self, owner: str, name: str, *, live: bool = True) -> Session:
         """``owner``'s session ``name`` (another key's is not found); ``live``: it must be running."""

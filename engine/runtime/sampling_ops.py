@@ -87,7 +87,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     check_prompt(request.prompt, host.vocab_size)
     runtime.full_weights()  # several ranks: loading a checkpoint's adapter may have dropped them
     with host.activate(adapter) as model:
-        logprobs, _ = prompt_logprobs(model, request.prompt, None)
+        logprobs, _ = prompt_logprobs(model, request.prompt, None, runtime.memory_budget)
     return {"logprobs": logprobs}
 
 

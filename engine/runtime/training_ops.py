@@ -1,22 +1,36 @@
 """Training ops: ``forward``, ``forward_backward`` (token-sum losses) and ``optim_step`` (AdamW).
 
-A batch runs in micro-batches (:func:`~.batched_forward.plan`): the losses are token sums, so
-backward per micro-batch accumulates the same gradients as one pass over the whole batch. Datums
-that share a prefix (an RL group's prompt) run it once. Gradients accumulate in the adapter's
-parameters until ``optim_step`` applies and clears them.
+A batch runs in micro-batches (:func:`~.batched_forward.plan`) sized by the engine's memory budget
+(:mod:`.memory_budget`): the losses are token sums, so backward per micro-batch accumulates the
+same gradients as one pass over the whole batch. Datums that share a prefix (an RL group's prompt)
+run it once. A micro-batch that cannot be made to fit (one long datum) runs with activation
+checkpointing; one that would not fit even so is refused before anything runs. Logprobs and the
+loss's gradient go through the output layer in chunks (:mod:`.output_layer`), so no
+[tokens x vocabulary] logits are ever held. Gradients accumulate in the adapter's parameters until
+``optim_step`` applies and clears them.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from sess.engine.runtime.batched_forward import plan, shared_prefix_logprobs, token_logprobs
+from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.losses import compute_loss
+from sess.engine.runtime.memory_budget import checkpointing
+from sess.engine.runtime.output_layer import backward_from, decoder_and_head, logprobs, token_loss_grad
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.data_checks import check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import ForwardBackwardOutput, TensorData
+
+# Losses whose gradient at a token depends on that token's logprob and inputs alone: their gradient
+# goes through the output layer in the same pass as the logprobs. Any other loss takes two passes
+# (logprobs, then the loss's gradient over the micro-batch, then the output layer again).
+PER_TOKEN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
+GB = float(1 << 30)
 
 
 def forward(runtime: Runtime, owner: str, request: rq.ForwardRequest) -> dict:
@@ -44,37 +58,113 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
     ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
-    batches = (
-        ranks.plan(datums, host.vocab_size)
-        if ranks
-        else plan(datums, host.vocab_size, share_prefixes=host.shares_prefixes)
-    )
-    with host.activate(session.adapter) as model, torch.set_grad_enabled(backward):
-        for padded, groups in batches:
-            if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
-                ranks.idle_round(model, backward)
-                continue
-            if groups:
-                per_group = shared_prefix_logprobs(
-                    model,
-                    [([datums[i] for i in idx], [targets[i] for i in idx], shared) for idx, shared in groups],
-                )
-                indices = [i for idx, _ in groups for i in idx]
-                lps = [lp for group in per_group for lp in group]
-            else:
-                indices = padded
-                lps = token_logprobs(model, [datums[i] for i in indices], [targets[i] for i in indices])
-            if backward:
-                loss, _ = compute_loss(loss_fn, config, lps, [inputs[i] for i in indices])
-                loss.backward()
-            for i, lp in zip(indices, lps):
-                all_lps[i] = lp.detach()
+    with host.activate(session.adapter) as model, _root_gathered(ranks, host):
+        if backward:
+            host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
+        decoder, head, cap = decoder_and_head(model)
+        cost, budget = host.activation_cost(model), runtime.memory_budget
+        # without gradients a position holds about one layer's activations at a time
+        per_position = cost.plain if backward else cost.plain / host.layers
+        capacity = int(budget // per_position)
+        batches = (
+            ranks.plan(datums, capacity)
+            if ranks
+            else plan(datums, capacity, share_prefixes=host.shares_prefixes)
+        )
+        if ranks and backward:  # every rank refuses alike (on the whole batch's longest datum) or none
+            longest_datum = max(range(len(datums)), key=lambda i: datums[i].model_input.length)
+            _check_fits(datums, ([longest_datum], []), cost, budget)
+        checkpointed = [
+            backward and bool(padded or groups) and _check_fits(datums, (padded, groups), cost, budget)
+            for padded, groups in batches
+        ]
+        with torch.set_grad_enabled(backward):
+            for (padded, groups), checkpoint in zip(batches, checkpointed):
+                if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
+                    ranks.idle_round(decoder, backward)
+                    continue
+                with checkpointing(model, checkpoint):
+                    if groups:
+                        indices = [i for idx, _ in groups for i in idx]
+                        pairs = shared_prefix_pairs(
+                            decoder,
+                            [
+                                ([datums[i] for i in idx], [targets[i] for i in idx], shared)
+                                for idx, shared in groups
+                            ],
+                        )
+                    else:
+                        indices = padded
+                        pairs = token_pairs(
+                            decoder, [datums[i] for i in indices], [targets[i] for i in indices]
+                        )
+                    lps = _logprobs(
+                        head, cap, pairs, budget, loss_fn, config, [inputs[i] for i in indices], backward
+                    )
+                for i, span in zip(indices, pairs.spans):
+                    all_lps[i] = lps[span]
+                del pairs
     if ranks:
         all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
     outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
     return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics).to_wire()
+
+
+def _logprobs(
+    head, cap, pairs, budget: int, loss_fn: str, config: dict, inputs: list[dict], backward: bool
+) -> torch.Tensor:
+    """One micro-batch's logprobs (pair order); with ``backward``, the loss's gradients too."""
+    if not backward:
+        return logprobs(head, cap, pairs, budget)[0]
+    device = pairs.hidden.device
+    flat = {
+        key: torch.cat([x[key][: span.stop - span.start] for x, span in zip(inputs, pairs.spans)]).to(device)
+        for key in inputs[0]
+        if key != "target_tokens"
+    }
+
+    def loss(lps: list[torch.Tensor], pair_inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return compute_loss(loss_fn, config, lps, pair_inputs)[0]
+
+    if loss_fn in PER_TOKEN_LOSSES:
+        lps, hidden_grad = logprobs(head, cap, pairs, budget, loss_grad=token_loss_grad(loss, flat))
+    else:
+        lps, _ = logprobs(head, cap, pairs, budget)
+        leaf = lps.detach().requires_grad_(True)
+        per_datum = [leaf[span] for span in pairs.spans]
+        value = compute_loss(loss_fn, config, per_datum, inputs)[0]
+        (grad,) = torch.autograd.grad(value, leaf, allow_unused=True)
+        lps, hidden_grad = logprobs(
+            head, cap, pairs, budget, grad=torch.zeros_like(leaf) if grad is None else grad
+        )
+    backward_from(pairs.hidden, hidden_grad)
+    return lps
+
+
+def _root_gathered(ranks, host):
+    """Several ranks: the model's root FSDP unit (embeddings, final norm, output layer) gathered for
+    the op, since training runs the decoder and the output layer apart (:mod:`.output_layer`)."""
+    return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
+
+
+def _check_fits(datums, batch, cost, budget: int) -> bool:
+    """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
+    not fit even then (before anything of the op has run)."""
+    count = positions(datums, batch)
+    if cost.fits(count, budget):
+        return False
+    if cost.fits_checkpointed(count, budget):
+        return True
+    members = batch[0] or [i for idx, _ in batch[1] for i in idx]
+    index = max(members, key=lambda i: datums[i].model_input.length)
+    raise InvalidRequest(
+        f"data[{index}]: {datums[index].model_input.length} tokens need about "
+        f"{count * cost.checkpointed / GB:.2f} GB of activations even with activation checkpointing "
+        f"({cost.checkpointed / 1024:.0f} KB a token), over the engine's memory budget of "
+        f"{budget / GB:.2f} GB; split the datum or start the engine with a larger --memory-budget"
+    )
 
 
 def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:

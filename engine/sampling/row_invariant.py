@@ -57,7 +57,7 @@ def decode_attention(query, key, value, bias):
     heads = query.shape[1]
     groups, count = heads // kv_heads, blocks * rows * kv_heads
     q = query.reshape(1, rows * kv_heads, groups, dim).expand(blocks, -1, -1, -1).reshape(count, groups, dim)
-    scores = torch.baddbmm(bias, q, key.view(count, BLOCK, dim).transpose(1, 2))
+    scores = torch.baddbmm(bias.to(q.dtype), q, key.view(count, BLOCK, dim).transpose(1, 2))
     scores = scores.view(blocks, rows, kv_heads, groups, BLOCK)
     top = scores.amax(dim=(0, 4), keepdim=True)  # exact: max does not round
     weights = scores.sub_(top).exp_()
@@ -165,6 +165,10 @@ class RowInvariantLinears:
         flat, rows = pad_rows(x, row_padding(x.device.type))
         out = F.linear(flat, weight, bias)
         return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+    def release(self) -> None:
+        """Drop the packed copies (made again on next use)."""
+        self._packed.clear()
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)

@@ -36,8 +36,9 @@ def take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
 
 
 def add_to_rows(out: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> None:
-    """``out[rows] += delta``, in place, without writing the slice back."""
+    """``out[rows] += delta``, in place, without writing the slice back (an fp32 ``delta`` into
+    bf16 ``out`` is added in fp32 and rounded once)."""
     if isinstance(rows, slice):
         out[rows].add_(delta)
     else:
-        out.index_add_(0, rows, delta)
+        out.index_add_(0, rows, delta.to(out.dtype))

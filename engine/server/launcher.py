@@ -120,7 +120,7 @@ def start_engine(
             stdout=log,
             stderr=log,
             start_new_session=True,
-            env=engine_env(),  # malloc keeps freed memory for the next step: see memory.py
+            env=engine_env(device=device),  # malloc keeps freed memory for the next step: see memory.py
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sess.engine.runtime import checkpoint_ops, session_ops
 from sess.engine.runtime.executor import Executor, Operation
-from sess.engine.runtime.memory import keep_freed_memory
+from sess.engine.runtime.memory import IDLE_TRIM_S, keep_freed_memory, trim
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -33,6 +33,8 @@ SESSION_STARTS = ("create_session", "create_session_from_state")
 
 
 class ManagedEngine(Executor):
+    idle_after_s = IDLE_TRIM_S  # then idle() hands memory back: see memory.py
+
     def __init__(
         self,
         home: str | Path | None = None,
@@ -41,9 +43,10 @@ class ManagedEngine(Executor):
         idle_timeout: float = IDLE_TIMEOUT_S,
         max_sessions: int = MAX_SESSIONS,
         session_limits: Callable[[str], int | None] | None = None,
+        runtime: Runtime | None = None,
     ):
-        keep_freed_memory()  # an engine process keeps freed memory for its next step: see memory.py
-        runtime = Runtime(home, device)
+        keep_freed_memory(device)  # a CPU engine process keeps freed memory for its next step: see memory.py
+        runtime = runtime or Runtime(home, device)
         self.registry = Registry(runtime.home)
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
@@ -119,6 +122,17 @@ class ManagedEngine(Executor):
         usage = (op.usage or Usage(operations=1)).to_wire()
         error = str(op.error) if op.error is not None else None
         self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, usage)
+
+    def idle(self) -> None:
+        """No work for a while: drop sampling's packed weight copies and hand free memory back (the
+        host heap's, and on CUDA the caching allocator's free blocks)."""
+        for host in self.runtime.hosts.values():
+            host.release_sampling_memory()
+        trim()
+        if self.runtime.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
 
     # idle sessions ---------------------------------------------------------------------------------
     def _watch_idle(self) -> None:

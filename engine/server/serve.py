@@ -45,6 +45,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_options(device: str, dtype: str | None, memory_budget: str | None) -> str | None:
+    """What is wrong with these engine options on this machine (None: nothing): a device it does
+    not have, a precision the device cannot compute in, a budget that is not a size."""
+    import torch
+
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.memory_budget import parse_bytes
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    try:
+        Dtypes.parse(dtype).check(device)
+    except ValueError as exc:
+        return f"--dtype: {exc}"
+    try:
+        if memory_budget is not None:
+            parse_bytes(memory_budget)
+    except ValueError as exc:
+        return f"--memory-budget: {exc}"
+    return None
+
+
 def serve(
     home: str | Path | None = None,
     host: str = "127.0.0.1",
@@ -55,6 +81,8 @@ def serve(
     max_body_bytes: int = MAX_BODY_BYTES,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    dtype: str | None = None,
+    memory_budget: str | None = None,
     ranks=None,
 ) -> None:
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
@@ -62,10 +90,16 @@ def serve(
     ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks."""
     import uvicorn
 
+    from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.runtime import Runtime
     from sess.engine.server.app import create_app
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 
+    problem = check_options(device, dtype, memory_budget)
+    if problem:
+        raise SystemExit(f"sess engine: {problem}")
     home = sess_home(home)
     keys = KeyStore(home)
     if not is_loopback(host) and not keys.load():
@@ -83,9 +117,16 @@ def serve(
         )
     sock = bind(host, port)
     port = sock.getsockname()[1]
+    runtime = Runtime(
+        home,
+        device,
+        dtypes=Dtypes.parse(dtype),
+        memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+    )
     engine = ManagedEngine(
         home,
         device,
+        runtime=runtime,
         idle_timeout=idle_timeout,
         max_sessions=max_sessions,
         session_limits=lambda owner: next(
@@ -162,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve https")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, or DEFAULT,MODEL=DTYPE,...")
+    parser.add_argument("--memory-budget", default=None, help="activation memory of a training op, e.g. 1G")
     parser.add_argument(
         "--nproc",
         type=int,
@@ -169,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         help="ranks (torch.distributed, FSDP2): one per CPU core or GPU at most",
     )
     args = parser.parse_args(argv)
+    problem = check_options(args.device, args.dtype, args.memory_budget)
+    if problem:  # before any rank starts
+        raise SystemExit(f"sess engine: {problem}")
     ranks = None
     if args.nproc != 1:
         from sess.engine.runtime.distributed_launch import RANKS_ENV, check_nproc
@@ -187,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         args.device = ranks.device
         if not ranks.leader:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            serve_ranks.follow_rank(args.home, ranks)
+            serve_ranks.follow_rank(args.home, ranks, args.dtype, args.memory_budget)
             sys.exit(0)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after a graceful shutdown
@@ -202,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
             args.max_body_bytes,
             args.tls_cert,
             args.tls_key,
+            args.dtype,
+            args.memory_budget,
             ranks,
         )
     except KeyboardInterrupt:

@@ -49,12 +49,22 @@ def run_agent(nproc: int, argv: list[str], home: str | Path | None) -> int:
     return 1
 
 
-def follow_rank(home: str | Path | None, ranks) -> None:
-    """A rank other than 0: hold its share of the weights and run rank 0's ops until told to stop."""
+def follow_rank(
+    home: str | Path | None, ranks, dtype: str | None = None, memory_budget: str | None = None
+) -> None:
+    """A rank other than 0: hold its share of the weights and run rank 0's ops until told to stop.
+    ``dtype`` and ``memory_budget`` are the engine's options (every rank gets the same command line)."""
+    from sess.engine.runtime.catalog import Dtypes
     from sess.engine.runtime.distributed_follow import follow
+    from sess.engine.runtime.memory_budget import parse_bytes
     from sess.engine.runtime.runtime import Runtime
 
-    runtime = Runtime(home, ranks.device)
+    runtime = Runtime(
+        home,
+        ranks.device,
+        dtypes=Dtypes.parse(dtype),
+        memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+    )
     runtime.ranks = ranks
     try:
         follow(runtime, ranks)

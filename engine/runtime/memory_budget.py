@@ -1,0 +1,151 @@
+"""The memory budget of a training op: micro-batch sizes, activation checkpointing, and refusals.
+
+A ``forward_backward`` holds its micro-batch's activations until the backward pass has used them.
+The engine's memory budget (``--memory-budget``, :func:`default_budget`) bounds that: micro-batches
+hold at most as many positions as fit in it, and a micro-batch that cannot be made small enough
+(one datum longer than the budget allows) runs with activation checkpointing, which keeps only
+each decoder layer's input and recomputes the layer in the backward pass (a third more compute for
+that micro-batch). A datum too long even then is refused before anything runs, with the limit.
+
+What a position costs is measured, not guessed (:func:`measure_cost`): once per base model, a
+forward pass of :data:`PROBE_TOKENS` tokens with the session's adapter counts the bytes autograd
+saves for the backward pass (parameters excluded), with and without checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# bytes of activations on CPU. Measured on smollm2-135m (1.2 MB a position, 0.11 MB checkpointed;
+# benchmarks/memory.py): engine peak RSS 3.53 GiB at a 1 GiB budget, 2.43 GiB at 512 MiB over
+# issue 14's GRPO step, whose 64 x 60-100-token batch then runs as 8 micro-batches of one group
+# (2.71 GiB since the output layer's chunks take half the budget: benchmarks/README.md).
+CPU_BUDGET = 512 << 20
+CUDA_SHARE = 0.5  # of the device's free memory when the first training op runs
+PROBE_TOKENS = 128
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1.5G"``, ``"800M"``, ``"2GB"`` or a plain byte count, as bytes."""
+    value = text.strip().lower()
+    number = value.rstrip("bgkm")
+    unit = value[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"expected a size such as 800M or 2G, got {text!r}") from None
+    if unit not in UNITS or amount <= 0:
+        raise ValueError(f"expected a positive size such as 800M or 2G, got {text!r}")
+    return int(amount * UNITS[unit])
+
+
+def default_budget(device: str) -> int:
+    """The budget when none is given: :data:`CPU_BUDGET` on CPU; on CUDA a share of the memory
+    free once the model is loaded."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * CUDA_SHARE)
+    return CPU_BUDGET
+
+
+@dataclass(frozen=True)
+class ActivationCost:
+    """Bytes a training forward keeps per position: ``plain`` without checkpointing,
+    ``checkpointed`` with it (the layers' inputs, plus one layer's activations while that layer is
+    recomputed)."""
+
+    plain: float
+    checkpointed: float
+
+    def fits(self, positions: int, budget: int) -> bool:
+        return positions * self.plain <= budget
+
+    def fits_checkpointed(self, positions: int, budget: int) -> bool:
+        return positions * self.checkpointed <= budget
+
+
+def saved_bytes(run, model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the distinct tensors autograd saves while ``run()`` builds its graph: activations
+    only, not weights (neither ``model``'s parameters nor anything that takes no gradient, such as
+    the frozen weights a sharded model gathers for the pass)."""
+    weights = {_data_ptr(p) for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        if tensor.requires_grad and tensor.device == device:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights:
+                seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(seen.values())
+
+
+def _data_ptr(param: torch.Tensor) -> int | None:
+    try:
+        return param.untyped_storage().data_ptr()
+    except RuntimeError:  # a weight FSDP holds sharded has no local storage of its own here
+        return None
+
+
+def measure_cost(model: torch.nn.Module, decoder: torch.nn.Module, vocab_size: int) -> ActivationCost:
+    """:class:`ActivationCost` of ``decoder`` with the adapter active now, from one probe forward
+    pass of :data:`PROBE_TOKENS` tokens each way (nothing is kept). The probe's input embeddings
+    take gradients, so autograd saves what training saves even where no LoRA weight is."""
+    device = decoder.get_input_embeddings().weight.device
+    ids = torch.randint(0, vocab_size, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeds = decoder.get_input_embeddings()(ids.to(device))
+    embeds.requires_grad_(True)
+
+    def run():
+        decoder(inputs_embeds=embeds, use_cache=False)
+
+    with torch.enable_grad():
+        plain = saved_bytes(run, model, device)
+        with checkpointing(model, True):
+            stored = saved_bytes(run, model, device)
+    layers = max(1, len(transformer_layers(model)))
+    return ActivationCost(plain / PROBE_TOKENS, (stored + plain / layers) / PROBE_TOKENS)
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@contextlib.contextmanager
+def checkpointing(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """Activation checkpointing of ``model``'s decoder layers inside this block (``on``), through
+    transformers' own per-layer switch, set on this model instance only and restored after. The
+    switch acts on layers in training mode, so each layer (not its submodules: no dropout changes)
+    is marked training for the block."""
+    if not on:
+        yield
+        return
+    layers = transformer_layers(model)
+    before = [
+        (m.gradient_checkpointing, m.training, m.__dict__.get("_gradient_checkpointing_func")) for m in layers
+    ]
+    func = functools.partial(checkpoint, use_reentrant=False)
+    for m in layers:
+        m.gradient_checkpointing, m.training, m._gradient_checkpointing_func = True, True, func
+    try:
+        yield
+    finally:
+        for m, (flag, training, old) in zip(layers, before):
+            m.gradient_checkpointing, m.training = flag, training
+            if old is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = old

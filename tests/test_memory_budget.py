@@ -1,0 +1,219 @@
+"""The memory budget of training: chunked output layer, micro-batches, activation checkpointing.
+
+Losses, logprobs and gradients computed in chunks, in small micro-batches and with activation
+checkpointing equal plain torch's unchunked ones; no [tokens x vocabulary] logits are ever held;
+checkpointing turns on only when a micro-batch cannot fit otherwise; a datum too long even then is
+refused before anything runs, and the session carries on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from sess.engine import AdamParams, Datum, ModelInput
+from sess.engine.runtime import memory_budget, output_layer, training_ops
+
+from helpers import clear_grads, engine_grads, max_diff, reference_grads, reference_logprobs, reference_model
+
+
+@pytest.fixture()
+def tc(svc):
+    client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=3)
+    yield client
+    client.stop()
+
+
+@contextlib.contextmanager
+def budget(runtime, value):
+    before = runtime._memory_budget
+    runtime.memory_budget = value
+    try:
+        yield
+    finally:
+        runtime.memory_budget = before
+
+
+def _batch(tok, rng, lengths, shared_prompt=0):
+    """Datums of the given lengths with ppo inputs; the first ``shared_prompt`` tokens shared."""
+    prompt = list(rng.integers(3, len(tok) - 1, shared_prompt))
+    data = []
+    for n in lengths:
+        tokens = prompt + list(rng.integers(3, len(tok) - 1, n + 1 - shared_prompt))
+        data.append(
+            Datum(
+                ModelInput.from_ints(tokens[:-1]),
+                {
+                    "target_tokens": np.array(tokens[1:]),
+                    "weights": np.ones(n, np.float32),
+                    "logprobs": rng.uniform(-6, -4, n).astype(np.float32),
+                    "advantages": rng.choice([-1.0, 0.0, 1.0], n).astype(np.float32),
+                },
+            )
+        )
+    return data
+
+
+def _reference(model, data, loss_fn):
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for d in data:
+        lp = reference_logprobs(model, d)
+        inputs = {k: v.to_torch() for k, v in d.loss_fn_inputs.items()}
+        if loss_fn == "cross_entropy":
+            total = total + -(lp * inputs["weights"]).sum()
+        else:
+            ratio = torch.exp(lp - inputs["logprobs"])
+            adv = inputs["advantages"]
+            total = total + -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum()
+    total.backward()
+    return float(total), reference_grads(model)
+
+
+class Counter:
+    """Counts calls of torch.utils.checkpoint.checkpoint made through the memory budget module."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = memory_budget.checkpoint
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(memory_budget, "checkpoint", counted)
+
+
+def _prepared(tc, runtime):
+    tok = tc.get_tokenizer()
+    warm = _batch(tok, np.random.default_rng(9), [12, 9])
+    tc.forward_backward(warm, "cross_entropy")
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()  # LoRA B off zero: every weight has a gradient
+    return tok, reference_model(runtime, tc.name), runtime.hosts["tiny-llama"]
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+@pytest.mark.parametrize("mode", ["fits", "micro-batches", "checkpointed"])
+def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, monkeypatch, loss_fn, mode):
+    tok, model, host = _prepared(tc, runtime)
+    cost = host.activation_cost(host.peft)
+    rng = np.random.default_rng(4)
+    data = _batch(tok, rng, [40, 31, 24, 40, 17]) + _batch(tok, rng, [30, 28, 33], shared_prompt=20)
+    # output layer chunks of 7 rows: every micro-batch's logprobs cross chunk edges
+    monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 7 * host.vocab_size)
+    monkeypatch.setattr(output_layer, "MIN_CHUNK_ROWS", 1)
+    counter = Counter(monkeypatch)
+    value = {
+        "fits": 1 << 40,
+        "micro-batches": int(60 * cost.plain),  # two datums at most per micro-batch
+        "checkpointed": int(35 * cost.plain),  # the 40-token datums fit only checkpointed
+    }[mode]
+    clear_grads(runtime, tc.name)
+    with budget(runtime, value):
+        out = tc.forward_backward(data, loss_fn).result()
+    got = engine_grads(runtime, tc.name)
+    total, expected = _reference(model, data, loss_fn)
+    assert abs(out.metrics["loss:sum"] - total) < 1e-5 * max(1.0, abs(total))
+    assert max_diff(got, expected) < 1e-5
+    for d, o in zip(data, out.loss_fn_outputs):
+        assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
+    assert (counter.calls > 0) == (mode == "checkpointed"), counter.calls
+    clear_grads(runtime, tc.name)
+
+
+def test_a_loss_outside_the_per_token_set_takes_two_passes_and_the_same_gradients(tc, runtime, monkeypatch):
+    tok, model, host = _prepared(tc, runtime)
+    data = _batch(tok, np.random.default_rng(5), [30, 22, 26])
+    monkeypatch.setattr(training_ops, "PER_TOKEN_LOSSES", frozenset())
+    monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 11 * host.vocab_size)
+    monkeypatch.setattr(output_layer, "MIN_CHUNK_ROWS", 1)
+    calls = []
+    hook = (
+        host.peft.get_base_model()
+        .get_output_embeddings()
+        .register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+    )
+    try:
+        clear_grads(runtime, tc.name)
+        out = tc.forward_backward(data, "ppo").result()
+    finally:
+        hook.remove()
+    got = engine_grads(runtime, tc.name)
+    total, expected = _reference(model, data, "ppo")
+    assert abs(out.metrics["loss:sum"] - total) < 1e-5 * max(1.0, abs(total))
+    assert max_diff(got, expected) < 1e-5
+    positions = sum(d.model_input.length for d in data)
+    assert sum(calls) == 2 * positions  # logprobs, then the output layer again with the loss's gradient
+    clear_grads(runtime, tc.name)
+
+
+def test_no_output_layer_call_sees_more_than_a_chunk_of_positions(tc, runtime, monkeypatch):
+    """A batch's whole [tokens x vocabulary] logits never exist: the output layer runs on chunks
+    (of 128 rows here: the tiny model's vocabulary is small, and the chunk is sized in logits)."""
+    tok, _, host = _prepared(tc, runtime)
+    monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 128 * host.vocab_size)
+    rows = output_layer.chunk_rows(host.vocab_size, runtime.memory_budget)
+    data = _batch(tok, np.random.default_rng(6), [300] * 6)
+    seen = []
+    head = host.peft.get_base_model().get_output_embeddings()
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    try:
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.forward(data, "cross_entropy").result()
+    finally:
+        hook.remove()
+    clear_grads(runtime, tc.name)
+    assert sum(shape[0] for shape in seen) == 2 * 6 * 300
+    assert max(shape[0] for shape in seen) <= rows < 6 * 300
+
+
+def test_output_layer_chunks_are_sized_by_the_memory_budget(tc, runtime):
+    """A micro-batch whose logits fit in the budget's share goes through the output layer at once;
+    under a budget too small for that, in chunks of what the share holds."""
+    tok, _, host = _prepared(tc, runtime)
+    data = _batch(tok, np.random.default_rng(7), [100] * 3)
+    head = host.peft.get_base_model().get_output_embeddings()
+    share = output_layer.LOGITS_SHARE / output_layer.BYTES_PER_LOGIT
+    for value, most in [(1 << 30, 300), (int(80 * host.vocab_size / share) + 24, 80)]:
+        seen: list[int] = []
+        hook = head.register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.shape[0]))
+        try:
+            with budget(runtime, value):
+                tc.forward_backward(data, "cross_entropy").result()
+        finally:
+            hook.remove()
+        clear_grads(runtime, tc.name)
+        assert sum(seen) == 300 and max(seen) == most, (value, seen)
+
+
+def test_the_activation_probe_measures_checkpointing_as_cheaper(tc, runtime):
+    _, _, host = _prepared(tc, runtime)
+    cost = host.activation_cost(host.peft)
+    hidden = host.model.config.hidden_size
+    # every layer keeps many hidden-sized tensors per position; checkpointed, its input alone (plus
+    # one layer's activations while that layer is recomputed)
+    per_layer = cost.plain / host.layers
+    assert per_layer > 8 * hidden * 4
+    assert host.layers * hidden * 4 <= cost.checkpointed - per_layer < per_layer / 4
+
+
+def test_a_datum_too_long_even_with_checkpointing_is_refused_and_the_session_carries_on(tc, runtime):
+    tok, _, host = _prepared(tc, runtime)
+    cost = host.activation_cost(host.peft)
+    data = _batch(tok, np.random.default_rng(7), [20, 200])
+    before = {k: v.clone() for k, v in host.get_state(host.peft.active_adapter).items()}
+    with budget(runtime, int(100 * cost.checkpointed)):
+        with pytest.raises(
+            Exception, match=r"data\[1\]: 200 tokens .* memory budget of .*--memory-budget"
+        ) as err:
+            tc.forward_backward(data, "cross_entropy").result()
+        assert getattr(err.value, "status", 400) == 400
+        assert all(p.grad is None for p in runtime.sessions[tc.name].params.values())  # nothing ran
+        # the session carries on: a batch that fits trains
+        assert tc.forward_backward(data[:1], "cross_entropy").result().metrics["loss:sum"] > 0
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    after = host.get_state(runtime.sessions[tc.name].adapter)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
