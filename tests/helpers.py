@@ -129,3 +129,34 @@ def sandbox_server(limit_s: int):
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=10)
+
+
+def decode_plan(decoder, tok, plan: list[tuple]) -> list[tuple[list[int], list[float]]]:
+    """Drive a decode batch step by step so each composition surely happens: ``plan`` holds
+    (step, name, prompt, num_samples, adapter) items, each submitted at its step (seed 5, T=1, 20
+    tokens). Returns the tokens and logprobs of the item named "x"."""
+    from sess.engine import SamplingParams
+    from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
+    from sess.engine.sampling.token_choice import StopChecker
+
+    plan = list(plan)
+    batch, results, step = DecodeBatch(decoder), {}, 0
+    while plan or batch.active:
+        for item in [p for p in plan if p[0] == step]:
+            _, name, prompt, samples, adapter = item
+            batch.submit(
+                SampleJob(
+                    prompt=prompt,
+                    num_samples=samples,
+                    params=SamplingParams(max_tokens=20, temperature=1.0, seed=5),
+                    adapter=adapter,
+                    stopper=StopChecker(None, set(), tok.decode),
+                    on_done=lambda seqs, error, name=name: results.__setitem__(name, (seqs, error)),
+                )
+            )
+            plan.remove(item)
+        batch.step()
+        step += 1
+    seqs, error = results["x"]
+    assert error is None
+    return [(s.tokens, s.logprobs) for s in seqs]

@@ -15,7 +15,7 @@ from sess.engine.runtime.catalog import Dtypes, dtype_name
 from sess.engine.sdk.transport import shared_engine
 from sess.engine.server.serve import check_options
 
-from helpers import SENTENCES, ce_datum, forward_logprobs, train_steps
+from helpers import SENTENCES, ce_datum, decode_plan, forward_logprobs, train_steps
 
 # Sampled vs forward logprobs of the same tokens at bf16: the lean decoder and the model's modules
 # round differently (fused vs separate ops, cache layout). Measured on tiny-llama and tiny-qwen3:
@@ -84,9 +84,6 @@ def test_sampled_logprobs_agree_with_forward_at_bf16_to_the_measured_bound(bf16,
 
 def test_a_bf16_request_gets_identical_logprobs_whatever_shares_its_batch(bf16):
     """Batch invariance holds at bf16 too (measured on CPU: identical to the bit)."""
-    from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
-    from sess.engine.sampling.token_choice import StopChecker
-
     svc, runtime = bf16
     sessions = [svc.create_lora_training_client("tiny-llama", rank=4, seed=s) for s in (1, 2)]
     for i, tc in enumerate(sessions):
@@ -98,27 +95,7 @@ def test_a_bf16_request_gets_identical_logprobs_whatever_shares_its_batch(bf16):
     long = tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
     def run(plan):
-        batch, results, step = DecodeBatch(decoder), {}, 0
-        while plan or batch.active:
-            for item in [p for p in plan if p[0] == step]:
-                _, name, prompt, samples, adapter = item
-                params = SamplingParams(max_tokens=20, temperature=1.0, seed=5)
-                batch.submit(
-                    SampleJob(
-                        prompt=prompt,
-                        num_samples=samples,
-                        params=params,
-                        adapter=adapter,
-                        stopper=StopChecker(None, set(), tok.decode),
-                        on_done=lambda seqs, error, name=name: results.__setitem__(name, (seqs, error)),
-                    )
-                )
-                plan.remove(item)
-            batch.step()
-            step += 1
-        seqs, error = results["x"]
-        assert error is None
-        return [(s.tokens, s.logprobs) for s in seqs]
+        return decode_plan(decoder, tok, plan)
 
     alone = run([(0, "x", x, 4, adapters[0])])
     assert run([(0, "o", short, 1, adapters[0]), (2, "x", x, 4, adapters[0])]) == alone

@@ -9,7 +9,7 @@ import pytest
 
 from sess.engine import SamplingParams
 
-from helpers import SENTENCES, forward_logprobs, train_steps
+from helpers import SENTENCES, decode_plan, forward_logprobs, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -199,10 +199,8 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     lean llama decoder the engine uses here (merging requests) and the model's modules (other
     architectures, one request at a time). GRPO-sized batches (8 prompts x 8 samples) too, prefilled at
     once or arriving over steps."""
-    from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
     from sess.engine.sampling.llama_decoder import LlamaDecoder
     from sess.engine.sampling.module_decoder import ModuleDecoder
-    from sess.engine.sampling.token_choice import StopChecker
 
     sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
@@ -219,27 +217,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         return tok.encode(f"Question: what is {i} + {2 * i}? Answer:")
 
     def run(plan):
-        batch = DecodeBatch(decoder)
-        results, step = {}, 0
-        while plan or batch.active:
-            for item in [p for p in plan if p[0] == step]:
-                _, name, prompt, samples, adapter = item
-                batch.submit(
-                    SampleJob(
-                        prompt=prompt,
-                        num_samples=samples,
-                        params=SamplingParams(max_tokens=20, temperature=1.0, seed=5),
-                        adapter=adapter,
-                        stopper=StopChecker(None, set(), tok.decode),
-                        on_done=lambda seqs, error, name=name: results.__setitem__(name, (seqs, error)),
-                    )
-                )
-                plan.remove(item)
-            batch.step()
-            step += 1
-        seqs, error = results["x"]
-        assert error is None
-        return [(s.tokens, s.logprobs) for s in seqs]
+        return decode_plan(decoder, tok, plan)
 
     alone = run([(0, "x", x, 8, adapters[0])])
     compositions = {
