@@ -1,7 +1,8 @@
 """Code RL's learning check: `sess run loop=code_rl` (smollm2-135m, generated tasks, CPU), then HumanEval.
 
 Runs the default code RL run through the runner `sess run` uses (or reads a run directory with
-``--run``), prints the held-out greedy pass rate on generated tasks before and after, the training
+``--run``), prints the held-out pass rate on generated tasks before and after, greedy and sampled
+(``loop.eval_samples`` answers a problem at the loop's temperature), the training
 reward per step, the wall time, and the greedy pass@1 on HumanEval of the base model and of the
 trained weights, ``--humaneval`` problems (164: all) at ``--humaneval-tokens`` tokens per answer.
 
@@ -48,6 +49,7 @@ def learning(run_dir: Path, wall_s: float | None, after: dict | None) -> dict:
         "pass_after": last["eval/accuracy/generated"],
         "pass_by_eval": {r["step"]: round(r["eval/accuracy/generated"], 4) for r in evals},
         "gain_points": round(100 * (last["eval/accuracy/generated"] - first["eval/accuracy/generated"]), 2),
+        **sampled(evals),
         "train_reward": [round(r["reward/mean"], 3) for r in train],
         "train_accuracy": [round(r["accuracy"], 3) for r in train],
         "train_reward_first_last": [
@@ -60,14 +62,29 @@ def learning(run_dir: Path, wall_s: float | None, after: dict | None) -> dict:
     }
 
 
+def sampled(evals: list[dict]) -> dict:
+    """The sampled held-out pass rate (``loop.eval_samples`` answers a problem) before, after, at each eval."""
+    key = "eval/sampled/accuracy/generated"
+    evals = [r for r in evals if key in r]
+    if not evals:
+        return {}
+    first, last = evals[0][key], evals[-1][key]
+    return {
+        "eval_sampled_n": evals[0]["eval/sampled/n"],
+        "sampled_pass_before": first,
+        "sampled_pass_after": last,
+        "sampled_pass_by_eval": {r["step"]: round(r[key], 4) for r in evals},
+        "sampled_gain_points": round(100 * (last - first), 2),
+    }
+
+
 def evaluate_live(run_dir: Path, tc: TrainingClient) -> dict:
     """The runner's held-out evaluation of the session's current weights (a run stopped early)."""
     cfg = config.load(run_dir / "config.yaml")
     envs = datasets.load(cfg.data, int(cfg.seed), cfg.grader).envs.held_out
     done = sum(1 for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train")
-    seeds = [derive_seed(cfg.seed, "sample", done, i) for i in range(len(envs))]
     started = time.perf_counter()
-    metrics = evaluation.greedy_episodes(tc, envs, cfg.loop.max_tokens, seeds, cfg.loop.get("max_turns"))
+    metrics = runner.env_evaluation(cfg, tc, envs, done)
     return {"kind": "eval", "step": done, **metrics, "eval/seconds": time.perf_counter() - started}
 
 

@@ -68,6 +68,7 @@ class Config:
     rollout_workers: int = 8  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
+    eval_samples: int = 4  # held-out: also this many answers per problem at `temperature` (0: greedy only)
     eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
     save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 

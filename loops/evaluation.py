@@ -2,7 +2,11 @@
 
 Environments: one greedy episode (temperature 0, ``loop.max_tokens`` per turn) of each held-out env,
 reported as the mean reward and the mean of each env metric (``eval/accuracy`` for arithmetic: the
-share of exact answers) over ``eval/n`` episodes. Chats, when the data has no envs: the token-mean
+share of exact answers) over ``eval/n`` episodes. A loop whose config has ``eval_samples`` > 0 (code
+RL) also samples that many episodes of each env at the loop's ``temperature``, reported under
+``eval/sampled/`` (``eval/sampled/accuracy``: the pass rate of a sampled answer, pass@1 as the policy
+is trained to answer); their seeds depend only on the run's seed and the env, so every evaluation of a
+run draws with the same seeds and two evaluations differ by the weights alone. Chats, when the data has no envs: the token-mean
 cross-entropy of the assistant tokens (``eval/loss``). A loop with its own held-out measure adds it
 (KTO's implied-reward margin; see :data:`.registry.LOOPS`).
 """
@@ -26,17 +30,40 @@ def greedy_episodes(
 ) -> dict:
     """Mean reward and env metrics of one greedy episode per env, sampled from the session's weights
     (at most ``max_turns`` replies each; None: the rollouts' default)."""
-    sc = tc.create_sampling_client()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return _episode_metrics(tc, envs, greedy, seeds, max_turns, samples=1, prefix="eval/")
+
+
+def sampled_episodes(
+    tc: TrainingClient,
+    envs: list[EnvFactory],
+    max_tokens: int,
+    temperature: float,
+    samples: int,
+    seeds: list[int],
+    max_turns: int | None = None,
+) -> dict:
+    """The same means over ``samples`` episodes per env at ``temperature`` (``eval/sampled/...``)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    return _episode_metrics(tc, envs, params, seeds, max_turns, samples, prefix="eval/sampled/")
+
+
+def _episode_metrics(tc, envs, params, seeds, max_turns, samples: int, prefix: str) -> dict:
+    sc = tc.create_sampling_client()
     groups = rollouts.rollout_groups(
-        sc, tc.get_tokenizer(), [[make_env()] for make_env in envs], greedy, seeds, max_turns=max_turns
+        sc,
+        tc.get_tokenizer(),
+        [[make_env() for _ in range(samples)] for make_env in envs],
+        params,
+        seeds,
+        max_turns=max_turns,
     )
-    episodes = [g.episodes_G[0] for g in groups if g.episodes_G]  # an env that failed to open has none
+    episodes = [e for g in groups for e in g.episodes_G]  # an env that failed to open has none
     metrics = {}
     for key in dict.fromkeys(k for e in episodes for k in e.metrics):
-        metrics[f"eval/{key}"] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))
-    metrics["eval/reward"] = float(np.mean([e.reward for e in episodes]))
-    metrics["eval/n"] = len(episodes)
+        metrics[f"{prefix}{key}"] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))
+    metrics[f"{prefix}reward"] = float(np.mean([e.reward for e in episodes]))
+    metrics[f"{prefix}n"] = len(episodes)
     return metrics
 
 

@@ -136,10 +136,7 @@ class RunHooks:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.data.envs is not None:
-            envs = self.data.envs.held_out
-            seeds = [derive_seed(self.cfg.seed, "sample", done, i) for i in range(len(envs))]
-            turns = self.cfg.loop.get("max_turns")  # loops that cap turns evaluate under the same cap
-            metrics.update(evaluation.greedy_episodes(self.tc, envs, self.cfg.loop.max_tokens, seeds, turns))
+            metrics.update(env_evaluation(self.cfg, self.tc, self.data.envs.held_out, done))
         elif self.data.chats is not None:
             metrics.update(evaluation.chat_loss(self.tc, self.data.chats.held_out))
         if self.loop.evaluate is not None:
@@ -152,6 +149,21 @@ class RunHooks:
         self.record.append("checkpoints.jsonl", {"step": done, "kind": "state", "path": path})
         self.last_saved = done
         return path
+
+
+def env_evaluation(cfg: DictConfig, tc: TrainingClient, envs: list, done: int) -> dict:
+    """The held-out episodes of a run of ``cfg`` after ``done`` steps: greedy, and sampled where the
+    loop asks for ``eval_samples`` (:mod:`.evaluation`)."""
+    loop = cfg.loop
+    turns = loop.get("max_turns")  # loops that cap turns evaluate under the same cap
+    seeds = [derive_seed(cfg.seed, "sample", done, i) for i in range(len(envs))]
+    metrics = evaluation.greedy_episodes(tc, envs, loop.max_tokens, seeds, turns)
+    if samples := loop.get("eval_samples"):
+        seeds = [derive_seed(cfg.seed, "eval-sampled", i) for i in range(len(envs))]
+        metrics.update(
+            evaluation.sampled_episodes(tc, envs, loop.max_tokens, loop.temperature, samples, seeds, turns)
+        )
+    return metrics
 
 
 def _plain(value: Any) -> Any:

@@ -186,6 +186,8 @@ def test_code_rl_defaults_to_generated_tasks_and_resumes(sess_home, tmp_path):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     assert rows[0]["eval/n"] == 4 and "eval/accuracy/generated" in rows[0] and "eval/has_code" in rows[-1]
+    # Held-out also sampled: eval_samples answers a problem at the loop's temperature.
+    assert rows[0]["eval/sampled/n"] == 4 * cfg.loop.eval_samples and "eval/sampled/accuracy" in rows[-1]
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["resumes"][0]["step"] == 1
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["grader"]["name"] == "local"
@@ -245,3 +247,21 @@ def test_code_rl_on_smollm2_short_run(sess_home, tmp_path):
     assert 0.2 <= evals[0]["eval/accuracy/generated"] <= 0.9 and evals[0]["eval/has_code"] > 0.8
     assert all(r["groups_with_signal"] > 0 and r["sub_batches"] > 0 for r in train)
     assert all(0.0 < r["accuracy"] < 1.0 for r in train)
+
+
+def test_the_sampled_held_out_evaluation_draws_the_same_seeds_at_every_step(sess_home):
+    """Two sampled evaluations of the same weights agree exactly whatever the step (the seeds depend on
+    the run's seed and the env only), so a change between evaluations is the weights' alone; another
+    run seed draws other answers."""
+    from sess.engine import ServiceClient
+
+    overrides = [*TINY, "engine=inprocess", "loop=code_rl", "loop.eval_samples=3", "loop.max_tokens=6"]
+    cfg = config.compose(overrides)
+    tc = ServiceClient("inproc").create_lora_training_client("tiny-llama", rank=4, seed=0)
+    envs = [Vowels] * 3
+    first, later = (runner.env_evaluation(cfg, tc, envs, done) for done in (0, 7))
+    assert first["eval/sampled/n"] == 9 and first["eval/n"] == 3
+    assert first["eval/sampled/reward"] == later["eval/sampled/reward"]
+    other = config.compose([*overrides, "seed=1"])
+    assert runner.env_evaluation(other, tc, envs, 0)["eval/sampled/reward"] != first["eval/sampled/reward"]
+    tc.stop()
