@@ -2,7 +2,9 @@
 
 The engines are real server processes on one engine home: two ranks started by torch.distributed's
 elastic agent (``--nproc 2``), then one rank. Each runs the same session (same seed, same uneven
-batches: one leaves rank 1 without a datum) and the numbers are compared across them.
+batches: one leaves rank 1 without a datum) and the numbers are compared across them: losses, grad
+norms (clipped over the whole adapter), weights, samples, merged models, the step after a state
+checkpoint crosses between them, and the bytes each rank holds for the adapter and its AdamW state.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
-from sess.engine import AdamParams, InvalidRequest, SamplingParams, ServiceClient
+from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.server.launcher import engine_info, start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
@@ -35,7 +39,8 @@ def _batches(tok) -> list[list]:
 
 
 def _run_phase(url: str, home, tmp_path, tag: str) -> dict:
-    """Train one session for STEPS steps, sample, save its state; every number the phases compare."""
+    """Train one session for STEPS steps, sample, save its adapter (merged too) and state, then take
+    one more step; every number the phases compare."""
     svc = ServiceClient(url, home=home)
     try:
         tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5, training_session_name=f"run-{tag}")
@@ -46,16 +51,16 @@ def _run_phase(url: str, home, tmp_path, tag: str) -> dict:
             out = tc.forward_backward(batches[step % len(batches)]).result()
             record["losses"].append(out.metrics["loss:sum"])
             record["logprobs"].append([o["logprobs"].tolist() for o in out.loss_fn_outputs])
-            record["grad_norms"].append(tc.optim_step(ADAM).result().metrics["grad_norm"])
+            metrics = tc.optim_step(ADAM).result().metrics
+            record["grad_norms"].append(metrics["grad_norm"])
+        record["state_bytes"] = metrics["adapter_state_bytes"]
         weights = tc.save_weights_for_sampler(name="final").result().path
-        if tag == "two":  # not built for several ranks yet: refused, and the session goes on
-            with pytest.raises(
-                InvalidRequest, match="merged saves are not supported on an engine of several"
-            ):
-                tc.save_weights_for_sampler(merge_weights=True).result()
         record["weights"] = load_file(
             str(svc.download_checkpoint(weights, tmp_path / f"w-{tag}") / "adapter_model.safetensors")
         )
+        merged = tc.save_weights_for_sampler(name="merged", merge_weights=True).result().path
+        record["merged_dir"] = svc.download_checkpoint(merged, tmp_path / f"m-{tag}")
+        record["merged"] = load_file(str(record["merged_dir"] / "model.safetensors"))
         sampler = tc.save_weights_and_get_sampling_client(name="sampler")
         record["sampler"] = sampler.model_path
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=17)
@@ -63,21 +68,60 @@ def _run_phase(url: str, home, tmp_path, tag: str) -> dict:
         record["samples"] = [s.tokens for s in result.sequences]
         record["sample_logprobs"] = [s.logprobs for s in result.sequences]
         record["state"] = tc.save_state(name="state").result().path
-        record["eval"] = [o["logprobs"].tolist() for o in tc.forward(batches[-1]).result().loss_fn_outputs]
+        record["eval"], record["next_step"] = _eval_and_step(tc, batches)
         return record
     finally:
         svc.close()
 
 
-def _resumed_logprobs(url: str, home, state: str) -> list:
-    """A new session from ``state`` (with its optimizer): its logprobs on the last batch."""
+def _eval_and_step(tc, batches) -> tuple[list, dict]:
+    """The logprobs of the last batch; then one more step (the first batch) and what it gave."""
+    evaluated = [o["logprobs"].tolist() for o in tc.forward(batches[-1]).result().loss_fn_outputs]
+    loss = tc.forward_backward(batches[0]).result().metrics["loss:sum"]
+    grad_norm = tc.optim_step(ADAM).result().metrics["grad_norm"]
+    after = [o["logprobs"].tolist() for o in tc.forward(batches[-1]).result().loss_fn_outputs]
+    return evaluated, {"loss": loss, "grad_norm": grad_norm, "logprobs": after}
+
+
+def _resumed(url: str, home, state: str) -> tuple[list, dict]:
+    """A new session from ``state`` (with its optimizer): its logprobs on the last batch, and the
+    step after loading (:func:`_eval_and_step`), which takes the saved AdamW moments."""
     svc = ServiceClient(url, home=home)
     try:
         tc = svc.create_training_client_from_state_with_optimizer(state)
-        batch = _batches(tc.get_tokenizer())[-1]
-        return [o["logprobs"].tolist() for o in tc.forward(batch).result().loss_fn_outputs]
+        return _eval_and_step(tc, _batches(tc.get_tokenizer()))
     finally:
         svc.close()
+
+
+def _assert_same_step(a: dict, b: dict) -> None:
+    assert _max_rel_diff([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) < 1e-5
+    assert _max_diff(a["logprobs"], b["logprobs"]) < 1e-5
+
+
+def _merged_on_one_rank(url: str, home, state: str, target) -> tuple[dict, list]:
+    """The merged files one rank writes for the adapter in ``state``; the last batch."""
+    svc = ServiceClient(url, home=home)
+    try:
+        tc = svc.create_training_client_from_state(state)
+        merged = tc.save_weights_for_sampler(name="merged", merge_weights=True).result().path
+        tensors = load_file(str(svc.download_checkpoint(merged, target) / "model.safetensors"))
+        return tensors, _batches(tc.get_tokenizer())[-1]
+    finally:
+        svc.close()
+
+
+def _merged_logprobs(directory, batch) -> list:
+    """The merged model, loaded by transformers: its logprobs on ``batch``."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    found = []
+    for datum in batch:
+        ids = torch.tensor([datum.model_input.to_ints()])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        targets = datum.loss_fn_inputs["target_tokens"].to_torch().long()
+        found.append(logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1).tolist())
+    return found
 
 
 def _max_diff(a, b) -> float:
@@ -114,10 +158,15 @@ def _assert_same_training(one: dict, two: dict) -> None:
     assert max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"]) < 1e-5
     # the adapter moved: the comparison is not between two untouched initialisations
     assert max(float(w.abs().max()) for k, w in two["weights"].items() if "lora_B" in k) > 1e-3
+    assert one["merged"].keys() == two["merged"].keys()
+    assert max(float((one["merged"][k] - two["merged"][k]).abs().max()) for k in one["merged"]) < 1e-5
     # the same seed samples the same tokens (the weights agree to ~1e-7, so logprobs to ~1e-4)
     assert two["samples"] == one["samples"]
     assert len({tuple(s) for s in two["samples"]}) > 1  # temperature 1: the rows differ
     assert _max_diff(one["sample_logprobs"], two["sample_logprobs"]) < 1e-4
+    _assert_same_step(one["next_step"], two["next_step"])
+    # each of two ranks holds half of the adapter and its AdamW moments
+    assert 0.45 < two["state_bytes"] / one["state_bytes"] < 0.55, (two["state_bytes"], one["state_bytes"])
 
 
 def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path):
@@ -154,8 +203,16 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
         svc = ServiceClient(one["url"], home=home)
         assert svc.list_sessions(name_contains="run-two")[0].status.value == "Interrupted"
         svc.close()
-        # saved by two ranks, loaded by one: the same logprobs
-        assert _max_diff(_resumed_logprobs(one["url"], home, double["state"]), double["eval"]) < 1e-5
+        # saved by two ranks, loaded by one: the same logprobs, and the same step after loading
+        evaluated, next_step = _resumed(one["url"], home, double["state"])
+        assert _max_diff(evaluated, double["eval"]) < 1e-5
+        _assert_same_step(next_step, double["next_step"])
+        # a merged save of two ranks: the files one rank writes for the same adapter, and transformers
+        # loads them to the session's logprobs
+        merged, batch = _merged_on_one_rank(one["url"], home, double["state"], files / "m-same")
+        assert merged.keys() == double["merged"].keys()
+        assert all(torch.equal(merged[k], double["merged"][k]) for k in merged)
+        assert _max_diff(_merged_logprobs(double["merged_dir"], batch), double["eval"]) < 1e-4
         # the two-rank checkpoint sampled by one rank: the same tokens and logprobs
         one_sampled = _sample_checkpoint(one["url"], home, double["sampler"])
         assert one_sampled[0] == two_sampled[0]
@@ -177,7 +234,9 @@ def test_state_saved_by_one_rank_loads_on_two(tmp_path):
         stop_engine(home)
     two = start_engine(home, extra_args=["--nproc", "2"])
     try:
-        assert _max_diff(_resumed_logprobs(two["url"], home, single["state"]), single["eval"]) < 1e-5
+        evaluated, next_step = _resumed(two["url"], home, single["state"])
+        assert _max_diff(evaluated, single["eval"]) < 1e-5
+        _assert_same_step(next_step, single["next_step"])
         # and training it on goes on as on one rank: one more step on both sides of the save
         double = _run_phase(two["url"], home, tmp_path / "files", "two")
     finally:

@@ -8,6 +8,8 @@ for sampling at once and deleted once a session has more than
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,21 +75,56 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
     host = runtime.hosts[session.base_model]
     kind = "sampler" if request.transient else "merged" if request.merge else "weights"
     ref = _new_ref(session, kind, request.name)
-    state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
+    whole = whole_adapter(runtime, session, merge=request.merge)
+    config = host.adapter_config(session.adapter)
     if request.merge:
-        merged, untie = host.merged_state(session.adapter)
         model_config = host.peft.get_base_model().config
-        if untie:
+        if whole.untie:
             model_config = _replace_config(model_config, tie_word_embeddings=False)
-        ckpt.save_merged(ref, runtime.home, model_config, merged, host.path, state, config)
+        ckpt.save_merged(ref, runtime.home, model_config, whole.merged, host.path, whole.state, config)
     else:
-        ckpt.save_weights(ref, runtime.home, state, config)
+        ckpt.save_weights(ref, runtime.home, whole.state, config)
     host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
     result = {"path": ref.uri}
     if request.transient:
-        host.checkpoint_adapter(ref.uri, state, config)  # its sampler needs no read from disk
+        host.checkpoint_adapter(ref.uri, whole.state, config)  # its sampler needs no read from disk
         result["released"] = _release_samplers(runtime, session, host)
     return result
+
+
+@dataclass
+class WholeAdapter:
+    """A session's adapter as files hold it: PEFT-keyed weights; AdamW moments and steps under the
+    layout's own names (``optimizer``); the merged model's state (``merge``)."""
+
+    state: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)
+    merged: dict[str, torch.Tensor] | None = None
+    untie: bool = False
+
+
+def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False, merge: bool = False):
+    """``session``'s adapter in whole tensors (:class:`WholeAdapter`). On an engine of several ranks
+    each rank holds a shard: rank 0 announces the gather, every rank runs this (followers from
+    their loop, :mod:`.distributed_follow`) and joins each tensor's all-gather in the same order."""
+    host, ranks = runtime.hosts[session.base_model], runtime.ranks
+    if ranks is not None:
+        ranks.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
+    full = ranks.adapters.full if ranks is not None else (lambda t: t)
+    whole = WholeAdapter({key: full(v) for key, v in host.get_state(session.adapter).items()})
+    if optimizer:
+        for key, param in _canonical(session.params, session.adapter).items():
+            state = session.optimizer.state.get(param, {})
+            if state:
+                whole.moments[f"{key}.exp_avg"] = full(state["exp_avg"])
+                whole.moments[f"{key}.exp_avg_sq"] = full(state["exp_avg_sq"])
+                whole.steps[key] = float(state["step"])
+    if merge:
+        gathered = ranks.adapters.gathered(session.adapter) if ranks is not None else contextlib.nullcontext()
+        with gathered:
+            whole.merged, whole.untie = host.merged_state(session.adapter, full)
+    return whole
 
 
 def _release_samplers(runtime: Runtime, session: Session, host: ModelHost) -> list[str]:
@@ -133,21 +170,16 @@ def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     ref = _new_ref(session, "state", request.name)
-    moments, steps = {}, {}
-    for key, param in _canonical(session.params, session.adapter).items():
-        state = session.optimizer.state.get(param, {})
-        if state:
-            moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
-            steps[key] = float(state["step"])
+    whole = whole_adapter(runtime, session, optimizer=True)
     meta = {
         "base_model": session.base_model,
         "lora": session.lora,
         "step": session.step,
-        "param_steps": steps,
+        "param_steps": whole.steps,
         "format": 1,
     }
-    adapter_state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
-    ckpt.save_state(ref, runtime.home, adapter_state, config, moments, meta)
+    config = host.adapter_config(session.adapter)
+    ckpt.save_state(ref, runtime.home, whole.state, config, whole.moments, meta)
     return {"path": ref.uri}
 
 
@@ -160,8 +192,10 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
             f"path: {request.path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
             f"this session is {session.base_model} rank {session.lora['rank']}"
         )
+    # several ranks: every rank reads the files and keeps its share
+    share = runtime.ranks.adapters.share if runtime.ranks is not None else (lambda t: t)
     try:
-        host.set_state(session.adapter, adapter_state)
+        host.set_state(session.adapter, {key: share(v) for key, v in adapter_state.items()})
     except ValueError as exc:
         raise InvalidRequest(f"path: {exc}") from None
     session.new_optimizer()
@@ -170,8 +204,8 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
             if key in meta["param_steps"]:
                 session.optimizer.state[param] = {
                     "step": torch.tensor(meta["param_steps"][key]),
-                    "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
-                    "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
+                    "exp_avg": share(moments[f"{key}.exp_avg"].to(param.device).clone()),
+                    "exp_avg_sq": share(moments[f"{key}.exp_avg_sq"].to(param.device).clone()),
                 }
         session.step = int(meta["step"])
     for param in session.params.values():
