@@ -3,13 +3,14 @@
 Rank 0's executor runs every op as a single-process engine does; before an op that changes what
 all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
 request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
-(:mod:`.distributed_follow`). Everything is sharded with FSDP2 ``fully_shard``: each base model
-(each decoder layer, then the whole model) and each session's LoRA adapter (each LoRA module its
-own unit, :mod:`.distributed_adapters`), so a rank holds 1/N of the base weights, of every adapter
-and of its AdamW moments. Every rank computes its share of a batch's datums (:meth:`Ranks.plan`);
-the adapter gradients are reduce-scattered as sums (token-sum losses stay sums, nothing is divided
-by the world size), each rank's AdamW steps its shard, and ``grad_clip_norm`` uses the norm over
-the whole adapter (the shards' norms combined).
+(:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
+layer, then the whole model); each session's LoRA adapter and its AdamW moments are sharded too, as
+one flat slice per rank (:mod:`.distributed_adapters`, which says why not FSDP2 for them), so a
+rank holds 1/N of the base weights, of every adapter and of its AdamW state. Every rank computes
+its share of a batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the
+adapter's gradients are reduce-scattered as sums (token-sum losses stay sums, nothing is divided by
+the world size), each rank's AdamW steps its slice, and ``grad_clip_norm`` uses the norm of the
+whole adapter (:meth:`Ranks.combined_norm`).
 
 Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
 (:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
@@ -100,7 +101,7 @@ class Ranks:
         pids[self.rank] = os.getpid()
         self.collective("startup", lambda: dist.all_reduce(pids))
         self.pids = [int(p) for p in pids.tolist()]
-        self.modules: list[Any] = []  # every FSDP module of every base model and adapter, in order
+        self.modules: list[Any] = []  # every FSDP module of every base model, in load order
         self.adapters = AdapterShards(self)
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
@@ -212,17 +213,21 @@ class Ranks:
         self.sharded()
         self.send({"gather": True})
         self._unshard()
+        self.adapters.gather_all()
         self.gathered = True
 
     def join_gather(self) -> None:
         """A follower: take part in rank 0's gather."""
         self._unshard()
+        self.adapters.gather_all()
         self._reshard()
+        self.adapters.release_all()
 
     def sharded(self) -> None:
         """Rank 0: drop the gathered weights (local), so the next forward all-gathers with the others."""
         if self.gathered:
             self._reshard()
+            self.adapters.release_all()
             self.gathered = False
 
     def _any_sharded(self) -> bool:
@@ -304,6 +309,12 @@ class Ranks:
         if self.leader:
             self.sharded()
             self.send(message)
+
+    def combined_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The norm of a vector sharded over the ranks, from each rank's norm of its share."""
+        squares = (norm.float() ** 2).reshape(1).to(self._comm_device)
+        self.collective("combining gradient norms", lambda: dist.all_reduce(squares))
+        return squares[0].sqrt().cpu()
 
     def largest(self, value: int) -> int:
         """The largest of every rank's ``value``."""

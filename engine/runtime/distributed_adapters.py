@@ -1,112 +1,140 @@
-"""Sessions' LoRA adapters sharded over the ranks with FSDP2, and their whole tensors when needed.
+"""Sessions' LoRA adapters sharded over the ranks: each rank holds 1/N of every adapter and its AdamW.
 
-Every rank creates a session's adapter (``create_session`` is a followed op), then
-:meth:`AdapterShards.shard` applies ``fully_shard`` to each of its LoRA modules (every
-``lora_A``/``lora_B`` of the adapter): each rank holds 1/N of every adapter parameter, and AdamW,
-built over those sharded (DTensor) parameters, holds 1/N of the moments. A training forward
-all-gathers a LoRA module's weight as it runs; its backward reduce-scatters the gradient with a
-plain sum (``set_gradient_divide_factor(1)`` and sum-only collectives, which gloo needs): token-sum
-losses stay sums, nothing is divided by the world size.
+Every rank creates a session's adapter (``create_session`` is a followed op); :meth:`AdapterShards.add`
+then flattens its parameters (fp32, in peft's order) into one vector padded to a multiple of N and
+keeps this rank's contiguous slice as the session's only trainable parameter (:class:`FlatShard`):
+AdamW, built over that slice, holds 1/N of the moments, and the peft parameters hold nothing
+between ops. A training op gathers the adapter (one all-gather) into the peft parameters, runs its
+micro-batches, reduce-scatters the gradients with a plain sum into the slice's gradient (token-sum
+losses stay sums; nothing is divided by the world size) and drops the whole copy again. AdamW is
+elementwise, so each rank stepping its slice is the one-rank step; ``grad_clip_norm`` uses the norm
+of the whole adapter (the slices' squared norms summed over the ranks).
 
-Why one FSDP unit per LoRA module and not one per decoder layer: adapters come and go after the
-base model's FSDP root has run (its lazy initialisation fixes which units it manages), so a unit
-made later is its own root, and FSDP2 refuses a grouped ``fully_shard([...])`` as a root ("requires
-a single root module"). A root does not reshard after forward, so :meth:`reshard` ends each
-training op with every shard in place.
-
-Whole tensors (checkpoints, merged models) are gathered with :meth:`full` (an all-gather every rank
-joins in the same order: rank 0 announces each gather, :mod:`.distributed_follow`); a checkpoint read
-from disk becomes this rank's share with :meth:`share` (no communication: every rank reads the file).
+Why not FSDP2 ``fully_shard`` over the LoRA modules (as for the base weights): adapters come and
+go after the base model's FSDP root has run, so each unit made later is its own root, and FSDP2
+refuses a grouped ``fully_shard([...])`` as a root ("requires a single root module"). One unit per
+LoRA module does train on two ranks equal to one, until a rank runs an idle round (a rank without a
+datum joins the others' model calls on one token): FSDP2 then issues the LoRA units' all-gathers
+and reduce-scatters from autograd hooks in each rank's own backward order, and the ranks' collectives
+no longer pair (seen with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0 all-gathering a decoder layer,
+18,496 values, while rank 1 all-gathers a LoRA shard, 128 values). Here the adapter's collectives
+happen at fixed points of an op, the same on every rank whatever its share of the batch.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-from sess.engine.sdk.errors import InvalidRequest
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed import Ranks
-    from sess.engine.runtime.model_host import ModelHost
+
+
+class FlatShard:
+    """This rank's slice of one adapter (``param``, AdamW's parameter) and the adapter's peft
+    parameters, which hold the whole weights only between :meth:`gather` and :meth:`release`."""
+
+    def __init__(self, ranks: Ranks, params: list[torch.nn.Parameter]):
+        self.ranks, self.params = ranks, params
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.total = sum(self.sizes)
+        self.size = -(-self.total // ranks.world)  # ceil: the slices are padded to equal sizes
+        flat = self._padded([p.detach().reshape(-1).float() for p in params])
+        start = ranks.rank * self.size
+        self.param = torch.nn.Parameter(flat[start : start + self.size].clone())
+        self.gathered = False
+        self.release()
+
+    def _padded(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(self.size * self.ranks.world, dtype=torch.float32, device=self.param_device())
+        flat[: self.total] = torch.cat(parts).to(flat.device)
+        return flat
+
+    def param_device(self) -> torch.device:
+        return torch.device(self.ranks.device)
+
+    def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slice of a flat tensor laid out as ``param`` (the parameter itself, or an
+        AdamW moment) put together and cut into the adapter's parameters' shapes (an all-gather
+        every rank joins)."""
+        full = torch.empty(self.size * self.ranks.world, dtype=local.dtype, device=local.device)
+        self.ranks.collective(
+            "gathering an adapter", lambda: dist.all_gather_into_tensor(full, local.detach().contiguous())
+        )
+        return [part.view(shape) for part, shape in zip(full[: self.total].split(self.sizes), self.shapes)]
+
+    def mine(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of whole tensors laid out as the adapter's parameters (no communication)."""
+        flat = self._padded([t.detach().reshape(-1).float() for t in tensors])
+        start = self.ranks.rank * self.size
+        return flat[start : start + self.size].clone()
+
+    def gather(self) -> None:
+        """The whole adapter into its peft parameters (every rank, in the same order)."""
+        for p, part in zip(self.params, self.whole(self.param)):
+            p.data = part.to(p.dtype)
+        self.gathered = True
+
+    def reduce_grads(self) -> None:
+        """Sum the peft parameters' gradients over the ranks into this slice's gradient (added to
+        what earlier ops accumulated); a rank without one adds zeros."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = self._padded([g.reshape(-1).float() for g in grads])
+        mine = torch.empty(self.size, dtype=torch.float32, device=flat.device)
+        self.ranks.collective(
+            "summing gradients", lambda: dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM)
+        )
+        self.param.grad = mine if self.param.grad is None else self.param.grad + mine
+
+    def release(self) -> None:
+        """Drop the whole copy (local): the peft parameters hold nothing until the next gather."""
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
+        self.gathered = False
 
 
 class AdapterShards:
-    """The FSDP units of every session adapter on this rank (peft adapter name -> its LoRA modules)."""
+    """Every session adapter's :class:`FlatShard` on this rank (peft adapter name -> its shard)."""
 
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
-        self.units: dict[str, list[torch.nn.Module]] = {}
+        self.shards: dict[str, FlatShard] = {}
 
-    def shard(self, host: ModelHost, adapter: str) -> None:
-        """Shard ``adapter``'s LoRA modules over the ranks (every rank, in the same followed op)."""
-        from torch.distributed.fsdp import fully_shard
-
-        modules = [
-            holder[adapter]
-            for module in host.peft.modules()
-            for holder in (getattr(module, "lora_A", None), getattr(module, "lora_B", None))
-            if isinstance(holder, torch.nn.ModuleDict) and adapter in holder
-        ]
-        for module in modules:
-            fully_shard(module, mesh=self.ranks.mesh)
-            module.set_gradient_divide_factor(1.0)  # token sums: the reduce-scatter sums, never averages
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-        self.units[adapter] = modules
-        self.ranks.modules += modules  # gathered with the base weights when rank 0 samples alone
-        whole = [name for name, p in host.adapter_params(adapter).items() if not isinstance(p, DTensor)]
-        if whole:  # e.g. embedding LoRA (parameter dicts, not modules): not sharded here
-            self.forget(adapter)
-            raise InvalidRequest(
-                f"this LoRA layout has parameters an engine of several ranks cannot shard ({whole[0]}); "
-                "train it on an engine of one rank"
-            )
+    def add(self, adapter: str, params: dict[str, torch.nn.Parameter]) -> FlatShard:
+        """Shard a new adapter (every rank, in the same followed op)."""
+        self.shards[adapter] = FlatShard(self.ranks, list(params.values()))
+        return self.shards[adapter]
 
     def forget(self, adapter: str) -> None:
-        """``adapter`` is being removed: its units leave the list of what gathers."""
-        units = {id(m) for m in self.units.pop(adapter, [])}
-        self.ranks.modules = [m for m in self.ranks.modules if id(m) not in units]
+        self.shards.pop(adapter, None)
 
-    def reshard(self, adapter: str) -> None:
-        """Drop ``adapter``'s gathered weights (local): after a training op, only shards stay."""
-        for module in self.units.get(adapter, []):
-            module.reshard()
+    def gather_all(self) -> None:
+        """Every adapter whole (rank 0 about to sample alone; the followers join, then drop theirs)."""
+        for shard in self.shards.values():
+            if not shard.gathered:
+                shard.gather()
 
-    @contextlib.contextmanager
-    def gathered(self, adapter: str) -> Iterator[None]:
-        """``adapter``'s modules with their whole weights registered inside the block (every rank
-        enters it together, with every unit sharded: see :meth:`.Ranks.announce`)."""
-        units = self.units.get(adapter, [])
-        try:
-            for module in units:
-                self.ranks.collective("gathering an adapter", module.unshard)
-            yield
-        finally:
-            for module in units:
-                module.reshard()
+    def release_all(self) -> None:
+        for shard in self.shards.values():
+            if shard.gathered:
+                shard.release()
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole of ``tensor`` (an all-gather for a sharded one, which every rank must join)."""
+        """A base weight whole (an FSDP2 shard's all-gather, which every rank must join)."""
         if isinstance(tensor, DTensor):
-            return self.ranks.collective("gathering an adapter", tensor.full_tensor)
+            return self.ranks.collective("gathering weights", tensor.full_tensor)
         return tensor
-
-    def share(self, tensor: torch.Tensor) -> DTensor:
-        """This rank's share of a whole adapter tensor, placed as FSDP2 places the parameters
-        (``Shard(0)`` over the ranks); no communication."""
-        return distribute_tensor(tensor, self.ranks.mesh, [Shard(0)], src_data_rank=None)
 
 
 def held_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of this process's memory behind ``tensors`` (a sharded tensor's local share, padding
-    included; shared storage counted once)."""
+    """Bytes of this process's memory behind ``tensors`` (shared storage counted once)."""
     storages = {}
     for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
+        storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -81,14 +81,10 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
         request.rank, request.alpha, request.train_attn, request.train_mlp, request.train_unembed
     )
     host.add_adapter(adapter, config, seed)
-    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
-        try:
-            runtime.ranks.adapters.shard(host, adapter)
-        except BaseException:
-            host.remove_adapter(adapter)
-            raise
     session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=request.user_metadata)
     session.params = host.adapter_params(adapter)
+    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
+        session.shard = runtime.ranks.adapters.add(adapter, session.params)
     session.new_optimizer()
     runtime.sessions[name] = session
     return session.summary()
@@ -128,7 +124,7 @@ def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
         if runtime.ranks is not None:
             runtime.ranks.adapters.forget(session.adapter)
         runtime.hosts[session.base_model].remove_adapter(session.adapter)
-        session.optimizer, session.params = None, {}
+        session.optimizer, session.params, session.shard = None, {}, None
         session.status = SessionStatus.Stopped
     return session.summary()
 

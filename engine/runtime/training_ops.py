@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.distributed_adapters import held_bytes
@@ -60,7 +59,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
     ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
-    with host.activate(session.adapter) as model, _root_gathered(ranks, host):
+    with host.activate(session.adapter) as model, _root_gathered(ranks, host), _adapter_gathered(session):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
@@ -106,8 +105,9 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
+        if ranks and backward:  # every rank's share of the gradients, summed into its slice
+            session.shard.reduce_grads()
     if ranks:
-        ranks.adapters.reshard(session.adapter)  # only shards stay between ops
         all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
@@ -152,6 +152,20 @@ def _root_gathered(ranks, host):
     return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _adapter_gathered(session):
+    """Several ranks: the session's adapter whole for the op (every rank gathers it), only this
+    rank's slice again after it."""
+    if session.shard is None:
+        yield
+        return
+    session.shard.gather()
+    try:
+        yield
+    finally:
+        session.shard.release()
+
+
 def _check_fits(datums, batch, cost, budget: int) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
     not fit even then (before anything of the op has run)."""
@@ -179,11 +193,11 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     memory of the rank that holds the most."""
     session = runtime.session(owner, request.session)
     adam = request.adam_params
-    params = list(session.params.values())
+    params = session.trainable()
     grads = [p.grad for p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
-    if isinstance(grad_norm, DTensor):  # the shards' norms combined into the whole adapter's
-        grad_norm = runtime.ranks.collective("combining gradient norms", grad_norm.full_tensor)
+    if runtime.ranks and grads:  # every rank holds a slice's gradient: the whole adapter's norm
+        grad_norm = runtime.ranks.combined_norm(grad_norm)
     if not torch.isfinite(grad_norm):
         session.optimizer.zero_grad(set_to_none=True)
         raise InvalidRequest(
@@ -215,7 +229,7 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
 def _state_bytes(runtime: Runtime, session) -> int:
     """Bytes the session's adapter weights and AdamW moments hold here (on the fullest rank)."""
     host = runtime.hosts[session.base_model]
-    tensors = list(session.params.values()) + list(host.adapter_params(session.adapter).values())
+    tensors = session.trainable() + list(host.adapter_params(session.adapter).values())
     for state in session.optimizer.state.values():
         tensors += [v for k, v in state.items() if k != "step"]
     held = held_bytes(tensors)
