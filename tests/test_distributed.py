@@ -69,6 +69,9 @@ def _run_phase(url: str, home, tmp_path, tag: str) -> dict:
         record["sample_logprobs"] = [s.logprobs for s in result.sequences]
         record["state"] = tc.save_state(name="state").result().path
         record["eval"], record["next_step"] = _eval_and_step(tc, batches)
+        # the state (weights and AdamW moments) loaded back here: the same step, exactly
+        evaluated, next_step = _resumed(url, home, record["state"])
+        assert evaluated == record["eval"] and next_step == record["next_step"]
         return record
     finally:
         svc.close()
@@ -83,20 +86,28 @@ def _eval_and_step(tc, batches) -> tuple[list, dict]:
     return evaluated, {"loss": loss, "grad_norm": grad_norm, "logprobs": after}
 
 
-def _resumed(url: str, home, state: str) -> tuple[list, dict]:
-    """A new session from ``state`` (with its optimizer): its logprobs on the last batch, and the
-    step after loading (:func:`_eval_and_step`), which takes the saved AdamW moments."""
+def _resumed(url: str, home, state: str, with_optimizer: bool = True) -> tuple[list, dict]:
+    """A new session from ``state``: its logprobs on the last batch, and the step after loading
+    (:func:`_eval_and_step`), which takes the saved AdamW moments (``with_optimizer``)."""
     svc = ServiceClient(url, home=home)
     try:
-        tc = svc.create_training_client_from_state_with_optimizer(state)
+        if with_optimizer:
+            tc = svc.create_training_client_from_state_with_optimizer(state)
+        else:
+            tc = svc.create_training_client_from_state(state)
         return _eval_and_step(tc, _batches(tc.get_tokenizer()))
     finally:
         svc.close()
 
 
 def _assert_same_step(a: dict, b: dict) -> None:
-    assert _max_rel_diff([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) < 1e-5
-    assert _max_diff(a["logprobs"], b["logprobs"]) < 1e-5
+    """The fourth step, after a state checkpoint, on one rank and on two. The gradients (~1e3) of
+    one rank and two differ in float32 by ~2e-5 relative, and AdamW divides by the square root of
+    the second moment, which turns the noise of near-zero gradients into whole steps: the logprobs
+    after it agree to ~3e-3 (measured 0.0033), while a step without the saved moments lands ~3.0
+    away. (The same round trip on one engine is exact: :func:`_run_phase`.)"""
+    assert _max_rel_diff([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) < 1e-4
+    assert _max_diff(a["logprobs"], b["logprobs"]) < 2e-2
 
 
 def _merged_on_one_rank(url: str, home, state: str, target) -> tuple[dict, list]:
@@ -193,7 +204,7 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
     ]
     assert len(stopped) == 1
     assert f"rank 1 of 2 died (signal SIGKILL, pid {two['rank_pids'][1]})" in stopped[0]
-    assert "Sessions now Interrupted: run-two" in stopped[0]
+    assert "run-two" in stopped[0].split("Sessions now Interrupted: ")[1].split(".")[0]
     with sqlite3.connect(home / "registry.db") as db:
         assert db.execute("SELECT status FROM sessions WHERE name='run-two'").fetchone() == ("Interrupted",)
     assert engine_info(home) is None
@@ -207,6 +218,8 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
         evaluated, next_step = _resumed(one["url"], home, double["state"])
         assert _max_diff(evaluated, double["eval"]) < 1e-5
         _assert_same_step(next_step, double["next_step"])
+        _, without_moments = _resumed(one["url"], home, double["state"], with_optimizer=False)
+        assert _max_diff(without_moments["logprobs"], double["next_step"]["logprobs"]) > 0.5
         # a merged save of two ranks: the files one rank writes for the same adapter, and transformers
         # loads them to the session's logprobs
         merged, batch = _merged_on_one_rank(one["url"], home, double["state"], files / "m-same")
