@@ -77,6 +77,11 @@ class FlatShard:
         """The whole adapter into its peft parameters (every rank, in the same order)."""
         for p, part in zip(self.params, self.whole(self.param)):
             p.data = part.to(p.dtype)
+        # Assigning ``.data`` swaps the storage but keeps the version counter, and what reads the
+        # weights through a cache keyed on (identity, version) must see new values: the lean
+        # decoder's LoRA plans (llama_decoder._versions) would otherwise sample a live session with
+        # the weights of the first gather it saw.
+        torch.autograd.graph.increment_version(self.params)
         self.gathered = True
 
     def reduce_grads(self) -> None:
@@ -95,6 +100,7 @@ class FlatShard:
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None
+        torch.autograd.graph.increment_version(self.params)  # as in gather()
         self.gathered = False
 
 
