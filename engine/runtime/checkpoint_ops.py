@@ -8,6 +8,7 @@ for sampling at once and deleted once a session has more than
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,21 +74,70 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
     host = runtime.hosts[session.base_model]
     kind = "sampler" if request.transient else "merged" if request.merge else "weights"
     ref = _new_ref(session, kind, request.name)
-    state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
+    whole = whole_adapter(runtime, session, merge=request.merge)
+    config = host.adapter_config(session.adapter)
     if request.merge:
-        merged, untie = host.merged_state(session.adapter)
         model_config = host.peft.get_base_model().config
-        if untie:
+        if whole.untie:
             model_config = _replace_config(model_config, tie_word_embeddings=False)
-        ckpt.save_merged(ref, runtime.home, model_config, merged, host.path, state, config)
+        ckpt.save_merged(ref, runtime.home, model_config, whole.merged, host.path, whole.state, config)
     else:
-        ckpt.save_weights(ref, runtime.home, state, config)
+        ckpt.save_weights(ref, runtime.home, whole.state, config)
     host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
     result = {"path": ref.uri}
     if request.transient:
-        host.checkpoint_adapter(ref.uri, state, config)  # its sampler needs no read from disk
+        host.checkpoint_adapter(ref.uri, whole.state, config)  # its sampler needs no read from disk
         result["released"] = _release_samplers(runtime, session, host)
     return result
+
+
+@dataclass
+class WholeAdapter:
+    """A session's adapter as files hold it: PEFT-keyed weights; AdamW moments and steps under the
+    layout's own names (``optimizer``); the merged model's state (``merge``)."""
+
+    state: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)
+    merged: dict[str, torch.Tensor] | None = None
+    untie: bool = False
+
+
+def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False, merge: bool = False):
+    """``session``'s adapter in whole tensors (:class:`WholeAdapter`). On an engine of several ranks
+    each rank holds a shard: rank 0 announces the gather, every rank runs this (followers from
+    their loop, :mod:`.distributed_follow`) and joins each tensor's all-gather in the same order."""
+    host, ranks = runtime.hosts[session.base_model], runtime.ranks
+    if ranks is None:
+        return _whole_adapter(session, host, optimizer, merge, lambda t: t)
+    ranks.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
+    session.shard.gather()
+    try:
+        return _whole_adapter(session, host, optimizer, merge, ranks.adapters.full)
+    finally:
+        session.shard.release()
+
+
+def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bool, full) -> WholeAdapter:
+    whole = WholeAdapter(host.get_state(session.adapter))
+    if optimizer and session.shard is None:  # one rank: each parameter's AdamW state
+        for key, param in _canonical(session.params, session.adapter).items():
+            state = session.optimizer.state.get(param, {})
+            if state:
+                whole.moments[f"{key}.exp_avg"] = state["exp_avg"]
+                whole.moments[f"{key}.exp_avg_sq"] = state["exp_avg_sq"]
+                whole.steps[key] = float(state["step"])
+    elif optimizer:  # several: one slice's state for the whole adapter, put together from every rank
+        state = session.optimizer.state.get(session.shard.param, {})
+        if state:
+            keys = list(_canonical(session.params, session.adapter))
+            pairs = zip(session.shard.whole(state["exp_avg"]), session.shard.whole(state["exp_avg_sq"]))
+            for key, (exp_avg, exp_avg_sq) in zip(keys, pairs):
+                whole.moments[f"{key}.exp_avg"], whole.moments[f"{key}.exp_avg_sq"] = exp_avg, exp_avg_sq
+                whole.steps[key] = float(state["step"])
+    if merge:
+        whole.merged, whole.untie = host.merged_state(session.adapter, full)
+    return whole
 
 
 def _release_samplers(runtime: Runtime, session: Session, host: ModelHost) -> list[str]:
@@ -133,21 +183,16 @@ def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     ref = _new_ref(session, "state", request.name)
-    moments, steps = {}, {}
-    for key, param in _canonical(session.params, session.adapter).items():
-        state = session.optimizer.state.get(param, {})
-        if state:
-            moments[f"{key}.exp_avg"], moments[f"{key}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
-            steps[key] = float(state["step"])
+    whole = whole_adapter(runtime, session, optimizer=True)
     meta = {
         "base_model": session.base_model,
         "lora": session.lora,
         "step": session.step,
-        "param_steps": steps,
+        "param_steps": whole.steps,
         "format": 1,
     }
-    adapter_state, config = host.get_state(session.adapter), host.adapter_config(session.adapter)
-    ckpt.save_state(ref, runtime.home, adapter_state, config, moments, meta)
+    config = host.adapter_config(session.adapter)
+    ckpt.save_state(ref, runtime.home, whole.state, config, whole.moments, meta)
     return {"path": ref.uri}
 
 
@@ -160,23 +205,51 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
             f"path: {request.path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
             f"this session is {session.base_model} rank {session.lora['rank']}"
         )
+    if session.shard is not None:  # several ranks: every rank reads the files and keeps its slice
+        session.shard.gather()
     try:
-        host.set_state(session.adapter, adapter_state)
-    except ValueError as exc:
-        raise InvalidRequest(f"path: {exc}") from None
-    session.new_optimizer()
-    if request.with_optimizer:
-        for key, param in _canonical(session.params, session.adapter).items():
-            if key in meta["param_steps"]:
-                session.optimizer.state[param] = {
-                    "step": torch.tensor(meta["param_steps"][key]),
-                    "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
-                    "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
-                }
-        session.step = int(meta["step"])
-    for param in session.params.values():
+        try:
+            host.set_state(session.adapter, adapter_state)
+        except ValueError as exc:
+            raise InvalidRequest(f"path: {exc}") from None
+        session.new_optimizer()
+        if session.shard is not None:
+            with torch.no_grad():
+                session.shard.param.copy_(session.shard.mine(list(session.params.values())))
+        if request.with_optimizer:
+            _load_moments(session, moments, meta)
+            session.step = int(meta["step"])
+    finally:
+        if session.shard is not None:
+            session.shard.release()
+    for param in session.trainable():
         param.grad = None
     return {"path": request.path}
+
+
+def _load_moments(session: Session, moments: dict[str, torch.Tensor], meta: dict) -> None:
+    """AdamW's state from a checkpoint: each parameter's, or with several ranks this rank's slice."""
+    canonical = _canonical(session.params, session.adapter)
+    saved = [key for key in canonical if key in meta["param_steps"]]
+    if session.shard is None:
+        for key in saved:
+            param = canonical[key]
+            session.optimizer.state[param] = {
+                "step": torch.tensor(meta["param_steps"][key]),
+                "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
+                "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
+            }
+        return
+    if not saved:
+        return
+    # a parameter the checkpoint has no state for (never stepped) starts from zero moments
+    shard = session.shard
+    zeros = {key: torch.zeros_like(canonical[key]) for key in canonical}
+    session.optimizer.state[shard.param] = {
+        "step": torch.tensor(max(meta["param_steps"][key] for key in saved)),
+        "exp_avg": shard.mine([moments.get(f"{key}.exp_avg", zeros[key]) for key in canonical]),
+        "exp_avg_sq": shard.mine([moments.get(f"{key}.exp_avg_sq", zeros[key]) for key in canonical]),
+    }
 
 
 def _replace_config(config, **changes):

@@ -4,15 +4,20 @@ Rank 0's executor runs every op as a single-process engine does; before an op th
 all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
 request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
 (:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
-layer, then the whole model); LoRA adapters are small and replicated: every rank computes its share
-of a batch's datums (:meth:`Ranks.plan`), the adapters' gradients are summed over the ranks before
-AdamW (:meth:`Ranks.sum_grads`: token-sum losses stay sums, nothing is divided by the world size), and
-every rank takes the same AdamW step, so the adapters stay equal without being sent.
+layer, then the whole model); each session's LoRA adapter and its AdamW moments are sharded too, as
+one flat slice per rank (:mod:`.distributed_adapters`, which says why not FSDP2 for them), so a
+rank holds 1/N of the base weights, of every adapter and of its AdamW state. Every rank computes
+its share of a batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the
+adapter's gradients are reduce-scattered as sums (token-sum losses stay sums, nothing is divided by
+the world size), each rank's AdamW steps its slice, and ``grad_clip_norm`` uses the norm of the
+whole adapter (:meth:`Ranks.combined_norm`).
 
-Sampling, ``compute_logprobs`` and merged saves run on rank 0 alone with the base weights gathered
+Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
 (:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
-gives for the same seed; rank 0 drops the gathered copy before the next followed op. Checkpoints are
-rank 0's adapter and AdamW state, the same files as one process writes.
+gives for the same seed; rank 0 drops the gathered copy before the next followed op. Checkpoints
+(adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
+helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
+same files as one process writes, and loading one gives each rank its share.
 
 A collective that fails (a rank died) raises :class:`RankFailed`; the launcher
 (:mod:`.distributed_launch`) then stops the engine and its sessions become Interrupted.
@@ -38,8 +43,9 @@ from torch.distributed.tensor import DTensor
 from sess.engine.runtime.batched_forward import plan as plan_batches
 from sess.engine.runtime.checkpoint_ops import checkpoint_dir
 from sess.engine.runtime.checkpoints import read_state
+from sess.engine.runtime.distributed_adapters import AdapterShards
 from sess.engine.runtime.session_ops import default_name
-from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.requests import Request
 from sess.engine.sdk.types import Datum
 
@@ -93,9 +99,10 @@ class Ranks:
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
         pids = torch.zeros(self.world, dtype=torch.long, device=self._comm_device)
         pids[self.rank] = os.getpid()
-        self._collective("startup", lambda: dist.all_reduce(pids))
+        self.collective("startup", lambda: dist.all_reduce(pids))
         self.pids = [int(p) for p in pids.tolist()]
         self.modules: list[Any] = []  # every FSDP module of every base model, in load order
+        self.adapters = AdapterShards(self)
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
@@ -115,7 +122,7 @@ class Ranks:
             pass
 
     # messages --------------------------------------------------------------------------------------
-    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+    def collective(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
@@ -128,14 +135,14 @@ class Ranks:
         data = json.dumps(message).encode()
         size = torch.tensor([len(data)], dtype=torch.long, device=self._comm_device)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
-        self._collective("sending an op", lambda: (dist.broadcast(size, 0), dist.broadcast(payload, 0)))
+        self.collective("sending an op", lambda: (dist.broadcast(size, 0), dist.broadcast(payload, 0)))
 
     def receive(self) -> dict:
         """A follower: the next message rank 0 broadcasts."""
         size = torch.zeros(1, dtype=torch.long, device=self._comm_device)
-        self._collective("receiving an op", lambda: dist.broadcast(size, 0))
+        self.collective("receiving an op", lambda: dist.broadcast(size, 0))
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device)
-        self._collective("receiving an op", lambda: dist.broadcast(payload, 0))
+        self.collective("receiving an op", lambda: dist.broadcast(payload, 0))
         return json.loads(payload.cpu().numpy().tobytes().decode())
 
     # what rank 0 does before an op -----------------------------------------------------------------
@@ -146,12 +153,6 @@ class Ranks:
         steps and ``compute_logprobs`` call :meth:`full_weights`.)"""
         if not self.leader:
             return request
-        if name == "save_weights" and getattr(request, "merge", False):
-            raise InvalidRequest(
-                "merge: merged saves are not supported on an engine of several ranks yet (--nproc "
-                f"{self.world}); save the adapter (merge=False), which any engine or peft loads, and merge "
-                "it on an engine of one rank"
-            )
         if name in FOLLOWED:
             request = _decided(runtime, name, owner, request)
             self.sharded()
@@ -212,17 +213,21 @@ class Ranks:
         self.sharded()
         self.send({"gather": True})
         self._unshard()
+        self.adapters.gather_all()
         self.gathered = True
 
     def join_gather(self) -> None:
         """A follower: take part in rank 0's gather."""
         self._unshard()
+        self.adapters.gather_all()
         self._reshard()
+        self.adapters.release_all()
 
     def sharded(self) -> None:
         """Rank 0: drop the gathered weights (local), so the next forward all-gathers with the others."""
         if self.gathered:
             self._reshard()
+            self.adapters.release_all()
             self.gathered = False
 
     def _any_sharded(self) -> bool:
@@ -230,7 +235,7 @@ class Ranks:
 
     def _unshard(self) -> None:
         for module in self.modules:
-            self._collective("gathering weights", module.unshard)
+            self.collective("gathering weights", module.unshard)
             module.set_reshard_after_forward(False, recurse=False)
 
     def _reshard(self) -> None:
@@ -279,7 +284,7 @@ class Ranks:
         if not isinstance(model, FSDPModule) or not isinstance(model.get_input_embeddings().weight, DTensor):
             yield
             return
-        self._collective("gathering weights", model.unshard)
+        self.collective("gathering weights", model.unshard)
         try:
             yield
         finally:
@@ -294,21 +299,28 @@ class Ranks:
             if lp is not None:
                 flat[start : start + length] = lp.detach().float().to(self._comm_device)
             start += length
-        self._collective("gathering logprobs", lambda: dist.all_reduce(flat))
+        self.collective("gathering logprobs", lambda: dist.all_reduce(flat))
         return [part.cpu() if self.device == "cpu" else part for part in flat.split(lengths)]
 
-    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the adapter's gradients over the ranks (each holds its share's token-sum gradients);
-        a parameter without a gradient on every rank keeps none, as on one rank."""
-        any_grad = torch.tensor([float(any(p.grad is not None for p in params))], device=self._comm_device)
-        self._collective("summing gradients", lambda: dist.all_reduce(any_grad, op=dist.ReduceOp.MAX))
-        if not any_grad.item():
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device)
-        self._collective("summing gradients", lambda: dist.all_reduce(flat))
-        for p, part in zip(params, flat.split([g.numel() for g in grads])):
-            p.grad = part.view_as(p).to(p.device).clone()
+    def announce(self, message: dict) -> None:
+        """Rank 0: tell the followers to join a gather of whole tensors (``{"collect": ...}``, see
+        :func:`.checkpoint_ops.whole_adapter`), every FSDP unit sharded first so that all ranks
+        start it from the same state."""
+        if self.leader:
+            self.sharded()
+            self.send(message)
+
+    def combined_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The norm of a vector sharded over the ranks, from each rank's norm of its share."""
+        squares = (norm.float() ** 2).reshape(1).to(self._comm_device)
+        self.collective("combining gradient norms", lambda: dist.all_reduce(squares))
+        return squares[0].sqrt().cpu()
+
+    def largest(self, value: int) -> int:
+        """The largest of every rank's ``value``."""
+        total = torch.tensor([value], dtype=torch.long, device=self._comm_device)
+        self.collective("comparing ranks", lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX))
+        return int(total.item())
 
 
 def _decided(runtime, name: str, owner: str, request: Request) -> Request:

@@ -1,7 +1,8 @@
 """A follower rank's loop: run each op rank 0 broadcasts, on the same runtime state, until it says stop.
 
 Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner", "request"}``,
-the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``), base models it loaded outside
+the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``), gathers of a session's whole
+adapter for a checkpoint it writes (``{"collect", "optimizer", "merge"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
 (:func:`session_snapshot`), so an op that rank 0 refuses (an unknown or stopped session, a name
 taken) is refused here the same way, before any collective. Files are rank 0's: a follower reads
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from sess.engine.runtime.checkpoint_ops import whole_adapter
 from sess.engine.runtime.distributed import RankFailed, Ranks
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
@@ -56,6 +58,9 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
             return
         if message.get("gather"):
             ranks.join_gather()
+        elif "collect" in message:  # rank 0 saves a checkpoint: give it the whole tensors
+            session = runtime.sessions[message["collect"]]
+            whole_adapter(runtime, session, optimizer=message["optimizer"], merge=message["merge"])
         elif "host" in message:
             ranks.announced = message
             try:

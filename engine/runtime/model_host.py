@@ -233,8 +233,12 @@ class ModelHost:
         yield self.peft
 
     # merged models ------------------------------------------------------------------------------
-    def merged_state(self, adapter: str) -> tuple[dict[str, torch.Tensor], bool]:
+    def merged_state(
+        self, adapter: str, whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         """Base weights with ``adapter``'s deltas added, under the plain transformers key names.
+        ``whole`` makes a base weight whole (an engine of several ranks gathers its shards; the
+        adapter's own modules must hold whole weights already).
 
         Returns the state and whether the output embedding must be untied (it took a delta)."""
         base = self.peft.get_base_model()
@@ -251,7 +255,7 @@ class ModelHost:
             if "lora_" in key:
                 continue
             clean = key.replace(".base_layer", "")
-            state[clean] = tensor.detach().clone()
+            state[clean] = whole(tensor.detach()).clone()
         for key, delta in deltas.items():
             clean = key.replace(".base_layer", "")
             state[clean] = state[clean] + delta.to(state[clean].dtype)

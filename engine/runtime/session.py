@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
+
+if TYPE_CHECKING:
+    from sess.engine.runtime.distributed_adapters import FlatShard
 
 
 @dataclass
@@ -26,6 +30,7 @@ class Session:
     usage: Usage = field(default_factory=Usage)
     optimizer: torch.optim.AdamW | None = None
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    shard: FlatShard | None = None  # several ranks: this rank's slice of the adapter, what AdamW steps
 
     @property
     def live(self) -> bool:
@@ -36,9 +41,13 @@ class Session:
         self.usage = self.usage.add(usage)
         self.last_active = time.time()
 
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """What AdamW steps: the adapter's parameters, or with several ranks this rank's slice."""
+        return [self.shard.param] if self.shard is not None else list(self.params.values())
+
     def new_optimizer(self) -> None:
         """A fresh AdamW over the adapter's parameters (its moments start at zero)."""
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
+        self.optimizer = torch.optim.AdamW(self.trainable(), lr=1e-4, foreach=False)
 
     def summary(self) -> dict:
         return TrainingSessionSummary(

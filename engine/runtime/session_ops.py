@@ -83,6 +83,8 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
     host.add_adapter(adapter, config, seed)
     session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=request.user_metadata)
     session.params = host.adapter_params(adapter)
+    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
+        session.shard = runtime.ranks.adapters.add(adapter, session.params)
     session.new_optimizer()
     runtime.sessions[name] = session
     return session.summary()
@@ -119,8 +121,10 @@ def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
                 f"session {session.name!r} was stopped while this request was sampling from it", status=409
             )
             runtime.batches[session.base_model].fail_adapter(session.adapter, stopped)
+        if runtime.ranks is not None:
+            runtime.ranks.adapters.forget(session.adapter)
         runtime.hosts[session.base_model].remove_adapter(session.adapter)
-        session.optimizer, session.params = None, {}
+        session.optimizer, session.params, session.shard = None, {}, None
         session.status = SessionStatus.Stopped
     return session.summary()
 

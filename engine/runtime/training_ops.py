@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
+from sess.engine.runtime.distributed_adapters import held_bytes
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory_budget import checkpointing
 from sess.engine.runtime.output_layer import backward_from, decoder_and_head, logprobs, token_loss_grad
@@ -58,7 +59,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
     ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
-    with host.activate(session.adapter) as model, _root_gathered(ranks, host):
+    with host.activate(session.adapter) as model, _root_gathered(ranks, host), _adapter_gathered(session):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
@@ -104,6 +105,8 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
+        if ranks and backward:  # every rank's share of the gradients, summed into its slice
+            session.shard.reduce_grads()
     if ranks:
         all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
@@ -149,6 +152,20 @@ def _root_gathered(ranks, host):
     return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _adapter_gathered(session):
+    """Several ranks: the session's adapter whole for the op (every rank gathers it), only this
+    rank's slice again after it."""
+    if session.shard is None:
+        yield
+        return
+    session.shard.gather()
+    try:
+        yield
+    finally:
+        session.shard.release()
+
+
 def _check_fits(datums, batch, cost, budget: int) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
     not fit even then (before anything of the op has run)."""
@@ -168,25 +185,26 @@ def _check_fits(datums, batch, cost, budget: int) -> bool:
 
 
 def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
-    """One AdamW step on the accumulated gradients (clipped to ``grad_clip_norm`` when set)."""
+    """One AdamW step on the accumulated gradients (clipped to ``grad_clip_norm`` when set).
+
+    With several ranks each holds its shard of the gradients (already summed over the ranks) and of
+    the AdamW moments: the norm is the whole adapter's (the shards' combined), and each rank steps
+    its shard. ``adapter_state_bytes`` is what the session's adapter and AdamW moments hold in the
+    memory of the rank that holds the most."""
     session = runtime.session(owner, request.session)
     adam = request.adam_params
-    params = list(session.params.values())
-    if runtime.ranks:  # each rank holds its share's token-sum gradients: sum them, never average
-        runtime.ranks.sum_grads(params)
+    params = session.trainable()
     grads = [p.grad for p in params if p.grad is not None]
-    grad_norm = (
-        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if grads
-        else torch.tensor(0.0)
-    )
+    grad_norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
+    if runtime.ranks and grads:  # every rank holds a slice's gradient: the whole adapter's norm
+        grad_norm = runtime.ranks.combined_norm(grad_norm)
     if not torch.isfinite(grad_norm):
         session.optimizer.zero_grad(set_to_none=True)
         raise InvalidRequest(
             "gradients are not finite (NaN or inf); they were discarded and the weights left unchanged"
         )
     if adam.grad_clip_norm > 0 and grads:
-        torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+        torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=False)
     for group in session.optimizer.param_groups:
         group.update(
             lr=adam.learning_rate,
@@ -197,6 +215,22 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     session.optimizer.step()
     session.optimizer.zero_grad(set_to_none=True)
     session.step += 1
+    held = _state_bytes(runtime, session)
     return {
-        "metrics": {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": session.step}
+        "metrics": {
+            "grad_norm": float(grad_norm),
+            "learning_rate": adam.learning_rate,
+            "step": session.step,
+            "adapter_state_bytes": held,
+        }
     }
+
+
+def _state_bytes(runtime: Runtime, session) -> int:
+    """Bytes the session's adapter weights and AdamW moments hold here (on the fullest rank)."""
+    host = runtime.hosts[session.base_model]
+    tensors = session.trainable() + list(host.adapter_params(session.adapter).values())
+    for state in session.optimizer.state.values():
+        tensors += [v for k, v in state.items() if k != "step"]
+    held = held_bytes(tensors)
+    return runtime.ranks.largest(held) if runtime.ranks else held
