@@ -1,25 +1,29 @@
 """Freed memory stays with the engine process while it works, and goes back once it is idle.
 
 A training step allocates gigabytes of activations and gradients and frees them at its end. With
-glibc's defaults every allocation of more than a few MB is a fresh ``mmap`` and every free gives it
-back to the kernel, so the next step takes a page fault for each 4 KiB page again. Measured on the
-2-core machine of benchmarks/README.md, a GRPO ``forward_backward`` of ~2,300 tokens took 1.2 M page
-faults and 7 s of kernel time (20.7 s in all); with the settings below the same step took 4 faults
-and 15.4 s. They make malloc serve every thread from one heap that is never trimmed, so after the
-first step the same pages are reused.
+glibc's defaults every allocation of more than a few MB is a fresh ``mmap`` of 4 KiB pages and
+every free gives it back to the kernel, so the next step takes a page fault for each page again.
+Measured on the 2-core machine of benchmarks/README.md, a GRPO ``forward_backward`` of ~2,300
+tokens took 1.2 M page faults and 7 s of kernel time (20.7 s in all). The settings below make
+malloc serve every thread from one heap that is never trimmed, so small and medium blocks reuse
+the same pages step after step, and map blocks of :data:`MMAP_FROM` bytes or more (a chunk's
+logits, the larger activations) on their own, in 2 MiB transparent huge pages (glibc's
+``hugetlb`` tunable): a fault then brings in 512 pages at once, so a fresh mapping costs little,
+and freeing it gives it back at once. The heap alone (every block in it, as before 2026-12-01)
+faulted as rarely, but big blocks of changing sizes fragmented it: the SFT step of issue 14's
+workload (4 x 1024 tokens) held 3.6 GiB at its peak where its live tensors were under 2 GiB.
 
-Kept for good, though, that memory is the engine's peak footprint for the rest of its life (the
-default ``sess run`` engine held 6.5 GB after its run ended). So an engine that has been idle for
-:data:`IDLE_TRIM_S` seconds gives its free heap back (:func:`trim`, glibc's ``malloc_trim``): a
-loop that sends its next op within seconds keeps its pages, and a finished or paused one costs
-only what it holds. The bound that makes this cheap is the training memory budget
+Kept for good, though, the heap is the engine's footprint for the rest of its life. So an engine
+that has been idle for :data:`IDLE_TRIM_S` seconds gives its free heap back (:func:`trim`, glibc's
+``malloc_trim``): a loop that sends its next op within seconds keeps its pages, and a finished or
+paused one costs only what it holds. The bound that makes this cheap is the training memory budget
 (:mod:`.memory_budget`): a step's peak is a few times the weights, not dozens.
 
 glibc reads these settings when a process starts, so :func:`engine_env` puts them in the
 environment of the engine processes sess starts (``sess engine up``, ``sess run``). An in-process
-engine applies what can still be applied with ``mallopt`` (:func:`keep_freed_memory`), which helps
-less (measured: 0.8 M faults instead of 1.2 M). Linux with glibc only; ``SESS_MALLOC=system`` turns
-both off, and values already in the environment are kept.
+engine applies what can still be applied with ``mallopt`` (:func:`keep_freed_memory`: not the huge
+pages). Linux with glibc only; ``SESS_MALLOC=system`` turns both off, and values already in the
+environment are kept.
 
 CPU engines only: on CUDA the activations live in the CUDA caching allocator, which keeps freed
 blocks by itself, and the host heap holds little, so an engine on a GPU keeps glibc's defaults.
@@ -33,13 +37,16 @@ import os
 import sys
 
 KEEP = 2**31 - 1
+MMAP_FROM = 4 << 20  # blocks this big or bigger are mapped on their own (glibc allows up to 32 MiB)
 ENGINE_MALLOC = {
     "MALLOC_ARENA_MAX": "1",  # threads share the main heap (other arenas map big blocks anyway)
-    "MALLOC_MMAP_MAX_": "0",  # big blocks come from the heap, not from fresh mappings
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_FROM),  # fixed: glibc's own threshold moves with each free
     "MALLOC_TRIM_THRESHOLD_": str(KEEP),  # and freeing does not hand the heap's top back
+    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",  # malloc's mappings and heap in transparent huge pages
 }
-# the same, as mallopt parameters (glibc malloc.h)
-_MALLOPT = ((-8, 1), (-4, 0), (-1, KEEP))  # M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD
+# what mallopt can still set in a running process (glibc malloc.h): M_ARENA_MAX, M_MMAP_THRESHOLD,
+# M_TRIM_THRESHOLD
+_MALLOPT = ((-8, 1), (-3, MMAP_FROM), (-1, KEEP))
 
 IDLE_TRIM_S = 5.0  # seconds without an op or a decode step before the engine trims its heap
 
