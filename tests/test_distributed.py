@@ -30,7 +30,10 @@ from sess.engine.server.launcher import engine_info, start_engine, stop_engine
 from helpers import SENTENCES, ce_datum
 
 STEPS = 3
-ADAM = AdamParams(learning_rate=2e-2, weight_decay=0.01, grad_clip_norm=1.0)
+# A LoRA learning rate of the usual size. AdamW divides each element's gradient by its own size, so
+# an element whose gradient is near zero moves by its rounding noise, ~lr: at 2e-2 one rank and two
+# differed by up to 2.1e-5 in 7 of 4,352 weights on AVX-512 (none over 1e-5 on AVX2); at 2e-3, 1.1e-6
+ADAM = AdamParams(learning_rate=2e-3, weight_decay=0.01, grad_clip_norm=1.0)
 PROMPT_TEXT = "Two plus three"
 
 
@@ -133,13 +136,11 @@ def _resumed(url: str, home, state: str, with_optimizer: bool = True) -> tuple[l
 
 
 def _assert_same_step(a: dict, b: dict) -> None:
-    """The fourth step, after a state checkpoint, on one rank and on two. The gradients (~1e3) of
-    one rank and two differ in float32 by ~2e-5 relative, and AdamW divides by the square root of
-    the second moment, which turns the noise of near-zero gradients into whole steps: the logprobs
-    after it agree to ~3e-3 (measured 0.0033), while a step without the saved moments lands ~3.0
-    away. (The same round trip on one engine is exact: :func:`_run_phase`.)"""
-    assert _max_rel_diff([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) < 1e-4
-    assert _max_diff(a["logprobs"], b["logprobs"]) < 2e-2
+    """The fourth step, after a state checkpoint, on one rank and on two: measured 1.6e-7 relative
+    for the loss and grad norm, 9.5e-7 for the logprobs after it, while a step without the saved
+    moments lands 0.45 away. (The same round trip on one engine is exact: :func:`_run_phase`.)"""
+    assert _max_rel_diff([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) < 1e-5
+    assert _max_diff(a["logprobs"], b["logprobs"]) < 1e-5
 
 
 def _merged_on_one_rank(url: str, home, state: str, target) -> tuple[dict, list]:
@@ -167,11 +168,13 @@ def _merged_logprobs(directory, batch) -> list:
     return found
 
 
-def _max_diff(a, b) -> float:
+def _max_diff(a, b, relative: bool = False) -> float:
+    """The largest difference between nested lists of numbers; with ``relative``, each difference
+    is taken relative to the size of the number (at least 1), as for :func:`_max_rel_diff`."""
     if isinstance(a, list | tuple):
         assert len(a) == len(b)
-        return max((_max_diff(x, y) for x, y in zip(a, b)), default=0.0)
-    return abs(float(a) - float(b))
+        return max((_max_diff(x, y, relative) for x, y in zip(a, b)), default=0.0)
+    return abs(float(a) - float(b)) / (max(1.0, abs(float(a))) if relative else 1.0)
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -195,7 +198,9 @@ def _sample_checkpoint(url: str, home, path: str) -> tuple[list, list]:
 
 def _assert_same_training(one: dict, two: dict) -> None:
     assert _max_rel_diff(one["losses"], two["losses"]) < 1e-5
-    assert _max_diff(one["logprobs"], two["logprobs"]) < 1e-5
+    # per-token logprobs run to ~10 in size: float32's rounding differs with how a batch is split
+    # (one rank's matmuls see all rows, each of two ranks half)
+    assert _max_diff(one["logprobs"], two["logprobs"], relative=True) < 1e-5
     assert _max_rel_diff(one["grad_norms"], two["grad_norms"]) < 1e-5
     assert one["weights"].keys() == two["weights"].keys()
     assert max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"]) < 1e-5
@@ -203,10 +208,10 @@ def _assert_same_training(one: dict, two: dict) -> None:
     assert max(float(w.abs().max()) for k, w in two["weights"].items() if "lora_B" in k) > 1e-3
     assert one["merged"].keys() == two["merged"].keys()
     assert max(float((one["merged"][k] - two["merged"][k]).abs().max()) for k in one["merged"]) < 1e-5
-    # the same seed samples the same tokens (the weights agree to ~1e-7, so logprobs to ~1e-4)
+    # the same seed samples the same tokens (the weights agree to ~1e-6, the logprobs to ~5e-7)
     assert two["samples"] == one["samples"]
     assert len({tuple(s) for s in two["samples"]}) > 1  # temperature 1: the rows differ
-    assert _max_diff(one["sample_logprobs"], two["sample_logprobs"]) < 1e-4
+    assert _max_diff(one["sample_logprobs"], two["sample_logprobs"]) < 1e-5
     _assert_same_step(one["next_step"], two["next_step"])
     _assert_same_live_sampling(one, two)
     # each of two ranks holds half of the adapter and its AdamW moments
@@ -222,8 +227,8 @@ def _rows_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def _assert_same_live_sampling(one: dict, two: dict) -> None:
     """A live session sampled between steps (the lean decoder keeps each adapter's LoRA terms
     prepared from one step to the next): on two ranks, what ``forward`` computes on the same
-    weights and what one rank gives. Across the engines the weights agree to ~1e-7 after training,
-    so logprobs to ~1e-4, as for the saved sampler (:func:`_assert_same_training`)."""
+    weights and what one rank gives. Across the engines the weights agree to ~1e-6 after training,
+    the logprobs to ~1e-6, as for the saved sampler (:func:`_assert_same_training`)."""
     figures = {
         # the sampler's logprobs of its tokens against forward's on the same engine, per step
         "sampled vs forward": {
@@ -244,10 +249,10 @@ def _assert_same_live_sampling(one: dict, two: dict) -> None:
     assert max(max(d) for d in figures["sampled vs forward"].values()) < 1e-4, figures
     assert figures["moved"] > 1e-2, figures  # a sampler left on an earlier step's weights would show
     assert all(figures["same tokens"]), figures
-    assert max(max(d.values()) for d in figures["one vs two"]) < 1e-4, figures
+    assert max(max(d.values()) for d in figures["one vs two"]) < 1e-5, figures
     # forward on the whole last batch after the steps (the same weights loaded on one rank agree to
-    # 1e-5: the test above); the two engines' own weights differ by float32 noise: measured 1.1e-4
-    assert one["eval"] and figures["eval"] < 5e-4, figures
+    # 1e-5: the test above); the two engines' own weights differ by float32 noise: measured 4.8e-7
+    assert one["eval"] and figures["eval"] < 1e-5, figures
     assert all(a == b for a, b in figures["openai"]), figures
     assert len({b for _, b in figures["openai"]}) > 1, figures  # the route samples the moving weights
 
@@ -291,7 +296,7 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
         assert _max_diff(evaluated, double["eval"]) < 1e-5
         _assert_same_step(next_step, double["next_step"])
         _, without_moments = _resumed(one["url"], home, double["state"], with_optimizer=False)
-        assert _max_diff(without_moments["logprobs"], double["next_step"]["logprobs"]) > 0.5
+        assert _max_diff(without_moments["logprobs"], double["next_step"]["logprobs"]) > 0.1
         # a merged save of two ranks: the files one rank writes for the same adapter, and transformers
         # loads them to the session's logprobs
         merged, batch = _merged_on_one_rank(one["url"], home, double["state"], files / "m-same")
