@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sess.engine.runtime import checkpoints as ckpt
+from sess.engine.runtime.distributed_adapters import gathered
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -111,11 +112,8 @@ def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False
     if ranks is None:
         return _whole_adapter(session, host, optimizer, merge, lambda t: t)
     ranks.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
-    session.shard.gather()
-    try:
+    with gathered(session.shard):
         return _whole_adapter(session, host, optimizer, merge, ranks.adapters.full)
-    finally:
-        session.shard.release()
 
 
 def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bool, full) -> WholeAdapter:
@@ -205,9 +203,7 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
             f"path: {request.path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
             f"this session is {session.base_model} rank {session.lora['rank']}"
         )
-    if session.shard is not None:  # several ranks: every rank reads the files and keeps its slice
-        session.shard.gather()
-    try:
+    with gathered(session.shard):  # several ranks: every rank reads the files and keeps its slice
         try:
             host.set_state(session.adapter, adapter_state)
         except ValueError as exc:
@@ -219,9 +215,6 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
         if request.with_optimizer:
             _load_moments(session, moments, meta)
             session.step = int(meta["step"])
-    finally:
-        if session.shard is not None:
-            session.shard.release()
     for param in session.trainable():
         param.grad = None
     return {"path": request.path}
@@ -242,13 +235,18 @@ def _load_moments(session: Session, moments: dict[str, torch.Tensor], meta: dict
         return
     if not saved:
         return
-    # a parameter the checkpoint has no state for (never stepped) starts from zero moments
-    shard = session.shard
-    zeros = {key: torch.zeros_like(canonical[key]) for key in canonical}
-    session.optimizer.state[shard.param] = {
+
+    def laid_out(moment: str) -> list[torch.Tensor]:
+        # a parameter the checkpoint has no state for (never stepped) starts from zero moments
+        return [
+            moments[f"{key}.{moment}"] if f"{key}.{moment}" in moments else torch.zeros_like(param)
+            for key, param in canonical.items()
+        ]
+
+    session.optimizer.state[session.shard.param] = {
         "step": torch.tensor(max(meta["param_steps"][key] for key in saved)),
-        "exp_avg": shard.mine([moments.get(f"{key}.exp_avg", zeros[key]) for key in canonical]),
-        "exp_avg_sq": shard.mine([moments.get(f"{key}.exp_avg_sq", zeros[key]) for key in canonical]),
+        "exp_avg": session.shard.mine(laid_out("exp_avg")),
+        "exp_avg_sq": session.shard.mine(laid_out("exp_avg_sq")),
     }
 
 

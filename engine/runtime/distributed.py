@@ -316,12 +316,6 @@ class Ranks:
         self.collective("combining gradient norms", lambda: dist.all_reduce(squares))
         return squares[0].sqrt().cpu()
 
-    def largest(self, value: int) -> int:
-        """The largest of every rank's ``value``."""
-        total = torch.tensor([value], dtype=torch.long, device=self._comm_device)
-        self.collective("comparing ranks", lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX))
-        return int(total.item())
-
 
 def _decided(runtime, name: str, owner: str, request: Request) -> Request:
     """``request`` with what its handler would pick at random (a session's default name, its LoRA

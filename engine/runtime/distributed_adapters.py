@@ -23,6 +23,7 @@ happen at fixed points of an op, the same on every rank whatever its share of th
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,19 +44,16 @@ class FlatShard:
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.size = -(-self.total // ranks.world)  # ceil: the slices are padded to equal sizes
-        flat = self._padded([p.detach().reshape(-1).float() for p in params])
-        start = ranks.rank * self.size
-        self.param = torch.nn.Parameter(flat[start : start + self.size].clone())
+        self.param = torch.nn.Parameter(self.mine(params))
         self.gathered = False
         self.release()
 
     def _padded(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(self.size * self.ranks.world, dtype=torch.float32, device=self.param_device())
+        flat = torch.zeros(
+            self.size * self.ranks.world, dtype=torch.float32, device=torch.device(self.ranks.device)
+        )
         flat[: self.total] = torch.cat(parts).to(flat.device)
         return flat
-
-    def param_device(self) -> torch.device:
-        return torch.device(self.ranks.device)
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's slice of a flat tensor laid out as ``param`` (the parameter itself, or an
@@ -102,6 +100,20 @@ class FlatShard:
             p.grad = None
         torch.autograd.graph.increment_version(self.params)  # as in gather()
         self.gathered = False
+
+
+@contextlib.contextmanager
+def gathered(shard: FlatShard | None):
+    """The adapter whole in its peft parameters for the block (every rank gathers it), only this
+    rank's slice again after it; one rank (``shard`` None): nothing to do."""
+    if shard is None:
+        yield
+        return
+    shard.gather()
+    try:
+        yield
+    finally:
+        shard.release()
 
 
 class AdapterShards:

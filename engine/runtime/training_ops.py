@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
-from sess.engine.runtime.distributed_adapters import held_bytes
+from sess.engine.runtime.distributed_adapters import gathered, held_bytes
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory_budget import checkpointing
 from sess.engine.runtime.output_layer import backward_from, decoder_and_head, logprobs, token_loss_grad
@@ -59,7 +59,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
     ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
-    with host.activate(session.adapter) as model, _root_gathered(ranks, host), _adapter_gathered(session):
+    with host.activate(session.adapter) as model, _root_gathered(ranks, host), gathered(session.shard):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
@@ -152,20 +152,6 @@ def _root_gathered(ranks, host):
     return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _adapter_gathered(session):
-    """Several ranks: the session's adapter whole for the op (every rank gathers it), only this
-    rank's slice again after it."""
-    if session.shard is None:
-        yield
-        return
-    session.shard.gather()
-    try:
-        yield
-    finally:
-        session.shard.release()
-
-
 def _check_fits(datums, batch, cost, budget: int) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
     not fit even then (before anything of the op has run)."""
@@ -189,8 +175,8 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
 
     With several ranks each holds its shard of the gradients (already summed over the ranks) and of
     the AdamW moments: the norm is the whole adapter's (the shards' combined), and each rank steps
-    its shard. ``adapter_state_bytes`` is what the session's adapter and AdamW moments hold in the
-    memory of the rank that holds the most."""
+    its shard. ``adapter_state_bytes`` is what the session's adapter and AdamW moments hold in this
+    rank's memory (every rank's slice is the same size)."""
     session = runtime.session(owner, request.session)
     adam = request.adam_params
     params = session.trainable()
@@ -227,10 +213,9 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
 
 
 def _state_bytes(runtime: Runtime, session) -> int:
-    """Bytes the session's adapter weights and AdamW moments hold here (on the fullest rank)."""
+    """Bytes the session's adapter weights and AdamW moments hold in this process."""
     host = runtime.hosts[session.base_model]
     tensors = session.trainable() + list(host.adapter_params(session.adapter).values())
     for state in session.optimizer.state.values():
         tensors += [v for k, v in state.items() if k != "step"]
-    held = held_bytes(tensors)
-    return runtime.ranks.largest(held) if runtime.ranks else held
+    return held_bytes(tensors)
