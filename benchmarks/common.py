@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from sess.engine.runtime.memory import exec_as_engine
@@ -44,6 +45,16 @@ def in_process_client(
     runtime.dtypes = Dtypes.parse(dtype)
     runtime.memory_budget = parse_bytes(memory_budget) if memory_budget else None
     return ServiceClient("inproc", home=home)
+
+
+def memory_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS (resident now) and VmHWM (the peak) of process ``pid`` in bytes (Linux ``/proc``)."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) * 1024
+    return values
 
 
 def add_device_options(parser) -> None:

@@ -45,17 +45,9 @@ from rich.table import Table  # noqa: E402
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
 from sess.engine.server.launcher import start_engine, stop_engine  # noqa: E402
 
+from common import memory_status  # noqa: E402
+
 GB = 1 << 30
-
-
-def status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of ``pid`` in bytes."""
-    values = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) * 1024
-    return values
 
 
 def reset_peak(pid: int) -> None:
@@ -135,14 +127,14 @@ def measure(args, home: Path, console: Console) -> dict:
         )
 
     try:
-        started = status(pid)
+        started = memory_status(pid)
         svc = ServiceClient(info["url"], home=home)
         reset_peak(pid)
         t0 = time.perf_counter()
         tc = svc.create_lora_training_client(args.model, rank=32, alpha=64, seed=0)
         loading_s = time.perf_counter() - t0
         vocab = len(tc.get_tokenizer())
-        loaded = status(pid)
+        loaded = memory_status(pid)
         done("loading (model + 1 session)", "", loading_s, loaded)
         adam = AdamParams(learning_rate=1e-5)
 
@@ -155,7 +147,7 @@ def measure(args, home: Path, console: Console) -> dict:
         sc = tc.save_weights_and_get_sampling_client()
         fb.result()
         grpo_s = time.perf_counter() - t0
-        done("GRPO step: 64 x 60-100 tokens, ppo", f"{tokens / grpo_s:.0f} tok/s", grpo_s, status(pid))
+        done("GRPO step: 64 x 60-100 tokens, ppo", f"{tokens / grpo_s:.0f} tok/s", grpo_s, memory_status(pid))
 
         reset_peak(pid)
         sft = sft_batch(vocab)
@@ -163,7 +155,9 @@ def measure(args, home: Path, console: Console) -> dict:
         loss = tc.forward_backward(sft).result().metrics["loss:sum"]
         tc.optim_step(adam).result()
         sft_s = time.perf_counter() - t0
-        done("SFT step: 4 x 1024 tokens, cross entropy", f"{4096 / sft_s:.0f} tok/s", sft_s, status(pid))
+        done(
+            "SFT step: 4 x 1024 tokens, cross entropy", f"{4096 / sft_s:.0f} tok/s", sft_s, memory_status(pid)
+        )
 
         reset_peak(pid)
         rng = random.Random(2)
@@ -174,11 +168,16 @@ def measure(args, home: Path, console: Console) -> dict:
         futures = [sc.sample(p, num_samples=8, sampling_params=params) for p in prompts]
         sampled = sum(len(s.tokens) for f in futures for s in f.result().sequences)
         sample_s = time.perf_counter() - t0
-        done("sampling: 8 prompts x 8 x 64", f"{sampled / sample_s:.0f} new tok/s", sample_s, status(pid))
+        done(
+            "sampling: 8 prompts x 8 x 64",
+            f"{sampled / sample_s:.0f} new tok/s",
+            sample_s,
+            memory_status(pid),
+        )
 
-        after = status(pid)
+        after = memory_status(pid)
         time.sleep(args.idle_wait)
-        idle = status(pid)
+        idle = memory_status(pid)
         tc.stop()
         svc.close()
     finally:
@@ -235,7 +234,7 @@ def sess_run(console: Console) -> dict:
     subprocess.run([str(Path(sys.executable).parent / "sess"), "run"], env=env, check=True, cwd=home)
     seconds = time.perf_counter() - t0
     info = json.loads((home / "engine.json").read_text())
-    s = status(info["pid"])
+    s = memory_status(info["pid"])
     stop_engine(home)
     console.print(
         f"sess run (default GRPO, {seconds:.0f} s): engine peak {s['VmHWM'] / GB:.2f} GB, "

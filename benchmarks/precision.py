@@ -30,31 +30,21 @@ GB = 1 << 30
 DTYPES = ("float32", "bfloat16")
 
 
-def proc_status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def child(args) -> dict:
     """One dtype's figures, measured in this process (an in-process engine)."""
     import torch
 
     from sess.engine import AdamParams, Datum, ModelInput, SamplingParams
 
-    from common import as_engine_process, in_process_client
+    from common import as_engine_process, in_process_client, memory_status
 
     as_engine_process(args.device)
     svc = in_process_client(args.home, args.device, args.dtype)
-    at_start = proc_status()["VmRSS"]
+    at_start = memory_status()["VmRSS"]
     started = time.perf_counter()
     tc = svc.create_lora_training_client(args.model, rank=args.rank, alpha=2 * args.rank, seed=0)
     load_s = time.perf_counter() - started
-    loaded = proc_status()["VmRSS"]
+    loaded = memory_status()["VmRSS"]
     vocab = len(tc.get_tokenizer())
     g = torch.Generator().manual_seed(0)
 
@@ -78,8 +68,8 @@ def child(args) -> dict:
     train_s, loss = train_step()
     sc = tc.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=0)
-    prompt = [ModelInput.from_ints(torch.randint(10, vocab - 10, (32,), generator=g).tolist())]
-    sc.sample(prompt[0], num_samples=1, sampling_params=SamplingParams(max_tokens=4, seed=0)).result()
+    warm_up = ModelInput.from_ints(torch.randint(10, vocab - 10, (32,), generator=g).tolist())
+    sc.sample(warm_up, num_samples=1, sampling_params=SamplingParams(max_tokens=4, seed=0)).result()
     prompts = [
         ModelInput.from_ints(torch.randint(10, vocab - 10, (32,), generator=g).tolist())
         for _ in range(args.prompts)
@@ -95,7 +85,7 @@ def child(args) -> dict:
         "load_s": load_s,
         "rss_start": at_start,
         "rss_loaded": loaded,
-        "peak": proc_status()["VmHWM"],
+        "peak": memory_status()["VmHWM"],
         "train_tok_s": args.rows * args.length / train_s,
         "train_loss": loss,
         "sample_tok_s": new_tokens / sample_s,
