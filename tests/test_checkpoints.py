@@ -163,6 +163,28 @@ def test_transient_sampler_saves_keep_the_newest_three_and_serve_their_own_weigh
         assert sorted(r[0] for r in rows) == sorted(listed)
 
 
+def test_only_the_newest_transient_save_stays_in_memory_and_older_ones_load_again(svc):
+    """An RL loop publishes a sampler every step: the engine keeps only the newest in memory (each
+    held adapter costs its weights and the sampler's copies); an older save still on disk is loaded
+    again when asked for, with its own weights."""
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=6) as tc:
+        tok = tc.get_tokenizer()
+        prompt, target = tok.encode("Question: what is 3 + 4? Answer:"), tok.encode(" seven")
+        samplers, first_answers = [], []
+        for _ in range(3):
+            train_steps(tc, SENTENCES, 2e-2)
+            samplers.append(tc.save_weights_and_get_sampling_client())
+            first_answers.append(samplers[-1].compute_logprobs(prompt + target).result()[len(prompt) :])
+        if hasattr(svc.transport, "engine"):
+            host = svc.transport.engine.runtime.hosts[tc.base_model]
+            held = [uri for uri in host.checkpoint_adapters if f"sess://{tc.name}/" in uri]
+            assert held == [samplers[-1].model_path]
+            assert len(host.spare_adapters) <= 1
+        again = samplers[0].compute_logprobs(prompt + target).result()[len(prompt) :]
+    assert first_answers[0] != first_answers[-1]  # training moved the weights between saves
+    assert max(abs(a - b) for a, b in zip(again, first_answers[0])) < 1e-6
+
+
 def test_a_transient_save_in_use_outlives_newer_saves_until_its_request_ends(svc):
     with svc.create_lora_training_client("tiny-llama", rank=4, seed=4) as tc:
         tok = tc.get_tokenizer()

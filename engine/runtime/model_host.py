@@ -53,7 +53,7 @@ class ModelHost:
         self.max_checkpoint_adapters = max_checkpoint_adapters
         # released checkpoint adapters kept for reuse: adapter name -> its LoRA layout (_layout)
         self.spare_adapters: dict[str, str] = {}
-        self.max_spare_adapters = 2
+        self.max_spare_adapters = 1  # an RL loop's next sampler save reuses the one it released
         config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
