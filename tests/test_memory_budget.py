@@ -238,3 +238,34 @@ def test_the_probe_s_price_per_position_holds_for_a_long_row(tc, runtime):
     # never under-priced; over-priced a little (the probe's fixed part, spread over fewer positions)
     assert 0.85 < plain / (length * cost.plain) <= 1.0
     assert stored <= length * cost.checkpointed
+
+
+def test_shared_prefix_micro_batches_keep_their_saved_activations_within_the_budget(tc, runtime, monkeypatch):
+    """An RL group's members each attend to a copy of the prompt's keys and values, which autograd
+    keeps: the plan prices those copies (``ActivationCost.repeated``), so a micro-batch of groups
+    saves no more than the budget allows (on smollm2 it saved 689 MiB on a 512 MiB budget before)."""
+    tok, _, host = _prepared(tc, runtime)
+    cost = host.activation_cost(host.peft)
+    assert cost.repeated > 0
+    # long prompts, short completions (as in RL): the copies are a good part of each micro-batch
+    data = [
+        d for g in range(6) for d in _batch(tok, np.random.default_rng(20 + g), [72] * 8, shared_prompt=64)
+    ]
+    saved, real = [], training_ops.shared_prefix_pairs
+
+    def measured(decoder, groups):
+        out = []
+        saved.append(
+            memory_budget.saved_bytes(
+                lambda: out.append(real(decoder, groups)), host.peft, torch.device("cpu")
+            )
+        )
+        return out[0]
+
+    monkeypatch.setattr(training_ops, "shared_prefix_pairs", measured)
+    limit = int(300 * cost.plain)  # six groups of 8 x 72 tokens (64 shared) need several micro-batches
+    with budget(runtime, limit):
+        tc.forward_backward(data, "ppo").result()
+    clear_grads(runtime, tc.name)
+    assert len(saved) > 1
+    assert max(saved) <= limit * 1.05, [s / limit for s in saved]  # the probe's price, to a few %

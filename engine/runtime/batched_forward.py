@@ -31,11 +31,13 @@ Group = tuple[list[int], int]  # datum indices sharing their first ``shared`` in
 
 
 def plan(
-    datums: list[Datum], max_positions: int, *, share_prefixes: bool
+    datums: list[Datum], max_positions: int, *, share_prefixes: bool, repeat_cost: float = 0.0
 ) -> list[tuple[list[int], list[Group]]]:
     """Micro-batches: (indices for one right-padded batch, []) or ([], groups run with shared
     prefixes), each computing at most ``max_positions`` positions, except a datum longer than that,
-    which comes alone (:func:`positions` of a micro-batch says how many it computes)."""
+    which comes alone (:func:`positions` of a micro-batch says how many it computes). A group's
+    members each hold a copy of its prefix's keys and values: ``repeat_cost`` is what one member's
+    copy of one prefix position costs, counted in positions."""
     budget = max(1, max_positions)
     tokens = [d.model_input.to_ints() for d in datums]
     batches: list[tuple[list[int], list[Group]]] = []
@@ -66,14 +68,15 @@ def plan(
             members.sort()
             suffix = max(len(tokens[m]) for m in members) - shared
             # a group too big for one micro-batch runs in parts, each with its own prefix pass
-            per_part = max(0, budget - shared) // suffix
+            per_part = int(max(0, budget - shared) // (suffix + repeat_cost * shared))
             for part in [members[i : i + max(per_part, 1)] for i in range(0, len(members), max(per_part, 1))]:
                 if len(part) < 2:
                     alone += part
                     continue
-                count = (rows + len(part)) * max(suffix_width, suffix) + (len(packed) + 1) * max(
-                    prefix_width, shared
-                )
+                prefix = max(prefix_width, shared)
+                count = (rows + len(part)) * (max(suffix_width, suffix) + repeat_cost * prefix) + (
+                    len(packed) + 1
+                ) * prefix
                 if packed and (
                     count > budget or (rows + len(part)) * max(suffix_width, suffix) > PACK_TOKENS
                 ):
@@ -89,14 +92,16 @@ def plan(
     return batches
 
 
-def positions(datums: list[Datum], batch: tuple[list[int], list[Group]]) -> int:
-    """How many positions a micro-batch of :func:`plan` computes, padding included."""
+def positions(datums: list[Datum], batch: tuple[list[int], list[Group]], repeat_cost: float = 0.0) -> int:
+    """How many positions a micro-batch of :func:`plan` computes, padding included (with
+    ``repeat_cost``: and what its members' copies of their prefix cost, counted in positions)."""
     padded, groups = batch
     if padded:
         return len(padded) * max(datums[i].model_input.length for i in padded)
     prefix = max(shared for _, shared in groups)
     suffix = max(datums[i].model_input.length - shared for members, shared in groups for i in members)
-    return len(groups) * prefix + sum(len(members) for members, _ in groups) * suffix
+    members = sum(len(members) for members, _ in groups)
+    return len(groups) * prefix + members * suffix + round(repeat_cost * members * prefix)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

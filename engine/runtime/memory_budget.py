@@ -63,6 +63,7 @@ class ActivationCost:
 
     plain: float
     checkpointed: float
+    repeated: float = 0.0  # a group member's copy of one shared-prefix position (its keys and values)
 
     def fits(self, positions: int, budget: int) -> bool:
         return positions * self.plain <= budget
@@ -114,8 +115,32 @@ def measure_cost(model: torch.nn.Module, decoder: torch.nn.Module, vocab_size: i
         plain = saved_bytes(run, model, device)
         with checkpointing(model, True):
             stored = saved_bytes(run, model, device)
+        grouped, computed = _grouped_probe(model, decoder, ids[0].tolist(), device)
     layers = max(1, len(transformer_layers(model)))
-    return ActivationCost(plain / PROBE_TOKENS, (stored + plain / layers) / PROBE_TOKENS)
+    per_position = plain / PROBE_TOKENS
+    # what the grouped pass saved beyond its positions' price is its members' copies of the prefix
+    repeated = max(0.0, grouped - computed * per_position) / (PROBE_MEMBERS * PROBE_TOKENS // 2)
+    return ActivationCost(per_position, (stored + plain / layers) / PROBE_TOKENS, repeated)
+
+
+PROBE_MEMBERS = 4  # the grouped probe: this many members share a prefix of PROBE_TOKENS // 2
+
+
+def _grouped_probe(model, decoder, tokens: list[int], device) -> tuple[int, int]:
+    """Bytes autograd saves over a shared-prefix group (:func:`.batched_forward.shared_prefix_pairs`:
+    :data:`PROBE_MEMBERS` members, a prefix of half the probe, suffixes of an eighth), and the
+    positions it computes."""
+    from sess.engine.runtime.batched_forward import shared_prefix_pairs
+    from sess.engine.sdk.types import Datum, ModelInput
+
+    prefix, suffix = PROBE_TOKENS // 2, PROBE_TOKENS // 8
+    members = [
+        Datum(model_input=ModelInput.from_ints(tokens[:prefix] + tokens[prefix + m * suffix :][:suffix]))
+        for m in range(PROBE_MEMBERS)
+    ]
+    targets = [torch.zeros(prefix + suffix, dtype=torch.long) for _ in members]
+    saved = saved_bytes(lambda: shared_prefix_pairs(decoder, [(members, targets, prefix)]), model, device)
+    return saved, prefix + PROBE_MEMBERS * suffix
 
 
 def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -67,16 +67,19 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         # without gradients a position holds about one layer's activations at a time
         per_position = cost.plain if backward else cost.plain / host.layers
         capacity = int(budget // per_position)
+        repeat = cost.repeated / per_position if backward else 0.0  # saved copies of a group's prefix KV
         batches = (
             ranks.plan(datums, capacity)
             if ranks
-            else plan(datums, capacity, share_prefixes=host.shares_prefixes)
+            else plan(datums, capacity, share_prefixes=host.shares_prefixes, repeat_cost=repeat)
         )
         if ranks and backward:  # every rank refuses alike (on the whole batch's longest datum) or none
             longest_datum = max(range(len(datums)), key=lambda i: datums[i].model_input.length)
             _check_fits(datums, ([longest_datum], []), cost, budget)
         checkpointed = [
-            backward and bool(padded or groups) and _check_fits(datums, (padded, groups), cost, budget)
+            backward
+            and bool(padded or groups)
+            and _check_fits(datums, (padded, groups), cost, budget, repeat)
             for padded, groups in batches
         ]
         with torch.set_grad_enabled(backward):
@@ -152,11 +155,11 @@ def _root_gathered(ranks, host):
     return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
 
 
-def _check_fits(datums, batch, cost, budget: int) -> bool:
+def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
     not fit even then (before anything of the op has run)."""
     count = positions(datums, batch)
-    if cost.fits(count, budget):
+    if cost.fits(positions(datums, batch, repeat), budget):
         return False
     if cost.fits_checkpointed(count, budget):
         return True
