@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sess.engine.runtime.memory import ENGINE_MALLOC, engine_env
+from sess.engine.runtime.memory import ENGINE_MALLOC, engine_env, jemalloc_library
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -166,3 +166,53 @@ def test_exec_as_engine_restarts_a_process_under_the_settings_once(tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=plain, capture_output=True, text=True, check=True)
     started = [ENGINE_MALLOC["MALLOC_ARENA_MAX"], ENGINE_MALLOC["MALLOC_MMAP_THRESHOLD_"]]
     assert out.stdout.split() == ["start", "start", *started]  # once as given, once under the settings
+
+
+def test_sess_malloc_chooses_the_allocator_and_names_what_is_wrong(monkeypatch):
+    from sess.engine.runtime import memory
+
+    with pytest.raises(ValueError, match="glibc, jemalloc, system"):
+        engine_env({"SESS_MALLOC": "tcmalloc"})
+    if not sys.platform.startswith("linux"):
+        return
+    monkeypatch.setattr(memory, "jemalloc_library", lambda: None)
+    with pytest.raises(ValueError, match="apt install libjemalloc2"):
+        engine_env({"SESS_MALLOC": "jemalloc"})
+    monkeypatch.setattr(memory, "jemalloc_library", lambda: "/opt/lib/libjemalloc.so.2")
+    env = engine_env({"SESS_MALLOC": "jemalloc", "LD_PRELOAD": "/opt/lib/mine.so"})
+    assert env["LD_PRELOAD"] == "/opt/lib/libjemalloc.so.2 /opt/lib/mine.so"
+    assert env["MALLOC_CONF"] == memory.JEMALLOC_CONF
+    assert not set(ENGINE_MALLOC) & set(env)  # glibc's settings are for glibc's heap
+    assert engine_env({"SESS_MALLOC": "jemalloc", "MALLOC_CONF": "narenas:1"})["MALLOC_CONF"] == "narenas:1"
+
+
+JEMALLOC_PROBE = """
+import torch
+from sess.engine.runtime.memory import allocator, trim
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+xs = [torch.ones(2**18) for _ in range(400)]
+del xs
+held = rss()
+trimmed = trim()
+print(allocator(), trimmed, held - rss())
+"""
+
+
+@linux
+@pytest.mark.skipif(
+    not jemalloc_library(),
+    reason="jemalloc is not installed (Debian: apt install libjemalloc2)",
+)
+def test_an_engine_process_on_jemalloc_uses_it_and_trims_through_it():
+    """SESS_MALLOC=jemalloc: the process really runs on jemalloc, and the idle trim purges its
+    arenas (decay off here, so only the trim can give the 400 MB back)."""
+    env = engine_env(
+        {**os.environ, "SESS_MALLOC": "jemalloc", "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:0"}
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", JEMALLOC_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    name, trimmed, given_back = out.stdout.split()[-3:]
+    assert (name, trimmed) == ("jemalloc", "True")
+    assert int(given_back) > 300 * 2**20

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sess.engine.runtime import checkpoint_ops, session_ops
 from sess.engine.runtime.executor import Executor, Operation
-from sess.engine.runtime.memory import IDLE_TRIM_S, keep_freed_memory, trim
+from sess.engine.runtime.memory import IDLE_TRIM_S, allocator, keep_freed_memory, trim
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -46,6 +46,7 @@ class ManagedEngine(Executor):
         runtime: Runtime | None = None,
     ):
         keep_freed_memory(device)  # a CPU engine process keeps freed memory for its next step: see memory.py
+        log.info("malloc: %s", allocator())
         runtime = runtime or Runtime(home, device)
         self.registry = Registry(runtime.home)
         self.idle_timeout = idle_timeout
