@@ -48,7 +48,9 @@ class BlockCache:
     ) -> BlockCache:
         """From a prefill's per-layer entries [tokens, kv heads, dim] of prompts laid end to end:
         ``spans`` gives each prompt's (first token, length, rows it gets); each of its rows starts
-        with the prompt's entries at column 0, with room for ``capacity`` columns."""
+        with the prompt's entries at column 0, with room for ``capacity`` columns. The lists are
+        used up (each layer's entries let go once blocked: a prefill of 64 prompts held 177 MB of
+        them on smollm2 beside the new cache)."""
         blocks = -(-capacity // BLOCK)
         rows = sum(count for _, _, count in spans)
 
@@ -63,7 +65,10 @@ class BlockCache:
                 row += count
             return out
 
-        return cls([blocked(k) for k in keys], [blocked(v) for v in values])
+        for entries in (keys, values):
+            for layer in range(len(entries)):
+                entries[layer] = blocked(entries[layer])
+        return cls(keys, values)
 
     @property
     def blocks(self) -> int:
