@@ -60,7 +60,11 @@ def up(
     It serves sess's SDK (/api), the OpenAI routes (/v1) and the Tinker protocol (/api/v1) that
     the unmodified tinker SDK and tinker-cookbook speak. For an engine other machines reach, bind
     --host 0.0.0.0, add keys (sess engine keys add) and serve https with --tls-cert/--tls-key;
-    clients then trust the certificate through SESS_CA_BUNDLE (sess) or SSL_CERT_FILE (tinker)."""
+    clients then trust the certificate through SESS_CA_BUNDLE (sess) or SSL_CERT_FILE (tinker).
+
+    A CPU engine runs on glibc's malloc, tuned to keep freed memory for the next step;
+    SESS_MALLOC=jemalloc runs it on the system's jemalloc (leaner; Debian: libjemalloc2) and
+    SESS_MALLOC=system on glibc's defaults."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.keys import KeyStore

@@ -30,10 +30,12 @@ blocks by itself, and the host heap holds little, so an engine on a GPU keeps gl
 
 ``SESS_MALLOC=jemalloc`` runs the engine on jemalloc instead (the system's ``libjemalloc.so.2``,
 e.g. Debian's ``libjemalloc2``, preloaded; :data:`JEMALLOC_CONF`). Its size classes leave far less
-free memory stranded between live blocks than glibc's heap, and freed pages go back two seconds
-later: the default ``sess run`` engine peaked at 2.87 GiB instead of 3.39, but the loop's 20
-steps took 14 % longer, refaulting what was given back (benchmarks/README.md). A leaner engine for
-a slower loop: a choice, not the default. ``SESS_MALLOC=glibc`` (or unset) is the tuned heap above.
+free memory stranded between live blocks than glibc's heap (~0.1 GiB against 0.4-1.1 GiB in issue
+14's steps), and freed pages go back two seconds later: issue 14's SFT step peaked at 1.54 GiB
+instead of 2.49 and the default ``sess run`` engine at 2.35 instead of 2.60, at no speed
+difference that stood out of the noise (benchmarks/README.md). It is a choice, not the default,
+because it needs a system library: the engine starts the same everywhere on glibc.
+``SESS_MALLOC=glibc`` (or unset) is the tuned heap above; ``system`` is glibc's own defaults.
 """
 
 from __future__ import annotations
