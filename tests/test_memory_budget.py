@@ -276,8 +276,11 @@ def _live_cpu_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            try:
+                storage = obj.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # an opaque tensor (the sampler's oneDNN copies)
+                continue
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
