@@ -186,17 +186,8 @@ def test_sess_malloc_chooses_the_allocator_and_names_what_is_wrong(monkeypatch):
     assert engine_env({"SESS_MALLOC": "jemalloc", "MALLOC_CONF": "narenas:1"})["MALLOC_CONF"] == "narenas:1"
 
 
-JEMALLOC_PROBE = """
-import torch
-from sess.engine.runtime.memory import allocator, trim
-def rss():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
-xs = [torch.ones(2**18) for _ in range(400)]
-del xs
-held = rss()
-trimmed = trim()
-print(allocator(), trimmed, held - rss())
-"""
+# the trim probe, then which malloc ran it and whether trim() could trim through it
+JEMALLOC_PROBE = TRIM_PROBE + "from sess.engine.runtime.memory import allocator\nprint(allocator(), trim())\n"
 
 
 @linux
@@ -213,6 +204,6 @@ def test_an_engine_process_on_jemalloc_uses_it_and_trims_through_it():
     out = subprocess.run(
         [sys.executable, "-c", JEMALLOC_PROBE], env=env, capture_output=True, text=True, check=True
     )
-    name, trimmed, given_back = out.stdout.split()[-3:]
+    given_back, name, trimmed = out.stdout.split()[-3:]
     assert (name, trimmed) == ("jemalloc", "True")
     assert int(given_back) > 300 * 2**20
