@@ -147,10 +147,8 @@ def _release_samplers(runtime: Runtime, session: Session, host: ModelHost) -> li
     loop samples from the newest, and each adapter held in memory costs its weights and the
     sampler's copies of them (~90 MB for smollm2 at rank 32, so 0.3 GB for three)."""
     saved = ckpt.saved(session.name, runtime.home, "sampler")
-    host.release_checkpoints([ref.uri for ref in saved[:-1]])
-    older = saved[: -ckpt.KEEP_SAMPLERS]
-    in_use = host.release_checkpoints([ref.uri for ref in older])
-    released = [ref for ref in older if ref.uri not in in_use]
+    in_use = host.release_checkpoints([ref.uri for ref in saved[:-1]])
+    released = [ref for ref in saved[: -ckpt.KEEP_SAMPLERS] if ref.uri not in in_use]
     for ref in released:
         ckpt.remove(ref, runtime.home)
     return [ref.uri for ref in released]
