@@ -65,9 +65,7 @@ class BlockCache:
                 row += count
             return out
 
-        for entries in (keys, values):
-            for layer in range(len(entries)):
-                entries[layer] = blocked(entries[layer])
+        _each_layer((keys, values), blocked)
         return cls(keys, values)
 
     @property
@@ -79,7 +77,7 @@ class BlockCache:
         self.step = WriteStep(positions)
         if self.step.blocks > self.blocks:
             grown = max(self.step.blocks, self.blocks + (self.blocks + 3) // 4)
-            self._each_layer(lambda t: _pad(t, grown, dim=0))
+            _each_layer((self.keys, self.values), lambda t: _pad(t, grown, dim=0))
         return self.step
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +91,7 @@ class BlockCache:
     def keep(self, rows: torch.Tensor, width: int) -> None:
         """Keep ``rows``, and of their blocks enough for ``width`` columns and some growth."""
         keep = min(self.blocks, 2 * (width // BLOCK + 1))
-        self._each_layer(lambda t: t[:keep, rows])
+        _each_layer((self.keys, self.values), lambda t: t[:keep, rows])
 
     def append(self, other: BlockCache) -> None:
         """Add ``other``'s rows after this cache's."""
@@ -105,13 +103,15 @@ class BlockCache:
                 )
                 theirs[layer] = None  # the other cache is used up: its rows are in this one now
 
-    def _each_layer(self, change) -> None:
-        """Replace each layer's keys, then values, with ``change`` of them, one tensor at a time: the
-        old one is freed before the next is made, so resizing the cache needs one layer's worth of
-        memory more, not a second cache (64 rows of smollm2's 30 layers: 12 MB, not 360 MB)."""
-        for entries in (self.keys, self.values):
-            for layer in range(len(entries)):
-                entries[layer] = change(entries[layer])
+
+def _each_layer(lists: tuple[list[torch.Tensor], ...], change) -> None:
+    """Replace each layer's tensor in ``lists`` (keys, then values) with ``change`` of it, one at a
+    time: the old one is freed before the next is made, so resizing or building the cache needs one
+    layer's worth of memory more, not a second cache (64 rows of smollm2's 30 layers: 12 MB, not
+    360 MB)."""
+    for entries in lists:
+        for layer in range(len(entries)):
+            entries[layer] = change(entries[layer])
 
 
 def _pad(t: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:
