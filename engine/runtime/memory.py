@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -60,7 +61,6 @@ _MALLOPT = ((-8, 1), (-3, MMAP_FROM), (-1, KEEP))
 # jemalloc (SESS_MALLOC=jemalloc): freed pages go back after ~2 s, by its own thread, and at once
 # (muzzy 0: not lazily with MADV_FREE, which would leave them counted in the engine's RSS)
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:2000,muzzy_decay_ms:0"
-JEMALLOC_NAMES = ("libjemalloc.so.2", "libjemalloc.so")
 CHOICES = ("glibc", "jemalloc", "system")  # SESS_MALLOC; unset means glibc
 
 IDLE_TRIM_S = 5.0  # seconds without an op or a decode step before the engine trims its heap
@@ -76,27 +76,21 @@ def choice(env) -> str:
     return value
 
 
+def _engine_malloc(env, device: str) -> str:
+    """The malloc an engine on ``device`` is set up for: :func:`choice` for a CPU engine on Linux,
+    else ``system`` (nothing to set)."""
+    wanted = choice(env)
+    return wanted if device == "cpu" and sys.platform.startswith("linux") else "system"
+
+
 def _enabled(env, device: str = "cpu") -> bool:
-    return device == "cpu" and sys.platform.startswith("linux") and choice(env) == "glibc"
+    return _engine_malloc(env, device) == "glibc"
 
 
 def jemalloc_library() -> str | None:
-    """The path of the system's jemalloc shared library, or None where it is not installed."""
-    found = ctypes.util.find_library("jemalloc")
-    names = ([found] if found else []) + list(JEMALLOC_NAMES)
-    for directory in (
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/lib/aarch64-linux-gnu",
-        "/usr/lib64",
-        "/usr/lib",
-        "/usr/local/lib",
-        "/opt/homebrew/lib",
-    ):
-        for name in names:
-            path = os.path.join(directory, name)
-            if os.path.exists(path):
-                return path
-    return None
+    """The system's jemalloc (the loader's name for it, e.g. ``libjemalloc.so.2``), or None where it
+    is not installed."""
+    return ctypes.util.find_library("jemalloc")
 
 
 def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
@@ -104,7 +98,8 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
     plus the malloc settings above, unless turned off, already set, or the engine is not on CPU.
     With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing)."""
     env = dict(os.environ if base is None else base)
-    if device == "cpu" and sys.platform.startswith("linux") and choice(env) == "jemalloc":
+    malloc = _engine_malloc(env, device)
+    if malloc == "jemalloc":
         library = jemalloc_library()
         if library is None:
             raise ValueError(
@@ -115,7 +110,7 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
         if library not in preload.split():
             env["LD_PRELOAD"] = f"{library} {preload}".strip()
         env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
-    elif _enabled(env, device):
+    elif malloc == "glibc":
         for key, value in ENGINE_MALLOC.items():
             env.setdefault(key, value)
     return env
@@ -128,6 +123,7 @@ def allocator() -> str:
     return "glibc" if sys.platform.startswith("linux") else "system"
 
 
+@functools.cache
 def _jemalloc_ctl():
     """jemalloc's ``mallctl`` where jemalloc is this process's malloc, else None."""
     try:

@@ -9,7 +9,8 @@ that micro-batch). A datum too long even then is refused before anything runs, w
 
 What a position costs is measured, not guessed (:func:`measure_cost`): once per base model, a
 forward pass of :data:`PROBE_TOKENS` tokens with the session's adapter counts the bytes autograd
-saves for the backward pass (parameters excluded), with and without checkpointing.
+saves for the backward pass (parameters excluded), with and without checkpointing, and a small
+shared-prefix group prices what each RL group member's copy of its prompt's keys and values keeps.
 """
 
 from __future__ import annotations
