@@ -160,3 +160,14 @@ def decode_plan(decoder, tok, plan: list[tuple]) -> list[tuple[list[int], list[f
     seqs, error = results["x"]
     assert error is None
     return [(s.tokens, s.logprobs) for s in seqs]
+
+
+@contextlib.contextmanager
+def budget(runtime, value: int):
+    """The in-process ``runtime``'s memory budget set to ``value`` bytes for the block."""
+    before = runtime._memory_budget
+    runtime.memory_budget = value
+    try:
+        yield
+    finally:
+        runtime.memory_budget = before

@@ -9,7 +9,7 @@ import pytest
 
 from sess.engine import SamplingParams
 
-from helpers import SENTENCES, decode_plan, forward_logprobs, train_steps
+from helpers import SENTENCES, budget, decode_plan, forward_logprobs, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,7 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
     [
         ("tiny-llama", "lean step"),
         ("tiny-llama", "modules"),
+        ("tiny-llama", "lean step, no packed copies"),  # a memory budget too small for them
         pytest.param("smollm2-135m", "lean step", marks=pytest.mark.slow),  # real weights and shapes
     ],
 )
@@ -209,7 +210,10 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     adapters = [runtime.sessions[tc.name].adapter for tc in sessions]
     host = runtime.host(model)
     assert isinstance(host.decoder, LlamaDecoder)
-    decoder = host.decoder if path == "lean step" else ModuleDecoder(host.activate)
+    decoder = ModuleDecoder(host.activate) if path == "modules" else host.decoder
+    budget = runtime.memory_budget
+    if path == "lean step, no packed copies":
+        runtime.memory_budget = 1024  # bytes: the copies do not fit, the weights go to oneDNN as they are
     x = tok.encode("Question: what is 3 + 4? Answer:")
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
@@ -234,8 +238,41 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     }
     for name, plan in compositions.items():
         assert run(plan) == alone, name
+    if path == "lean step, no packed copies":
+        assert not host.decoder.linear._packed
+    runtime.memory_budget = budget
     for tc in sessions:
         tc.stop()
+
+
+def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_change_no_bit(runtime, svc):
+    """The lean decoder's prepacked copies of the base weights are as large as the weights; a budget
+    that cannot hold them all leaves none, and the same seeded request samples the same tokens and
+    logprobs to the bit either way."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=2)
+    tok = tc.get_tokenizer()
+    train_steps(tc, [SENTENCES[0]], 5e-2)
+    host = runtime.host("tiny-llama")
+    linear = host.decoder.linear
+    sampler = tc.save_weights_and_get_sampling_client()
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        out = sampler.sample(tok.encode("Question: what is 3 + 4? Answer:"), 4, params).result(timeout=60)
+        return [(s.tokens, s.logprobs) for s in out.sequences]
+
+    host.release_sampling_memory()
+    packed = sample()
+    copies = host.decoder._copy_bytes
+    held = sum(entry[2].numel() * entry[2].element_size() for entry in linear._packed.values())
+    assert 0 < copies <= runtime.memory_budget and held == copies  # every projection and the lm_head
+    with budget(runtime, copies - 1):
+        assert sample() == packed
+        assert not linear._packed  # the copies made before went at the first step over budget
+    with budget(runtime, copies):
+        assert sample() == packed
+        assert linear._packed
+    tc.stop()
 
 
 def test_inverse_cdf_picks_what_a_full_scan_picks():

@@ -39,6 +39,7 @@ class ModelHost:
         device: str,
         max_checkpoint_adapters: int = 8,
         dtype: torch.dtype = torch.float32,
+        memory_budget: Callable[[], int] | None = None,
     ):
         self.name = name
         self.dtype = dtype
@@ -68,7 +69,9 @@ class ModelHost:
         # why the lean decoder does not apply (None: it does)
         self.lean_unsupported = unsupported(self.model)
         self.decoder: Decoder = (
-            ModuleDecoder(self.activate) if self.lean_unsupported else LlamaDecoder(lambda: self.model)
+            ModuleDecoder(self.activate)
+            if self.lean_unsupported
+            else LlamaDecoder(lambda: self.model, pack_budget=memory_budget)
         )
 
     # memory -------------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ class Runtime:
 
             def make() -> ModelHost:
                 dtype = DTYPES[self.dtypes.name_for(base_model, self.device)]
-                return ModelHost(base_model, self.home, self.device, dtype=dtype)
+                return ModelHost(
+                    base_model, self.home, self.device, dtype=dtype, memory_budget=lambda: self.memory_budget
+                )
 
             try:
                 ranks = self.ranks

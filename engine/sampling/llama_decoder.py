@@ -91,16 +91,41 @@ class LlamaDecoder:
 
     merges = True
 
-    def __init__(self, model_of: Callable[[], torch.nn.Module]):
+    def __init__(self, model_of: Callable[[], torch.nn.Module], pack_budget: Callable[[], int] | None = None):
+        """``pack_budget()``: the bytes the prepacked copies of the base weights may take (the
+        engine's memory budget); they are kept only where all of them fit (None: always)."""
         self.model_of = model_of
+        self.pack_budget = pack_budget
+        self._copy_bytes: int | None = None
         config = model_of().config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.qk_norm = config.model_type == "qwen3"
-        self.linear = RowInvariantLinears()
+        self.linear = RowInvariantLinears(self.packs)
         self._plans: dict[str, tuple[list, tuple, list]] = {}  # adapter -> (modules, versions, plan)
+
+    def packs(self) -> bool:
+        """Whether the base projections run through prepacked copies: where their bytes (as many as
+        the weights': 538 MB on smollm2) fit in the memory budget. A decode step is faster with
+        them (:mod:`.row_invariant`); without them sampling holds no second copy of the model."""
+        if self.pack_budget is None:
+            return True
+        if self._copy_bytes is None:
+            model = self.model_of()
+            weights = [
+                _base(getattr(part, name)).weight
+                for layer in model.model.layers
+                for part, names in (
+                    (layer.self_attn, BUNDLES[0] + BUNDLES[1]),
+                    (layer.mlp, BUNDLES[2] + BUNDLES[3]),
+                )
+                for name in names
+            ]
+            weights.append(_base(model.lm_head).weight)
+            self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
+        return self._copy_bytes <= self.pack_budget()
 
     def release_memory(self) -> None:
         """Drop the prepacked copies of the base weights (as large as the weights; made again on

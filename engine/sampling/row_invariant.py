@@ -15,9 +15,12 @@ function of the row alone with these pieces:
 * **Linear layers** (:class:`RowInvariantLinears`): BLAS libraries treat the last rows of a small
   matrix (and strided rows) with other kernels, so inputs are dense rows padded with zero rows to a
   count measured at start-up to give each row exactly its large-matrix result. Frozen base weights
-  run through oneDNN with a prepacked copy, which is exact at nearly every row count here and also
-  faster than the default BLAS for decode-sized batches; LoRA weights, which change, through
-  ``F.linear`` (exact on this CPU for multiples of 4 below 12 rows and for any count from 12).
+  run through oneDNN, which is exact at nearly every row count here and faster than the default
+  BLAS for decode-sized batches. With a prepacked copy of each weight it is faster still (a 64-row
+  decode step's base linear layers on smollm2: 82 ms against 101 ms on the weights as they are, the
+  same bits either way), but the copies are as large as the weights, so they are kept only where the
+  engine's memory budget holds them; LoRA weights, which change, go through ``F.linear`` (exact on
+  this CPU for multiples of 4 below 12 rows and for any count from 12).
 * Everything else in these models (norms, rotary embeddings, activations, log-softmax) works row by
   row already.
 
@@ -30,6 +33,7 @@ this is best effort, and the oneDNN copies are CPU-only.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -106,11 +110,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a :func:`pack_weight` weight, each row computed as in any other batch."""
-    out_features = packed.shape[0]
-    flat, rows = pad_rows(x, onednn_padding(x.shape[-1], out_features, bias is not None))
-    out = _onednn_linear(flat, packed, bias)
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True
+) -> torch.Tensor:
+    """``F.linear`` through oneDNN, each row computed as in any other batch; ``weight`` is a
+    :func:`pack_weight` copy, or with ``packed=False`` the [out, in] weight itself."""
+    out_features = weight.shape[0]
+    flat, rows = pad_rows(x, onednn_padding(x.shape[-1], out_features, bias is not None, packed))
+    out = _onednn_linear(flat, weight, bias)
     return out[:rows].reshape(*x.shape[:-1], out_features)
 
 
@@ -119,16 +126,16 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 @cache
-def onednn_padding(in_features: int, out_features: int, bias: bool) -> tuple[int, ...]:
-    """:func:`row_padding` for oneDNN's prepacked linear of one shape (its kernels follow the
-    shape, not the values, so one probe serves every layer of that shape)."""
+def onednn_padding(in_features: int, out_features: int, bias: bool, packed: bool = True) -> tuple[int, ...]:
+    """:func:`row_padding` for oneDNN's linear of one shape, prepacked or not (its kernels follow
+    the shape, not the values, so one probe serves every layer of that shape)."""
     gen = torch.Generator().manual_seed(2)
-    packed = torch.ops.mkldnn._reorder_linear_weight(
-        torch.randn(out_features, in_features, generator=gen), 64
-    )
+    weight = torch.randn(out_features, in_features, generator=gen)
+    if packed:
+        weight = pack_weight(weight)
     b = torch.randn(out_features, generator=gen) if bias else None
     return _padding(
-        _good_row_counts(lambda m: _onednn_linear(m, packed, b), in_features, torch.device("cpu"))
+        _good_row_counts(lambda m: _onednn_linear(m, weight, b), in_features, torch.device("cpu"))
     )
 
 
@@ -148,11 +155,13 @@ def onednn_available() -> bool:
 class RowInvariantLinears:
     """``F.linear`` of frozen base weights that gives each row what it gets in any other batch.
 
-    On CPU with oneDNN each weight is used through a prepacked copy, made on first use and again if
-    the weight ever changes (its tensor version); elsewhere inputs are padded to exact row counts.
+    On CPU with oneDNN each weight goes through oneDNN: while ``pack()`` says so, through a prepacked
+    copy, made on first use and again if the weight ever changes (its tensor version), else through
+    the weight itself (the same bits, no copy); elsewhere inputs are padded to exact row counts.
     The copies are held per weight tensor and go when the weight does."""
 
-    def __init__(self):
+    def __init__(self, pack: Callable[[], bool] = lambda: True):
+        self.pack = pack
         # id(weight) -> (a weak reference to it, its version when packed, the packed copy); tensors
         # compare element-wise, so they cannot be dictionary keys themselves
         self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -161,7 +170,10 @@ class RowInvariantLinears:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available():
-            return packed_linear(x, self.packed(weight), bias)
+            if self.pack():
+                return packed_linear(x, self.packed(weight), bias)
+            self._packed.clear()
+            return packed_linear(x, weight, bias, packed=False)
         flat, rows = pad_rows(x, row_padding(x.device.type))
         out = F.linear(flat, weight, bias)
         return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
