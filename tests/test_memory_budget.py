@@ -8,7 +8,6 @@ refused before anything runs, and the session carries on.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import numpy as np
@@ -18,7 +17,15 @@ import torch
 from sess.engine import AdamParams, Datum, ModelInput
 from sess.engine.runtime import memory_budget, output_layer, training_ops
 
-from helpers import clear_grads, engine_grads, max_diff, reference_grads, reference_logprobs, reference_model
+from helpers import (
+    budget,
+    clear_grads,
+    engine_grads,
+    max_diff,
+    reference_grads,
+    reference_logprobs,
+    reference_model,
+)
 
 
 @pytest.fixture()
@@ -26,16 +33,6 @@ def tc(svc):
     client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=3)
     yield client
     client.stop()
-
-
-@contextlib.contextmanager
-def budget(runtime, value):
-    before = runtime._memory_budget
-    runtime.memory_budget = value
-    try:
-        yield
-    finally:
-        runtime.memory_budget = before
 
 
 def _batch(tok, rng, lengths, shared_prompt=0):
@@ -56,6 +53,19 @@ def _batch(tok, rng, lengths, shared_prompt=0):
             )
         )
     return data
+
+
+def _logits_shapes(monkeypatch) -> list[tuple[int, int]]:
+    """Record the shape of every chunk's logits the output layer computes (a list, filled as it goes)."""
+    real, seen = output_layer.logits_of, []
+
+    def recorded(head, hidden, cap):
+        logits = real(head, hidden, cap)
+        seen.append(tuple(logits.shape))
+        return logits
+
+    monkeypatch.setattr(output_layer, "logits_of", recorded)
+    return seen
 
 
 def _reference(model, data, loss_fn):
@@ -131,17 +141,10 @@ def test_a_loss_outside_the_per_token_set_takes_two_passes_and_the_same_gradient
     monkeypatch.setattr(training_ops, "PER_TOKEN_LOSSES", frozenset())
     monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 11 * host.vocab_size)
     monkeypatch.setattr(output_layer, "MIN_CHUNK_ROWS", 1)
-    calls = []
-    hook = (
-        host.peft.get_base_model()
-        .get_output_embeddings()
-        .register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
-    )
-    try:
-        clear_grads(runtime, tc.name)
-        out = tc.forward_backward(data, "ppo").result()
-    finally:
-        hook.remove()
+    seen = _logits_shapes(monkeypatch)
+    clear_grads(runtime, tc.name)
+    out = tc.forward_backward(data, "ppo").result()
+    calls = [rows for rows, _ in seen]
     got = engine_grads(runtime, tc.name)
     total, expected = _reference(model, data, "ppo")
     assert abs(out.metrics["loss:sum"] - total) < 1e-5 * max(1.0, abs(total))
@@ -158,36 +161,87 @@ def test_no_output_layer_call_sees_more_than_a_chunk_of_positions(tc, runtime, m
     monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 128 * host.vocab_size)
     rows = output_layer.chunk_rows(host.vocab_size, runtime.memory_budget)
     data = _batch(tok, np.random.default_rng(6), [300] * 6)
-    seen = []
-    head = host.peft.get_base_model().get_output_embeddings()
-    hook = head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
-    try:
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.forward(data, "cross_entropy").result()
-    finally:
-        hook.remove()
+    seen = _logits_shapes(monkeypatch)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.forward(data, "cross_entropy").result()
     clear_grads(runtime, tc.name)
     assert sum(shape[0] for shape in seen) == 2 * 6 * 300
     assert max(shape[0] for shape in seen) <= rows < 6 * 300
 
 
-def test_output_layer_chunks_are_sized_by_the_memory_budget(tc, runtime):
+def test_output_layer_chunks_are_sized_by_the_memory_budget(tc, runtime, monkeypatch):
     """A micro-batch whose logits fit in the budget's share goes through the output layer at once;
     under a budget too small for that, in chunks of what the share holds."""
     tok, _, host = _prepared(tc, runtime)
     data = _batch(tok, np.random.default_rng(7), [100] * 3)
-    head = host.peft.get_base_model().get_output_embeddings()
     share = output_layer.LOGITS_SHARE / output_layer.BYTES_PER_LOGIT
+    seen = _logits_shapes(monkeypatch)
     for value, most in [(1 << 30, 300), (int(80 * host.vocab_size / share) + 24, 80)]:
-        seen: list[int] = []
-        hook = head.register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.shape[0]))
-        try:
-            with budget(runtime, value):
-                tc.forward_backward(data, "cross_entropy").result()
-        finally:
-            hook.remove()
+        seen.clear()
+        with budget(runtime, value):
+            tc.forward_backward(data, "cross_entropy").result()
         clear_grads(runtime, tc.name)
-        assert sum(seen) == 300 and max(seen) == most, (value, seen)
+        rows = [r for r, _ in seen]
+        assert sum(rows) == 300 and max(rows) == most, (value, rows)
+
+
+def test_a_chunk_of_the_output_layer_makes_its_logits_and_one_lora_tensor_with_the_same_bits(tc, runtime):
+    """The output layer with its LoRA, log-softmax, the loss's gradient and the backward pass: of
+    every tensor the ops make, [rows x vocabulary] are only the logits, the LoRA term added into
+    them, and the gradient scaled for the LoRA's B (the logits become their own gradient; the
+    log-softmax goes a few rows at a time). Logprobs and gradients equal, to the bit, those of
+    peft's module, ``log_softmax`` and autograd over the whole chunk, rows shared by several
+    pairs (an RL group's prompt) included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    _, _, host = _prepared(tc, runtime)
+    with host.activate(runtime.sessions[tc.name].adapter) as model:
+        _, head, cap = output_layer.decoder_and_head(model)
+        rows, vocab = 40, host.vocab_size
+        gen = torch.Generator().manual_seed(4)
+        hidden = torch.randn(rows, head.in_features, generator=gen, requires_grad=True)
+        pair_rows = torch.cat([torch.arange(rows), torch.randint(0, rows, (20,), generator=gen)])
+        pairs = output_layer.Pairs(
+            hidden, pair_rows, torch.randint(0, vocab, pair_rows.shape, generator=gen), [slice(0, 60)]
+        )
+        weights = torch.rand(pair_rows.shape, generator=gen)
+        made = []
+
+        class Allocations(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                given = {
+                    t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)
+                }
+                made.extend(
+                    str(func)
+                    for t in tree_leaves(out)
+                    if torch.is_tensor(t)
+                    and t.numel() >= rows * vocab
+                    and t.untyped_storage().data_ptr() not in given
+                )
+                return out
+
+        with Allocations():
+            got, hidden_grad = output_layer.logprobs(
+                head, cap, pairs, 1 << 30, loss_grad=lambda lp, pick: -weights[pick]
+            )
+        assert made == ["aten.mm.default", "aten.mm.default", "aten.mul.Tensor"], made
+        lora = {n: p.grad.clone() for n, p in head.named_parameters() if p.requires_grad}
+        assert lora and all(g.abs().max() > 0 for g in lora.values())
+        for p in head.parameters():
+            p.grad = None
+        x = hidden.detach().requires_grad_(True)
+        expected = head(x).float().log_softmax(-1)[pairs.rows, pairs.targets]
+        (-(weights * expected).sum()).backward()
+        assert torch.equal(got, expected.detach())
+        assert torch.equal(hidden_grad, x.grad)
+        assert all(
+            torch.equal(g, p.grad) for n, p in head.named_parameters() if (g := lora.get(n)) is not None
+        )
+        for p in head.parameters():
+            p.grad = None
 
 
 def test_the_activation_probe_measures_checkpointing_as_cheaper(tc, runtime):

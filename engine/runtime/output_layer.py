@@ -10,6 +10,8 @@ worked on: the logprobs of its targets are kept, and with a backward pass the lo
 respect to those logprobs goes through the output layer at once, which leaves the gradient with
 respect to the chunk's hidden states ([positions x hidden], small) and adds the output layer's
 LoRA gradients. The decoder's backward then runs from the hidden states (:func:`backward_from`).
+A chunk holds at most two tensors of its logits' size (:class:`ChosenLogprobs`, :func:`logits_of`),
+where the model's modules, ``log_softmax`` and autograd held three, with the same bits.
 
 The gradient with respect to a chunk's logprobs must be known while its logits are alive. For the
 token-sum losses it is (``dloss/dlp_i`` depends on token ``i`` alone: :func:`token_loss_grad`);
@@ -27,9 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-LOGITS_SHARE = 0.5  # of the memory budget, for a chunk's logits (the decoder's activations use the budget)
-BYTES_PER_LOGIT = 12  # a chunk holds fp32 logits, their log-softmax and, training, its gradient
+LOGITS_SHARE = 1 / 3  # of the memory budget, for a chunk's logits (the decoder's activations use the budget)
+# a chunk holds its fp32 logits (the backward pass makes them their own gradient) and, with a LoRA on
+# the output layer, one more tensor of their size: the LoRA term, then the gradient scaled for it
+BYTES_PER_LOGIT = 8
+LSE_ROWS = 16  # rows of a chunk whose log-softmax (and its gradient) exist at once
 MAX_CHUNK_BYTES = 1 << 30  # bounds the logits where the budget is tens of GB (a GPU's half of free memory)
 CHUNK_LOGITS: int | None = None  # a fixed chunk size in logits instead (None: from the budget)
 MIN_CHUNK_ROWS = 64  # fewer rows per matmul than this waste the output layer's time on big vocabularies
@@ -64,8 +70,18 @@ def chunk_rows(vocab_size: int, budget: int) -> int:
 
 
 def logits_of(head: torch.nn.Module, hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """fp32 logits of ``hidden`` (as the model's causal-LM forward computes them, then in fp32)."""
-    logits = head(hidden).float()
+    """fp32 logits of ``hidden`` (as the model's causal-LM forward computes them, then in fp32).
+    An fp32 output layer with plain LoRA terms adds them into its logits in place: two [rows x
+    vocabulary] tensors at once, the logits and a LoRA term, where peft's module holds three (the
+    base output, B's and B's scaled); the same arithmetic, so the same bits."""
+    terms = _lora_terms(head, hidden)
+    if terms is None:
+        logits = head(hidden).float()
+    else:
+        base = getattr(head, "base_layer", head)
+        logits = F.linear(hidden, base.weight, base.bias)
+        for a, b, scaling in terms:  # peft's ``result + lora_B(lora_A(x)) * scaling``, in place
+            logits.add_(F.linear(F.linear(hidden, a), b).mul_(scaling))
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
@@ -104,15 +120,40 @@ def logprobs(
         if backward:
             x.requires_grad_(True)
         with torch.set_grad_enabled(backward):
-            lsm = logits_of(head, x, cap).log_softmax(-1)
-            chosen = lsm[sorted_rows[lo:hi] - start, targets[pick]]
+            chosen = ChosenLogprobs.apply(logits_of(head, x, cap), sorted_rows[lo:hi] - start, targets[pick])
             if backward:
                 g = loss_grad(chosen.detach(), pick) if loss_grad is not None else grad[pick]
                 torch.autograd.backward(chosen, g.to(chosen.dtype))
                 hidden_grad[start : start + step] = x.grad
         out[pick] = chosen.detach()
-        del lsm, chosen
+        del chosen
     return out, hidden_grad
+
+
+def _lora_terms(head: torch.nn.Module, hidden: torch.Tensor) -> list | None:
+    """The (A, B, scaling) of each active LoRA of an fp32 output layer (peft's vanilla LoRA, no
+    dropout), [] for a plain fp32 linear layer; None where the layer is anything else."""
+    base = getattr(head, "base_layer", head)
+    if (
+        not isinstance(base, torch.nn.Linear)
+        or torch.float32 != base.weight.dtype
+        or torch.float32 != hidden.dtype
+    ):
+        return None
+    if base is head or head.disable_adapters or head.merged:
+        return [] if base is head else None
+    terms = []
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        a, b = head.lora_A[name].weight, head.lora_B[name].weight
+        plain = name not in getattr(head, "lora_variant", {}) and isinstance(
+            head.lora_dropout[name], torch.nn.Identity
+        )
+        if not plain or a.dtype != torch.float32 or b.dtype != torch.float32:
+            return None
+        terms.append((a, b, head.scaling[name]))
+    return terms
 
 
 def output_size(head: torch.nn.Module) -> int:
@@ -142,3 +183,40 @@ def token_loss_grad(
         return torch.zeros_like(leaf) if g is None else g
 
     return grad
+
+
+class ChosenLogprobs(torch.autograd.Function):
+    """``logits.log_softmax(-1)[rows, targets]`` (``rows`` ascending) holding no other [rows x
+    vocabulary] tensor than the logits: the forward and backward passes work :data:`LSE_ROWS` rows
+    at a time, and the backward pass turns the logits into their own gradient in place. Row by row
+    these are the kernels autograd runs on the whole chunk (log-softmax, the gradient scattered
+    into zeros, log-softmax's backward), so the numbers are the same to the bit. The logits must be
+    no other op's saved tensor, as a linear layer's output is not; autograd's version check refuses
+    the backward pass otherwise."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = logits.new_empty(rows.shape)
+        for block, lo, hi in _blocks(logits, rows):
+            if lo < hi:
+                out[lo:hi] = logits[block].log_softmax(-1)[rows[lo:hi] - block.start, targets[lo:hi]]
+        ctx.save_for_backward(logits, rows, targets)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, rows, targets = ctx.saved_tensors
+        for block, lo, hi in _blocks(logits, rows):
+            output = logits[block].log_softmax(-1)
+            scattered = torch.zeros_like(output)
+            scattered.index_put_((rows[lo:hi] - block.start, targets[lo:hi]), grad[lo:hi], accumulate=True)
+            logits[block] = torch._log_softmax_backward_data(scattered, output, -1, output.dtype)
+        return logits, None, None
+
+
+def _blocks(logits: torch.Tensor, rows: torch.Tensor):
+    """(rows of ``logits``, first pair, end pair) for each :data:`LSE_ROWS` rows (``rows`` ascending)."""
+    count = logits.shape[0]
+    edges = torch.searchsorted(rows, torch.arange(0, count + LSE_ROWS, LSE_ROWS, device=rows.device)).tolist()
+    for i, start in enumerate(range(0, count, LSE_ROWS)):
+        yield slice(start, start + LSE_ROWS), edges[i], edges[i + 1]
