@@ -207,3 +207,43 @@ def test_an_engine_process_on_jemalloc_uses_it_and_trims_through_it():
     given_back, name, trimmed = out.stdout.split()[-3:]
     assert (name, trimmed) == ("jemalloc", "True")
     assert int(given_back) > 300 * 2**20
+
+
+def test_sampling_after_a_backward_pass_trims_the_heap_once(tmp_path, monkeypatch):
+    """A server engine hands the heap a backward pass grew back when sampling starts after it, once
+    per backward-then-sample (not for forward-only ops, not between samples)."""
+    from sess.engine import SamplingParams, ServiceClient
+    from sess.engine.sdk import service_client
+    from sess.engine.server import managed_engine
+
+    from helpers import SENTENCES, ce_datum
+
+    trims = []
+    monkeypatch.setattr(managed_engine, "trim", lambda: trims.append(1) or True)
+    monkeypatch.setattr(managed_engine, "keep_freed_memory", lambda device: False)  # this process's malloc
+    engine = managed_engine.ManagedEngine(home=tmp_path)
+    engine.idle_after_s = None  # only the trims under test
+    monkeypatch.setattr(service_client, "shared_engine", lambda home=None, device="cpu": engine)
+    try:
+        tc = ServiceClient("inproc", home=tmp_path).create_lora_training_client("tiny-llama", rank=4)
+        tok = tc.get_tokenizer()
+        data = [ce_datum(tok.encode(SENTENCES[0]))]
+        sampler = tc.save_weights_and_get_sampling_client()
+
+        def sample() -> None:
+            sampler.sample(tok.encode("Hi"), 2, SamplingParams(max_tokens=4, seed=1)).result(timeout=60)
+
+        sample()
+        tc.forward(data, "cross_entropy").result()
+        sample()
+        assert trims == []
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.forward_backward(data, "cross_entropy").result()
+        sample()
+        sample()
+        assert trims == [1]
+        tc.forward_backward(data, "cross_entropy").result()
+        sample()
+        assert trims == [1, 1]
+    finally:
+        engine.close()
