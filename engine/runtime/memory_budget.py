@@ -11,6 +11,10 @@ What a position costs is measured, not guessed (:func:`measure_cost`): once per 
 forward pass of :data:`PROBE_TOKENS` tokens with the session's adapter counts the bytes autograd
 saves for the backward pass (parameters excluded), with and without checkpointing, and a small
 shared-prefix group prices what each RL group member's copy of its prompt's keys and values keeps.
+
+The same budget bounds two other things: each output-layer chunk's logits take at most a third of
+it (:mod:`.output_layer`), and on CPU the sampler keeps its prepacked copies of the base weights
+only where all of them fit in it (:meth:`.LlamaDecoder.packs`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 # bytes of activations on CPU. Measured on smollm2-135m (1.2 MB a position, 0.11 MB checkpointed;
 # benchmarks/memory.py): engine peak RSS 3.53 GiB at a 1 GiB budget, 2.43 GiB at 512 MiB over
 # issue 14's GRPO step, whose 64 x 60-100-token batch then runs as 8 micro-batches of one group
-# (2.71 GiB since the output layer's chunks take half the budget: benchmarks/README.md).
+# (2.71 GiB when the output layer's chunks took half the budget: benchmarks/README.md).
 CPU_BUDGET = 512 << 20
 CUDA_SHARE = 0.5  # of the device's free memory when the first training op runs
 PROBE_TOKENS = 128

@@ -204,7 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve https")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, or DEFAULT,MODEL=DTYPE,...")
-    parser.add_argument("--memory-budget", default=None, help="activation memory of a training op, e.g. 1G")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="activation memory of a training op, e.g. 1G (sess engine up --help)",
+    )
     parser.add_argument(
         "--nproc",
         type=int,
