@@ -9,7 +9,7 @@ import pytest
 
 from sess.engine import SamplingParams
 
-from helpers import SENTENCES, budget, decode_plan, forward_logprobs, train_steps
+from helpers import SENTENCES, budget, ce_datum, decode_plan, forward_logprobs, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +317,28 @@ def test_a_script_using_the_in_process_engine_exits_cleanly(sess_home, tmp_path)
     out = subprocess.run([sys.executable, str(script), str(sess_home)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "executor stopped"
+
+
+def test_a_training_op_drops_the_lora_plans_no_request_samples_from(runtime, svc):
+    """The lean decoder's per-adapter plans (stacked A, prepacked B: copies of the adapter's weights)
+    go when a backward pass starts unless a running request samples through them; the next sample
+    makes them again and gets the same bits."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=2)
+    tok = tc.get_tokenizer()
+    train_steps(tc, [SENTENCES[1]], 5e-2)
+    sampler = tc.save_weights_and_get_sampling_client()
+    decoder = runtime.host("tiny-llama").decoder
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        out = sampler.sample(tok.encode("Hi there"), 2, SamplingParams(max_tokens=6, seed=4)).result(
+            timeout=60
+        )
+        return [(s.tokens, s.logprobs) for s in out.sequences]
+
+    before = sample()
+    adapter = runtime.host("tiny-llama").checkpoint_adapters[sampler.model_path]
+    assert adapter in decoder._plans
+    tc.forward_backward([ce_datum(tok.encode(SENTENCES[0]))], "cross_entropy").result()
+    assert adapter not in decoder._plans
+    assert sample() == before
+    tc.stop()

@@ -84,10 +84,11 @@ class ModelHost:
 
     def release_sampling_memory(self) -> None:
         """Drop what only sampling uses and the decoder makes again on demand (its prepacked copies
-        of the base weights: as large as the weights themselves)."""
+        of the base weights, as large as the weights themselves, and the LoRA plans of adapters no
+        running request samples from)."""
         release = getattr(self.decoder, "release_memory", None)
         if release is not None:
-            release()
+            release(keep=self.pinned())
 
     # adapters -----------------------------------------------------------------------------------
     def lora_config(
