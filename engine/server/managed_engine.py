@@ -17,7 +17,7 @@ from pathlib import Path
 from sess.engine.runtime import checkpoint_ops, session_ops
 from sess.engine.runtime.executor import Executor, Operation
 from sess.engine.runtime.memory import IDLE_TRIM_S, allocator, keep_freed_memory, trim
-from sess.engine.runtime.ops import OPS, Kind
+from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.runtime.usage import session_of
@@ -53,7 +53,6 @@ class ManagedEngine(Executor):
         self.max_sessions = max_sessions
         self.session_limits = session_limits  # owner -> its limit, or None for the engine's
         self.heartbeats: dict[str, float] = {}
-        self._trained = False  # a forward_backward ran since the heap was last trimmed
         self.interrupted = self.registry.interrupt_live()
         for row in self.registry.sessions():
             runtime.sessions[row["name"]] = Session(
@@ -86,7 +85,6 @@ class ManagedEngine(Executor):
 
     # observing ops ---------------------------------------------------------------------------------
     def admit(self, op: Operation) -> None:
-        self._trim_between_training_and_sampling(op)
         if op.name in SESSION_STARTS:
             live = [s.name for s in self.runtime.sessions.values() if s.owner == op.owner and s.live]
             limit = self._limit_for(op.owner)
@@ -96,17 +94,6 @@ class ManagedEngine(Executor):
                     f"stop one first (sess stop NAME): {', '.join(live)}",
                     status=429,
                 )
-
-    def _trim_between_training_and_sampling(self, op: Operation) -> None:
-        """Hand the heap a backward pass grew back to the kernel when sampling starts after it: a
-        sampler needs a fraction of a training step's memory, and an RL loop samples for seconds
-        (issue 14's sampling after its SFT step: see benchmarks/README.md). One ``malloc_trim`` a
-        step; the next training op maps what it needs again."""
-        if op.name == "forward_backward":
-            self._trained = True
-        elif self._trained and OPS[op.name].kind is Kind.BATCHED and not self.runtime.decoding:
-            self._trained = False
-            trim()
 
     def finished(self, op: Operation) -> None:
         if OPS[op.name].accounted:
@@ -143,7 +130,6 @@ class ManagedEngine(Executor):
         for host in self.runtime.hosts.values():
             host.release_sampling_memory()
         trim()
-        self._trained = False
         if self.runtime.device.startswith("cuda"):
             import torch
 
