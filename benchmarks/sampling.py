@@ -10,7 +10,8 @@ prompts, num_samples, max_tokens and temperature:
 4. prefill sharing: a long prompt sampled with num_samples=1 and num_samples=K (1 new token each),
    for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens;
 5. the matmul floor: the time of one decode step's base-model linear layers alone (P x K rows,
-   fp32, oneDNN with prepacked weights, every layer in model order, so each weight streams from
+   fp32, oneDNN as the sampler runs it: with prepacked weights where the engine's memory budget
+   holds the copies, as at ``--memory-budget 1G`` for smollm2; every layer in model order, so each weight streams from
    memory as in a real step), as the tokens/s of a sampler that did nothing else and its ratio to
    HF. No fp32 sampler on these kernels, which run near this CPU's fp32 peak, can beat that ratio;
    the gap between it and sess is what attention, LoRA, norms, token selection and overhead cost.
@@ -106,7 +107,8 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
 
 def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     """Median seconds for one pass of the base model's linear layers over ``rows`` rows, in model
-    order, through the kernels the lean decoder uses (oneDNN, prepacked weights)."""
+    order, through the kernels the lean decoder uses (oneDNN; prepacked weights where the memory
+    budget holds the copies)."""
     linear = host.decoder.linear
     layers = [
         m for name, m in host.model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in name
