@@ -110,6 +110,7 @@ def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     order, through the kernels the lean decoder uses (oneDNN; prepacked weights where the memory
     budget holds the copies)."""
     linear = host.decoder.linear
+    linear.packing(host.decoder.packs())  # as the decoder's own steps decide
     layers = [
         m for name, m in host.model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in name
     ]

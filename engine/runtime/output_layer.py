@@ -140,8 +140,10 @@ def _lora_terms(head: torch.nn.Module, hidden: torch.Tensor) -> list | None:
         or torch.float32 != hidden.dtype
     ):
         return None
-    if base is head or head.disable_adapters or head.merged:
-        return [] if base is head else None
+    if base is head:
+        return []
+    if head.disable_adapters or head.merged:
+        return None
     terms = []
     for name in head.active_adapters:
         if name not in head.lora_A:

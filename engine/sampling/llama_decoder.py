@@ -103,7 +103,7 @@ class LlamaDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.qk_norm = config.model_type == "qwen3"
-        self.linear = RowInvariantLinears(self.packs)
+        self.linear = RowInvariantLinears()
         self._plans: dict[str, tuple[list, tuple, list]] = {}  # adapter -> (modules, versions, plan)
 
     def packs(self) -> bool:
@@ -142,6 +142,7 @@ class LlamaDecoder:
         """Run the prompts of ``jobs`` (each with ``prompt``, ``num_samples``, ``adapter`` and
         ``prompt_logprobs``); a job that wants prompt logprobs comes alone."""
         model = self.model_of()
+        self.linear.packing(self.packs())
         inner = model.model
         device = inner.embed_tokens.weight.device
         lengths = [len(job.prompt) for job in jobs]
@@ -196,6 +197,7 @@ class LlamaDecoder:
         """Logits [rows, vocab] for one new token per row (row ``r`` through ``adapters[r]``),
         written into ``cache`` at ``positions``."""
         model = self.model_of()
+        self.linear.packing(self.packs())
         step = cache.set_positions(positions)
         bias = step.bias(self.kv_heads)
 

@@ -33,7 +33,6 @@ this is best effort, and the oneDNN copies are CPU-only.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -155,13 +154,13 @@ def onednn_available() -> bool:
 class RowInvariantLinears:
     """``F.linear`` of frozen base weights that gives each row what it gets in any other batch.
 
-    On CPU with oneDNN each weight goes through oneDNN: while ``pack()`` says so, through a prepacked
-    copy, made on first use and again if the weight ever changes (its tensor version), else through
-    the weight itself (the same bits, no copy); elsewhere inputs are padded to exact row counts.
-    The copies are held per weight tensor and go when the weight does."""
+    On CPU with oneDNN each weight goes through oneDNN: while :attr:`pack` is set, through a
+    prepacked copy, made on first use and again if the weight ever changes (its tensor version),
+    else through the weight itself (the same bits, no copy); elsewhere inputs are padded to exact
+    row counts. The copies are held per weight tensor and go when the weight does."""
 
-    def __init__(self, pack: Callable[[], bool] = lambda: True):
-        self.pack = pack
+    def __init__(self):
+        self.pack = True  # through prepacked copies (set by :meth:`packing`)
         # id(weight) -> (a weak reference to it, its version when packed, the packed copy); tensors
         # compare element-wise, so they cannot be dictionary keys themselves
         self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -170,9 +169,8 @@ class RowInvariantLinears:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available():
-            if self.pack():
+            if self.pack:
                 return packed_linear(x, self.packed(weight), bias)
-            self._packed.clear()
             return packed_linear(x, weight, bias, packed=False)
         flat, rows = pad_rows(x, row_padding(x.device.type))
         out = F.linear(flat, weight, bias)
@@ -181,6 +179,12 @@ class RowInvariantLinears:
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""
         self._packed.clear()
+
+    def packing(self, on: bool) -> None:
+        """Use prepacked copies from now on, or not (dropping those made)."""
+        if not on:
+            self.release()
+        self.pack = on
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
