@@ -44,12 +44,12 @@ def up(
     ),
     memory_budget: str = typer.Option(
         None,
-        help="Activation memory a training op may hold, e.g. 1G (default: 512M on cpu, half the free "
-        "device memory on cuda). Bigger batches run in micro-batches, a datum that needs more runs "
-        "with activation checkpointing, and one too long even then is refused. The output layer's "
-        "logits take up to a third as much again, in chunks. On cpu the sampler keeps prepacked "
-        "copies of the base weights (faster decode steps, as many bytes as the weights: 538 MB for "
-        "smollm2-135m) only where they fit in it.",
+        help="Memory a training op may hold for activations and output-layer logits, e.g. 1G "
+        "(default: 384M on cpu, half the free device memory on cuda); the logits, in chunks, take a "
+        "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
+        "activation checkpointing, and one too long even then is refused. On cpu the sampler keeps "
+        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights: "
+        "538 MB for smollm2-135m) only where they fit in it.",
     ),
     nproc: int = typer.Option(
         1,

@@ -1,20 +1,22 @@
 """The memory budget of a training op: micro-batch sizes, activation checkpointing, and refusals.
 
-A ``forward_backward`` holds its micro-batch's activations until the backward pass has used them.
-The engine's memory budget (``--memory-budget``, :func:`default_budget`) bounds that: micro-batches
-hold at most as many positions as fit in it, and a micro-batch that cannot be made small enough
-(one datum longer than the budget allows) runs with activation checkpointing, which keeps only
-each decoder layer's input and recomputes the layer in the backward pass (a third more compute for
-that micro-batch). A datum too long even then is refused before anything runs, with the limit.
+A ``forward_backward`` holds its micro-batch's activations until the backward pass has used them,
+and beside them one output-layer chunk's logits (:mod:`.output_layer`). The engine's memory budget
+(``--memory-budget``, :func:`default_budget`) bounds the two together: a chunk's logits take at
+most a quarter of it (:func:`.output_layer.activation_budget`), and micro-batches hold at most as
+many positions as fit in the rest. A micro-batch that cannot be made small enough (one datum
+longer than the budget allows) runs with activation checkpointing, which keeps only each decoder
+layer's input and recomputes the layer in the backward pass (a third more compute for that
+micro-batch). A datum too long even then is refused before anything runs, with the limit.
 
 What a position costs is measured, not guessed (:func:`measure_cost`): once per base model, a
 forward pass of :data:`PROBE_TOKENS` tokens with the session's adapter counts the bytes autograd
-saves for the backward pass (parameters excluded), with and without checkpointing, and a small
-shared-prefix group prices what each RL group member's copy of its prompt's keys and values keeps.
+saves for the backward pass (parameters excluded), with the recipes of :mod:`.recompute` as
+training keeps them, without them (a layer running), and checkpointed, and a small shared-prefix
+group prices what each RL group member's copy of its prompt's keys and values keeps.
 
-The same budget bounds two other things: each output-layer chunk's logits take at most a third of
-it (:mod:`.output_layer`), and on CPU the sampler keeps its prepacked copies of the base weights
-only where all of them fit in it (:meth:`.LlamaDecoder.packs`).
+On CPU the sampler also keeps its prepacked copies of the base weights only where all of them fit
+in the budget (:meth:`.LlamaDecoder.packs`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# bytes of activations on CPU. Measured on smollm2-135m (1.2 MB a position, 0.11 MB checkpointed;
-# benchmarks/memory.py): engine peak RSS 3.53 GiB at a 1 GiB budget, 2.43 GiB at 512 MiB over
-# issue 14's GRPO step, whose 64 x 60-100-token batch then runs as 8 micro-batches of one group
-# (2.71 GiB when the output layer's chunks took half the budget: benchmarks/README.md).
-CPU_BUDGET = 512 << 20
+from sess.engine.runtime.recompute import recording
+from sess.engine.runtime.recompute import unpack as recompute_unpack
+
+# bytes of activations and output-layer logits on CPU. On smollm2-135m a position keeps 0.72 MB
+# (1.2 MB without recompute.py's recipes; 0.1 MB checkpointed), so 384 MiB gives a micro-batch 400
+# positions beside a 96 MiB logits chunk: benchmarks/train.py's 8 x 128 batch runs in 3
+# micro-batches (1.11x plain PEFT; 0.94x at 256 MiB), and issue 14's GRPO step peaked at 1.87 GiB
+# (benchmarks/README.md, 2026-12-01).
+CPU_BUDGET = 384 << 20
 CUDA_SHARE = 0.5  # of the device's free memory when the first training op runs
 PROBE_TOKENS = 128
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
@@ -62,13 +68,14 @@ def default_budget(device: str) -> int:
 
 @dataclass(frozen=True)
 class ActivationCost:
-    """Bytes a training forward keeps per position: ``plain`` without checkpointing,
-    ``checkpointed`` with it (the layers' inputs, plus one layer's activations while that layer is
-    recomputed)."""
+    """Bytes a training forward keeps per position: ``plain`` without checkpointing (with the
+    recipes of :mod:`.recompute`), ``checkpointed`` with it (the layers' inputs, plus one layer's
+    activations while that layer is recomputed)."""
 
     plain: float
     checkpointed: float
     repeated: float = 0.0  # a group member's copy of one shared-prefix position (its keys and values)
+    layer: float = 0.0  # one layer's activations, all kept: a layer running (or recomputed) holds them
 
     def fits(self, positions: int, budget: int) -> bool:
         return positions * self.plain <= budget
@@ -77,10 +84,13 @@ class ActivationCost:
         return positions * self.checkpointed <= budget
 
 
-def saved_bytes(run, model: torch.nn.Module, device: torch.device, *, backward: bool = False) -> int:
+def saved_bytes(
+    run, model: torch.nn.Module, device: torch.device, *, backward: bool = False, recompute: bool = False
+) -> int:
     """Bytes of the distinct tensors autograd saves while ``run()`` builds its graph: activations
     only, not weights (neither ``model``'s parameters nor anything that takes no gradient, such as
-    the frozen weights a sharded model gathers for the pass).
+    the frozen weights a sharded model gathers for the pass). With ``recompute``, as training's
+    :func:`.recompute.recomputing` saves them: an output kept as its recipe costs nothing.
 
     Unless the graph is for a ``backward`` pass, the graph itself saves nothing: a pack hook that
     returns the tensor ties an output tensor and the graph node saving it in a cycle that Python's
@@ -93,7 +103,9 @@ def saved_bytes(run, model: torch.nn.Module, device: torch.device, *, backward: 
     held: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor):
-        if tensor.requires_grad and tensor.device == device:
+        if recorded is not None:
+            tensor = recorded.pack(tensor)
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.device == device:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in weights:
                 seen[storage.data_ptr()] = storage.nbytes()
@@ -105,9 +117,11 @@ def saved_bytes(run, model: torch.nn.Module, device: torch.device, *, backward: 
     def unpack(saved):
         if saved is None:
             raise RuntimeError("saved_bytes kept nothing for a backward pass; pass backward=True")
-        return saved
+        return recompute_unpack(saved)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with contextlib.ExitStack() as stack:
+        recorded = stack.enter_context(recording()) if recompute else None
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         run()
     held.clear()
     return sum(seen.values())
@@ -134,15 +148,16 @@ def measure_cost(model: torch.nn.Module, decoder: torch.nn.Module, vocab_size: i
         decoder(inputs_embeds=embeds, use_cache=False)
 
     with torch.enable_grad():
-        plain = saved_bytes(run, model, device)
+        plain = saved_bytes(run, model, device, recompute=True)
+        everything = saved_bytes(run, model, device)  # without recipes: what a layer holds while it runs
         with checkpointing(model, True):
             stored = saved_bytes(run, model, device)
         grouped, computed = _grouped_probe(model, decoder, ids[0].tolist(), device)
     layers = max(1, len(transformer_layers(model)))
-    per_position = plain / PROBE_TOKENS
+    per_position, layer = plain / PROBE_TOKENS, everything / layers / PROBE_TOKENS
     # what the grouped pass saved beyond its positions' price is its members' copies of the prefix
     repeated = max(0.0, grouped - computed * per_position) / (PROBE_MEMBERS * PROBE_TOKENS // 2)
-    return ActivationCost(per_position, (stored + plain / layers) / PROBE_TOKENS, repeated)
+    return ActivationCost(per_position, stored / PROBE_TOKENS + layer, repeated, layer)
 
 
 PROBE_MEMBERS = 4  # the grouped probe: this many members share a prefix of PROBE_TOKENS // 2
@@ -161,7 +176,9 @@ def _grouped_probe(model, decoder, tokens: list[int], device) -> tuple[int, int]
         for m in range(PROBE_MEMBERS)
     ]
     targets = [torch.zeros(prefix + suffix, dtype=torch.long) for _ in members]
-    saved = saved_bytes(lambda: shared_prefix_pairs(decoder, [(members, targets, prefix)]), model, device)
+    saved = saved_bytes(
+        lambda: shared_prefix_pairs(decoder, [(members, targets, prefix)]), model, device, recompute=True
+    )
     return saved, prefix + PROBE_MEMBERS * suffix
 
 

@@ -23,6 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
+from sess.engine.runtime import recompute
 from sess.engine.runtime.catalog import load_model, lora_targets
 from sess.engine.runtime.memory_budget import ActivationCost, measure_cost, transformer_layers
 from sess.engine.runtime.output_layer import decoder_and_head
@@ -45,6 +46,7 @@ class ModelHost:
         self.dtype = dtype
         self.model, self.tokenizer, self.path = load_model(name, home=home, device=device, dtype=dtype)
         self.model.requires_grad_(False)
+        recompute.prepare(self.model)  # training keeps recipes for cheap activations (recompute.py)
         self.layers = len(transformer_layers(self.model))
         _page_in(self.model)
         self._activation_cost: ActivationCost | None = None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LOGITS_SHARE = 1 / 3  # of the memory budget, for a chunk's logits (the decoder's activations use the budget)
+LOGITS_SHARE = 1 / 4  # of the memory budget, for a chunk's logits; the decoder's activations get the rest
 # a chunk holds its fp32 logits (the backward pass makes them their own gradient) and, with a LoRA on
 # the output layer, one more tensor of their size: the LoRA term, then the gradient scaled for it
 BYTES_PER_LOGIT = 8
@@ -63,9 +63,20 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base.get_decoder(), base.get_output_embeddings(), cap
 
 
+def chunk_bytes(budget: int) -> int:
+    """What an output-layer chunk may hold under a memory budget of ``budget`` bytes."""
+    return int(min(budget * LOGITS_SHARE, MAX_CHUNK_BYTES))
+
+
+def activation_budget(budget: int) -> int:
+    """What a micro-batch's activations may hold: the budget less an output-layer chunk, which
+    exists beside them (so a training op's working memory stays within ``budget``)."""
+    return budget - chunk_bytes(budget)
+
+
 def chunk_rows(vocab_size: int, budget: int) -> int:
     """Positions per output-layer chunk under a memory budget of ``budget`` bytes."""
-    logits = CHUNK_LOGITS or int(min(budget * LOGITS_SHARE, MAX_CHUNK_BYTES)) // BYTES_PER_LOGIT
+    logits = CHUNK_LOGITS or chunk_bytes(budget) // BYTES_PER_LOGIT
     return max(MIN_CHUNK_ROWS, logits // vocab_size)
 
 

@@ -20,7 +20,14 @@ from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_p
 from sess.engine.runtime.distributed_adapters import gathered, held_bytes
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory_budget import checkpointing
-from sess.engine.runtime.output_layer import backward_from, decoder_and_head, logprobs, token_loss_grad
+from sess.engine.runtime.output_layer import (
+    activation_budget,
+    backward_from,
+    decoder_and_head,
+    logprobs,
+    token_loss_grad,
+)
+from sess.engine.runtime.recompute import recomputing
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.data_checks import check_data, check_loss_fn
@@ -64,9 +71,10 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
         cost, budget = host.activation_cost(model), runtime.memory_budget
+        room = activation_budget(budget)  # the rest is the output layer's chunk
         # without gradients a position holds about one layer's activations at a time
-        per_position = cost.plain if backward else cost.plain / host.layers
-        capacity = int(budget // per_position)
+        per_position = cost.plain if backward else cost.layer
+        capacity = int(room // per_position)
         repeat = cost.repeated / per_position if backward else 0.0  # saved copies of a group's prefix KV
         batches = (
             ranks.plan(datums, capacity)
@@ -88,20 +96,23 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                     ranks.idle_round(decoder, backward)
                     continue
                 with checkpointing(model, checkpoint):
-                    if groups:
-                        indices = [i for idx, _ in groups for i in idx]
-                        pairs = shared_prefix_pairs(
-                            decoder,
-                            [
-                                ([datums[i] for i in idx], [targets[i] for i in idx], shared)
-                                for idx, shared in groups
-                            ],
-                        )
-                    else:
-                        indices = padded
-                        pairs = token_pairs(
-                            decoder, [datums[i] for i in indices], [targets[i] for i in indices]
-                        )
+                    # with a backward pass, the decoder's graph keeps recipes for what is cheap to
+                    # make again (recompute.py); checkpointed, it keeps only each layer's input
+                    with recomputing(backward and not checkpoint):
+                        if groups:
+                            indices = [i for idx, _ in groups for i in idx]
+                            pairs = shared_prefix_pairs(
+                                decoder,
+                                [
+                                    ([datums[i] for i in idx], [targets[i] for i in idx], shared)
+                                    for idx, shared in groups
+                                ],
+                            )
+                        else:
+                            indices = padded
+                            pairs = token_pairs(
+                                decoder, [datums[i] for i in indices], [targets[i] for i in indices]
+                            )
                     lps = _logprobs(
                         head, cap, pairs, budget, loss_fn, config, [inputs[i] for i in indices], backward
                     )
@@ -156,20 +167,22 @@ def _root_gathered(ranks, host):
 
 
 def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0) -> bool:
-    """Whether ``batch`` needs activation checkpointing to stay in ``budget``; raises when it does
-    not fit even then (before anything of the op has run)."""
+    """Whether ``batch`` needs activation checkpointing to stay in the share of ``budget`` that
+    activations get; raises when it does not fit even then (before anything of the op has run)."""
+    room = activation_budget(budget)
     count = positions(datums, batch)
-    if cost.fits(positions(datums, batch, repeat), budget):
+    if cost.fits(positions(datums, batch, repeat), room):
         return False
-    if cost.fits_checkpointed(count, budget):
+    if cost.fits_checkpointed(count, room):
         return True
     members = batch[0] or [i for idx, _ in batch[1] for i in idx]
     index = max(members, key=lambda i: datums[i].model_input.length)
     raise InvalidRequest(
         f"data[{index}]: {datums[index].model_input.length} tokens need about "
         f"{count * cost.checkpointed / GB:.2f} GB of activations even with activation checkpointing "
-        f"({cost.checkpointed / 1024:.0f} KB a token), over the engine's memory budget of "
-        f"{budget / GB:.2f} GB; split the datum or start the engine with a larger --memory-budget"
+        f"({cost.checkpointed / 1024:.0f} KB a token), over the {room / GB:.2f} GB that the engine's "
+        f"memory budget of {budget / GB:.2f} GB leaves them beside the output layer; split the datum "
+        f"or start the engine with a larger --memory-budget"
     )
 
 
