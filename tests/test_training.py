@@ -337,3 +337,60 @@ def test_the_same_rl_batch_gives_the_same_gradients_to_the_bit(tc, runtime):
     for grads in runs[1:]:
         differing = [k for k in runs[0] if not torch.equal(grads[k], runs[0][k])]
         assert not differing, differing[:3]
+
+
+def test_flat_gradients_and_moments_step_as_plain_adamw_and_leave_unreached_parameters_alone():
+    """One rank keeps an adapter's gradients and AdamW moments in three flat buffers (Session.flat):
+    the steps equal a plain AdamW's to the bit, including a parameter no gradient reaches (no grad,
+    no weight decay), and nothing is allocated per parameter at a backward pass."""
+    from sess.engine.runtime.session import FlatState
+
+    torch.manual_seed(0)
+    shapes = [(8, 5), (5,), (3, 5), (4, 4)]  # the last one no loss reaches
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    flat = FlatState(ours)
+    opt = torch.optim.AdamW(ours, lr=0.1, weight_decay=0.3, foreach=False)
+    flat.init_adamw(opt)
+    plain_opt = torch.optim.AdamW(plain, lr=0.1, weight_decay=0.3, foreach=False)
+
+    def loss(params, x):
+        w1, b1, w2, _ = params
+        return (torch.tanh(x @ w1 + b1) @ w2.T).pow(2).sum()
+
+    for step in range(3):
+        xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)]
+        with flat.accumulating():
+            for x in xs:  # two micro-batches accumulate
+                loss(ours, x).backward()
+        for x in xs:
+            loss(plain, x).backward()
+        assert ours[3].grad is None and plain[3].grad is None
+        flat_ptr = flat.grad.untyped_storage().data_ptr()
+        assert all(p.grad.untyped_storage().data_ptr() == flat_ptr for p in ours[:3])
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours[:3], plain[:3]))
+        opt.step()
+        plain_opt.step()
+        opt.zero_grad(set_to_none=True)
+        plain_opt.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+    moments = flat.exp_avg.untyped_storage().data_ptr()
+    assert all(opt.state[p]["exp_avg"].untyped_storage().data_ptr() == moments for p in ours)
+    assert float(opt.state[ours[0]]["step"]) == 3 and float(opt.state[ours[3]]["step"]) == 0
+    assert torch.equal(ours[3], plain[3]) and ours[3] not in plain_opt.state
+
+
+def test_a_session_accumulates_into_its_flat_gradient_buffer(tc, runtime):
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(t)) for t in SENTENCES[:2]]
+    session = runtime.sessions[tc.name]
+    tc.forward_backward(data, "cross_entropy").result()
+    buffer = session.flat.grad.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == buffer for p in session.params.values())
+    tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+    assert all(p.grad is None for p in session.params.values())
+    moments = session.flat.exp_avg_sq.untyped_storage().data_ptr()
+    state = session.optimizer.state
+    assert all(
+        state[p]["exp_avg_sq"].untyped_storage().data_ptr() == moments for p in session.params.values()
+    )

@@ -122,7 +122,7 @@ def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bo
     if optimizer and session.shard is None:  # one rank: each parameter's AdamW state
         for key, param in _canonical(session.params, session.adapter).items():
             state = session.optimizer.state.get(param, {})
-            if state:
+            if state and float(state["step"]) > 0:  # a parameter never stepped has no state to save
                 whole.moments[f"{key}.exp_avg"] = state["exp_avg"]
                 whole.moments[f"{key}.exp_avg_sq"] = state["exp_avg_sq"]
                 whole.steps[key] = float(state["step"])
@@ -230,13 +230,11 @@ def _load_moments(session: Session, moments: dict[str, torch.Tensor], meta: dict
     canonical = _canonical(session.params, session.adapter)
     saved = [key for key in canonical if key in meta["param_steps"]]
     if session.shard is None:
-        for key in saved:
-            param = canonical[key]
-            session.optimizer.state[param] = {
-                "step": torch.tensor(meta["param_steps"][key]),
-                "exp_avg": moments[f"{key}.exp_avg"].to(param.device).clone(),
-                "exp_avg_sq": moments[f"{key}.exp_avg_sq"].to(param.device).clone(),
-            }
+        for key in saved:  # into the flat buffers new_optimizer made (Session.flat)
+            state = session.optimizer.state[canonical[key]]
+            state["step"] = torch.tensor(meta["param_steps"][key], dtype=state["step"].dtype)
+            state["exp_avg"].copy_(moments[f"{key}.exp_avg"])
+            state["exp_avg_sq"].copy_(moments[f"{key}.exp_avg_sq"])
         return
     if not saved:
         return

@@ -124,7 +124,7 @@ def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
         if runtime.ranks is not None:
             runtime.ranks.adapters.forget(session.adapter)
         runtime.hosts[session.base_model].remove_adapter(session.adapter)
-        session.optimizer, session.params, session.shard = None, {}, None
+        session.optimizer, session.params, session.shard, session.flat = None, {}, None, None
         session.status = SessionStatus.Stopped
     return session.summary()
 

@@ -90,7 +90,10 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
             and _check_fits(datums, (padded, groups), cost, budget, repeat)
             for padded, groups in batches
         ]
-        with torch.set_grad_enabled(backward):
+        with (
+            torch.set_grad_enabled(backward),
+            session.accumulating() if backward else contextlib.nullcontext(),
+        ):
             for (padded, groups), checkpoint in zip(batches, checkpointed):
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward)
