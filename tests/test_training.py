@@ -366,7 +366,7 @@ def test_flat_gradients_and_moments_step_as_plain_adamw_and_leave_unreached_para
         for x in xs:
             loss(plain, x).backward()
         assert ours[3].grad is None and plain[3].grad is None
-        flat_ptr = flat.grad.untyped_storage().data_ptr()
+        flat_ptr = ours[0].grad.untyped_storage().data_ptr()  # one buffer, made for the backward pass
         assert all(p.grad.untyped_storage().data_ptr() == flat_ptr for p in ours[:3])
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours[:3], plain[:3]))
         opt.step()
@@ -380,13 +380,15 @@ def test_flat_gradients_and_moments_step_as_plain_adamw_and_leave_unreached_para
     assert torch.equal(ours[3], plain[3]) and ours[3] not in plain_opt.state
 
 
-def test_a_session_accumulates_into_its_flat_gradient_buffer(tc, runtime):
+def test_a_session_accumulates_into_one_flat_gradient_buffer(tc, runtime):
     tok = tc.get_tokenizer()
     data = [ce_datum(tok.encode(t)) for t in SENTENCES[:2]]
     session = runtime.sessions[tc.name]
     tc.forward_backward(data, "cross_entropy").result()
-    buffer = session.flat.grad.untyped_storage().data_ptr()
-    assert all(p.grad.untyped_storage().data_ptr() == buffer for p in session.params.values())
+    grads = [p.grad for p in session.params.values()]
+    buffer = grads[0].untyped_storage()
+    assert buffer.nbytes() == 4 * sum(g.numel() for g in grads)  # one buffer holds them all
+    assert all(g.untyped_storage().data_ptr() == buffer.data_ptr() for g in grads)
     tc.optim_step(AdamParams(learning_rate=1e-3)).result()
     assert all(p.grad is None for p in session.params.values())
     moments = session.flat.exp_avg_sq.untyped_storage().data_ptr()

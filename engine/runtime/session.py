@@ -18,19 +18,24 @@ if TYPE_CHECKING:
 
 class FlatState:
     """An adapter's gradients and AdamW moments, each in one flat buffer that the parameters' own
-    tensors are views of: three allocations made when the session starts, where autograd and AdamW
-    would make one small tensor per parameter (420 on smollm2) at every backward pass and at the first
-    step, scattered between the step's activations. On CPU, the heap that glibc keeps while the engine
-    works was fragmented by those: issue 14's SFT step after a GRPO step grew it to 1.66 GiB while at
-    most 0.55 GiB of it was in use (benchmarks/README.md)."""
+    tensors are views of, where autograd and AdamW would make one small tensor per parameter (420 on
+    smollm2) at every backward pass and at the first step, scattered between the step's activations.
+    On CPU, the heap that glibc keeps while the engine works was fragmented by those: issue 14's SFT
+    step after a GRPO step grew it to 1.66 GiB while at most 0.55 GiB of it was in use
+    (benchmarks/README.md). A flat buffer is large enough to be mapped on its own, outside the heap.
+
+    The moments are made when the session starts and kept (AdamW keeps them from its first step
+    anyway); a gradient buffer is made for a backward pass and goes when the gradients are cleared
+    (the parameters' ``grad`` views are all that hold it)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        total = sum(p.numel() for p in params)
-        device = params[0].device if params else torch.device("cpu")
-        self.grad, self.exp_avg, self.exp_avg_sq = (
-            torch.zeros(total, dtype=torch.float32, device=device) for _ in range(3)
-        )
+        self.total = sum(p.numel() for p in params)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.exp_avg, self.exp_avg_sq = (self._zeros() for _ in range(2))
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.total, dtype=torch.float32, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
@@ -51,15 +56,17 @@ class FlatState:
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
-        """A backward pass accumulates into the gradient buffer; a parameter no gradient reached is
-        left without one (``grad`` None), as autograd leaves it."""
+        """A backward pass accumulates into a gradient buffer (a new one for parameters without a
+        gradient yet); a parameter no gradient reached is left without one (``grad`` None), as
+        autograd leaves it."""
         fresh = {id(p) for p in self.params if p.grad is None and p.requires_grad}
         reached: set[int] = set()
         hooks = []
-        for p, grad in zip(self.params, self.views(self.grad)):
-            if id(p) in fresh:
-                p.grad = grad.zero_()
-                hooks.append(p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p))))
+        if fresh:
+            for p, grad in zip(self.params, self.views(self._zeros())):
+                if id(p) in fresh:
+                    p.grad = grad
+                    hooks.append(p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p))))
         try:
             yield
         finally:
