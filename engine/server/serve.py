@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--memory-budget",
         default=None,
-        help="activation memory of a training op, e.g. 1G (sess engine up --help)",
+        help="memory a training op may hold for activations and logits, e.g. 1G (sess engine up --help)",
     )
     parser.add_argument(
         "--nproc",
