@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from sess.engine.runtime.memory import ENGINE_MALLOC, engine_env, jemalloc_library
+from sess.engine.runtime.memory import ENGINE_MALLOC, ONEDNN_CACHES, engine_env, jemalloc_library
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -93,6 +94,46 @@ def test_engine_env_keeps_user_choices():
     assert engine_env({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"
     # a GPU engine's tensors live in the CUDA caching allocator: glibc keeps its defaults there
     assert not set(ENGINE_MALLOC) & set(engine_env({}, device="cuda"))
+
+
+# oneDNN linear layers at 120 row counts x 3 weight shapes (a primitive each, as the sampler's
+# prefills make them), then the bytes malloc holds more than before (mallinfo2: glibc)
+ONEDNN_PROBE = """
+import ctypes, torch
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "a b c d hblkhd e f uordblks g h".split()]
+info = ctypes.CDLL("libc.so.6").mallinfo2
+info.restype = Info
+def used():
+    m = info()
+    return m.uordblks + m.hblkhd
+weights = [torch.randn(o, 64) for o in (64, 96, 160)]
+before = used()
+for rows in range(17, 137):
+    for w in weights:
+        torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 64), w, None, "none", [], "")
+print(used() - before)
+"""
+
+
+@linux
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN")
+def test_an_engine_s_onednn_caches_stay_small_however_many_shapes_it_meets():
+    plain = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHES}
+    held = {}
+    for name, env in (
+        ("default", {**plain, **{k: "1024" for k in ONEDNN_CACHES}}),
+        ("engine", engine_env(plain)),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", ONEDNN_PROBE], env=env, capture_output=True, text=True, check=True
+        )
+        held[name] = int(out.stdout.split()[-1])
+    assert all(engine_env(plain)[k] == v for k, v in ONEDNN_CACHES.items())
+    assert engine_env({"LRU_CACHE_CAPACITY": "8"})["LRU_CACHE_CAPACITY"] == "8"  # a user's choice stays
+    assert not set(ONEDNN_CACHES) & set(engine_env({}, device="cuda"))
+    # 360 primitives: ~0.2 MB each with the libraries' defaults, a bounded few with the engine's caps
+    assert held["engine"] < held["default"] / 4, held
 
 
 # under the engine settings (the heap is never trimmed by itself), allocate and free 400 MB in
@@ -207,3 +248,33 @@ def test_an_engine_process_on_jemalloc_uses_it_and_trims_through_it():
     given_back, name, trimmed = out.stdout.split()[-3:]
     assert (name, trimmed) == ("jemalloc", "True")
     assert int(given_back) > 300 * 2**20
+
+
+def test_the_heap_goes_back_where_the_engine_switches_between_sampling_and_training(
+    svc, runtime, monkeypatch
+):
+    """A trim where sampling gives way to training and the other way round, and not between two
+    training ops or two sampling requests (where the pages are reused at once)."""
+    import sess.engine.runtime.runtime as runtime_module
+    from sess.engine import SamplingParams
+
+    from helpers import SENTENCES, train_steps
+
+    calls = []
+    monkeypatch.setattr(runtime_module, "trim", lambda: calls.append(runtime._work))
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=3) as tc:
+        prompt = tc.get_tokenizer().encode("Once upon a time")
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+
+        def sample() -> None:
+            tc.save_weights_and_get_sampling_client().sample(prompt, 2, params).result()
+
+        sample()
+        before = len(calls)  # the session's first work may switch from what earlier tests did
+        train_steps(tc, SENTENCES[:2], 1e-3, steps=2)
+        assert calls[before:] == ["sample"]  # once, as training begins after sampling
+        sample()
+        sample()
+        assert calls[before:] == ["sample", "train"]
+        train_steps(tc, SENTENCES[:2], 1e-3)
+        assert calls[before:] == ["sample", "train", "sample"]

@@ -36,6 +36,17 @@ instead of 2.03 and the default ``sess run`` engine at 1.89 instead of 2.09, at 
 that stood out of the noise (benchmarks/README.md, 2026-12-01, fourth round). It is a choice, not the default,
 because it needs a system library: the engine starts the same everywhere on glibc.
 ``SESS_MALLOC=glibc`` (or unset) is the tuned heap above; ``system`` is glibc's own defaults.
+
+Whatever the malloc, a CPU engine also caps the two caches of oneDNN primitives at
+:data:`ONEDNN_CACHES` entries (torch's ideep keeps one, ``LRU_CACHE_CAPACITY``, and oneDNN its own,
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; 1,024 each by default). The sampler's linear layers run through
+oneDNN, and a primitive is made for each shape: every prefill's row count is new, so over a run the
+caches filled with primitives of ~0.3 MB each, most used once (~300 MB for 500 shapes, measured),
+and the default ``sess run`` engine's peak crept from 1.88 GiB at step 2 to 2.12 at step 20; capped,
+it stayed at 1.87 (2026-12-01). A decode step needs one primitive per weight shape (five on smollm2,
+plus LoRA's), so 64 entries keep all of them, and a new one costs ~0.7 ms to make against a ~100 ms
+step. The runtime also trims the heap where the engine switches between sampling and training
+(``Runtime.entering``).
 """
 
 from __future__ import annotations
@@ -57,6 +68,9 @@ ENGINE_MALLOC = {
 # what mallopt can still set in a running process (glibc malloc.h): M_ARENA_MAX, M_MMAP_THRESHOLD,
 # M_TRIM_THRESHOLD
 _MALLOPT = ((-8, 1), (-3, MMAP_FROM), (-1, KEEP))
+
+# entries each of oneDNN's primitive caches keeps (torch's ideep, oneDNN's own); both read at first use
+ONEDNN_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 
 # jemalloc (SESS_MALLOC=jemalloc): freed pages go back after ~2 s, by its own thread, and at once
 # (muzzy 0: not lazily with MADV_FREE, which would leave them counted in the engine's RSS)
@@ -96,8 +110,12 @@ def jemalloc_library() -> str | None:
 def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
     """The environment for an engine process on ``device``: ``base`` (default: this process's)
     plus the malloc settings above, unless turned off, already set, or the engine is not on CPU.
-    With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing)."""
+    With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing). A
+    CPU engine's oneDNN caches are capped (:data:`ONEDNN_CACHES`) whatever its malloc."""
     env = dict(os.environ if base is None else base)
+    if device == "cpu":
+        for key, value in ONEDNN_CACHES.items():
+            env.setdefault(key, value)
     malloc = _engine_malloc(env, device)
     if malloc == "jemalloc":
         library = jemalloc_library()
@@ -145,9 +163,13 @@ def exec_as_engine(argv: list[str], device: str = "cpu") -> None:
 
 def keep_freed_memory(device: str = "cpu") -> bool:
     """Apply the settings with ``mallopt`` in this process (once) for an engine on ``device``;
-    whether glibc took them."""
+    whether glibc took them. The oneDNN caps go into this process's environment too, where they
+    are not set: they hold if no oneDNN primitive has been made yet."""
     global _applied
     if _applied is None:
+        if device == "cpu":
+            for key, value in ONEDNN_CACHES.items():
+                os.environ.setdefault(key, value)
         _applied = _enabled(os.environ, device) and allocator() == "glibc" and _mallopt()
     return _applied
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sess.engine.runtime.catalog import DTYPES, Dtypes, ModelNotAvailable
+from sess.engine.runtime.memory import trim
 from sess.engine.runtime.memory_budget import default_budget
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.session import Session
@@ -42,6 +43,8 @@ class Runtime:
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
+        self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
+        self._sampling = False  # whether the last decode step left rows running
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:
@@ -106,6 +109,20 @@ class Runtime:
         if self.ranks is not None:
             self.ranks.full_weights()
 
+    # memory ----------------------------------------------------------------------------------------
+    def entering(self, work: str) -> None:
+        """Training (``"train"``: a backward pass with no sampling in flight) or sampling
+        (``"sample"``: decoding starts) begins. Where the engine switches from one to the other, it
+        hands the heap's free memory back first (:func:`.memory.trim`): the blocks one kind freed
+        are of sizes the other's seldom fits, so they stay free and, in a heap never trimmed while
+        the engine works, resident. A loop that samples and trains at once never switches, and a
+        run of training ops (or of sample requests) trims at most once, so pages freed between its
+        steps are reused without faulting in again. The training side trims after the first op has
+        measured what a position costs (its probes' blocks go back too)."""
+        if self._work is not None and self._work != work:
+            trim()
+        self._work = work
+
     # decoding --------------------------------------------------------------------------------------
     def batch(self, host: ModelHost) -> DecodeBatch:
         """The running decode batch of ``host``'s base model."""
@@ -121,9 +138,12 @@ class Runtime:
     def decode_step(self) -> None:
         """Admit waiting sample requests and decode one token for every running row."""
         self.full_weights()
+        if not self._sampling:  # a new spell of sampling starts
+            self.entering("sample")
         for batch in list(self.batches.values()):
             if batch.active:
                 batch.step()
+        self._sampling = self.decoding
 
     def fail_decoding(self, error: BaseException) -> None:
         """End every running and waiting sample request with ``error`` (after a failed step)."""

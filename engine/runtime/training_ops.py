@@ -70,7 +70,9 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
-        cost, budget = host.activation_cost(model), runtime.memory_budget
+        cost, budget = host.activation_cost(model), runtime.memory_budget  # measured by the first op
+        if backward and not runtime.decoding:
+            runtime.entering("train")  # from sampling, the heap's free pages go back first
         room = activation_budget(budget)  # the rest is the output layer's chunk
         # without gradients a position holds about one layer's activations at a time
         per_position = cost.plain if backward else cost.layer
