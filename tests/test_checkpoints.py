@@ -180,6 +180,11 @@ def test_only_the_newest_transient_save_stays_in_memory_and_older_ones_load_agai
             held = [uri for uri in host.checkpoint_adapters if f"sess://{tc.name}/" in uri]
             assert held == [samplers[-1].model_path]
             assert len(host.spare_adapters) <= 1
+            # a spare keeps its modules but no weights; a held sampler's weights are one buffer
+            for spare in host.spare_adapters:
+                assert all(p.untyped_storage().nbytes() <= 4 for p in host.adapter_params(spare).values())
+            weights = host.adapter_params(host.checkpoint_adapters[held[0]]).values()
+            assert len({p.untyped_storage().data_ptr() for p in weights}) == 1
         again = samplers[0].compute_logprobs(prompt + target).result()[len(prompt) :]
     assert first_answers[0] != first_answers[-1]  # training moved the weights between saves
     assert max(abs(a - b) for a, b in zip(again, first_answers[0])) < 1e-6

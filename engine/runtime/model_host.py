@@ -180,11 +180,11 @@ class ModelHost:
                 **{k: v for k, v in config.items() if k in keys and k not in ("peft_type", "task_type")}
             )
             self.add_adapter(adapter, lora, seed=0)
+        self._hold_weights(adapter)
         try:
             self.set_state(adapter, state)
         except BaseException:
-            self.spare_adapters[adapter] = layout  # its weights are overwritten before any use
-            self._trim_spares()
+            self._spare(adapter, layout)  # its weights are overwritten before any use
             raise
         self.peft.base_model_name_or_path = str(self.path)
         self.checkpoint_adapters[uri] = adapter
@@ -210,8 +210,31 @@ class ModelHost:
         caller makes sure no running request samples from it."""
         adapter = self.checkpoint_adapters.pop(uri, None)
         if adapter is not None and self.peft is not None and adapter in self.peft.peft_config:
-            self.spare_adapters[adapter] = _layout(self.adapter_config(adapter))
-            self._trim_spares()
+            self._spare(adapter, _layout(self.adapter_config(adapter)))
+
+    def _spare(self, adapter: str, layout: str) -> None:
+        """Keep ``adapter``'s modules for reuse, without its weights (:meth:`_hold_weights` gives it
+        new ones): a spare costs no memory while the engine trains."""
+        for param in self.adapter_params(adapter).values():
+            param.data = param.new_zeros(1).expand(param.shape)  # the shape, in 4 bytes
+        self.spare_adapters[adapter] = layout
+        self._trim_spares()
+
+    def _hold_weights(self, adapter: str) -> None:
+        """Give checkpoint adapter ``adapter``'s weights one buffer of their own, with what they hold
+        (a spare's hold nothing yet). Its ~400 small tensors would land in the holes that a training
+        step leaves in the heap and keep them from the next one; one buffer is mapped on its own and
+        goes back whole when the adapter is released."""
+        params = list(self.adapter_params(adapter).values())
+        if not params or len({(p.dtype, p.device) for p in params}) > 1:
+            return
+        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for param in params:
+            view = flat[offset : offset + param.numel()].view(param.shape)
+            view.copy_(param.data)
+            param.data = view
+            offset += param.numel()
 
     def _trim_spares(self) -> None:
         while len(self.spare_adapters) > self.max_spare_adapters:
