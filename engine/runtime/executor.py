@@ -50,6 +50,7 @@ class Operation:
     result: Any = None
     error: SessError | None = None
     usage: Usage | None = None  # what it cost: tokens and engine seconds (see usage.py)
+    refused: bool = False  # its request was refused on reading, before it was queued
 
     def finish(self, result: Any = None, error: SessError | None = None) -> None:
         self.result, self.error = result, error
@@ -113,6 +114,7 @@ class Executor:
         try:
             op.request = spec.request.from_wire(args)
         except InvalidRequest as exc:  # answered at once, and still takes its place in the order
+            op.refused = True
             op.finish(error=exc)
         with self._cv:
             if client_token is not None and (owner, client_token) in self._tokens:

@@ -159,7 +159,8 @@ class Tinker:
         its sequence number still used up so the session's later ops run."""
         op_id = await run_in_threadpool(self.engine.submit, owner, name, args, session=session, seq=seq)
         op = self.engine.wait(owner, op_id, 0)
-        if op is not None and op.error is not None and (op.error.status or 400) < 500:
+        # only a refusal on reading: an op that already ran and failed answers through its future
+        if op is not None and op.refused and op.error is not None and (op.error.status or 400) < 500:
             raise op.error
         return op_id
 
