@@ -31,9 +31,9 @@ blocks by itself, and the host heap holds little, so an engine on a GPU keeps gl
 ``SESS_MALLOC=jemalloc`` runs the engine on jemalloc instead (the system's ``libjemalloc.so.2``,
 e.g. Debian's ``libjemalloc2``, preloaded; :data:`JEMALLOC_CONF`). Its size classes leave far less
 free memory stranded between live blocks than glibc's heap (~0.1 GiB against 0.4-1.1 GiB in issue
-14's steps), and freed pages go back two seconds later: issue 14's workload peaked at 1.69 GiB
-instead of 2.03 and the default ``sess run`` engine at 1.89 instead of 2.09, at no speed difference
-that stood out of the noise (benchmarks/README.md, 2026-12-01, fourth round). It is a choice, not the default,
+14's steps), and freed pages go back two seconds later: issue 14's workload peaked at 1.58 GiB
+instead of 1.97 and the default ``sess run`` engine at 1.63 instead of 1.81, at no speed difference
+that stood out of the noise (benchmarks/README.md, 2026-12-01, fifth round). It is a choice, not the default,
 because it needs a system library: the engine starts the same everywhere on glibc.
 ``SESS_MALLOC=glibc`` (or unset) is the tuned heap above; ``system`` is glibc's own defaults.
 
