@@ -113,9 +113,7 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
     With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing). A
     CPU engine's oneDNN caches are capped (:data:`ONEDNN_CACHES`) whatever its malloc."""
     env = dict(os.environ if base is None else base)
-    if device == "cpu":
-        for key, value in ONEDNN_CACHES.items():
-            env.setdefault(key, value)
+    _cap_onednn(env, device)
     malloc = _engine_malloc(env, device)
     if malloc == "jemalloc":
         library = jemalloc_library()
@@ -132,6 +130,13 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
         for key, value in ENGINE_MALLOC.items():
             env.setdefault(key, value)
     return env
+
+
+def _cap_onednn(env, device: str) -> None:
+    """:data:`ONEDNN_CACHES` into ``env`` for a CPU engine, where not set already."""
+    if device == "cpu":
+        for key, value in ONEDNN_CACHES.items():
+            env.setdefault(key, value)
 
 
 def allocator() -> str:
@@ -167,9 +172,7 @@ def keep_freed_memory(device: str = "cpu") -> bool:
     are not set: they hold if no oneDNN primitive has been made yet."""
     global _applied
     if _applied is None:
-        if device == "cpu":
-            for key, value in ONEDNN_CACHES.items():
-                os.environ.setdefault(key, value)
+        _cap_onednn(os.environ, device)
         _applied = _enabled(os.environ, device) and allocator() == "glibc" and _mallopt()
     return _applied
 

@@ -27,6 +27,7 @@ from sess.engine.runtime import recompute
 from sess.engine.runtime.catalog import load_model, lora_targets
 from sess.engine.runtime.memory_budget import ActivationCost, measure_cost, transformer_layers
 from sess.engine.runtime.output_layer import decoder_and_head
+from sess.engine.runtime.session import flat_views
 from sess.engine.sampling.decoder import Decoder, full_attention_only
 from sess.engine.sampling.llama_decoder import LlamaDecoder, unsupported
 from sess.engine.sampling.module_decoder import ModuleDecoder
@@ -229,12 +230,8 @@ class ModelHost:
         if not params or len({(p.dtype, p.device) for p in params}) > 1:
             return
         flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for param in params:
-            view = flat[offset : offset + param.numel()].view(param.shape)
-            view.copy_(param.data)
-            param.data = view
-            offset += param.numel()
+        for param, view in zip(params, flat_views(flat, params)):
+            param.data = view.copy_(param.data)
 
     def _trim_spares(self) -> None:
         while len(self.spare_adapters) > self.max_spare_adapters:

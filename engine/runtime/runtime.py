@@ -44,7 +44,6 @@ class Runtime:
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
         self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
-        self._sampling = False  # whether the last decode step left rows running
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:
@@ -112,7 +111,7 @@ class Runtime:
     # memory ----------------------------------------------------------------------------------------
     def entering(self, work: str) -> None:
         """Training (``"train"``: a backward pass with no sampling in flight) or sampling
-        (``"sample"``: decoding starts) begins. Where the engine switches from one to the other, it
+        (``"sample"``: a decode step) runs. Where the engine switches from one to the other, it
         hands the heap's free memory back first (:func:`.memory.trim`): the blocks one kind freed
         are of sizes the other's seldom fits, so they stay free and, in a heap never trimmed while
         the engine works, resident. A loop that samples and trains at once never switches, and a
@@ -138,12 +137,10 @@ class Runtime:
     def decode_step(self) -> None:
         """Admit waiting sample requests and decode one token for every running row."""
         self.full_weights()
-        if not self._sampling:  # a new spell of sampling starts
-            self.entering("sample")
+        self.entering("sample")  # trims only where training came last
         for batch in list(self.batches.values()):
             if batch.active:
                 batch.step()
-        self._sampling = self.decoding
 
     def fail_decoding(self, error: BaseException) -> None:
         """End every running and waiting sample request with ``error`` (after a failed step)."""

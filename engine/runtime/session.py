@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from sess.engine.runtime.distributed_adapters import FlatShard
 
 
+def flat_views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut, in order, into views shaped as the tensors of ``like``."""
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
 class FlatState:
     """An adapter's gradients and AdamW moments, each in one flat buffer that the parameters' own
     tensors are views of, where autograd and AdamW would make one small tensor per parameter (420 on
@@ -38,11 +43,7 @@ class FlatState:
         return torch.zeros(self.total, dtype=torch.float32, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, start = [], 0
-        for p in self.params:
-            out.append(flat[start : start + p.numel()].view_as(p))
-            start += p.numel()
-        return out
+        return flat_views(flat, self.params)
 
     def init_adamw(self, optimizer: torch.optim.AdamW) -> None:
         """AdamW's state as it would make it at a parameter's first step, in the flat buffers."""
