@@ -122,6 +122,8 @@ def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, m
     monkeypatch.setattr(output_layer, "CHUNK_LOGITS", 7 * host.vocab_size)
     monkeypatch.setattr(output_layer, "MIN_CHUNK_ROWS", 1)
     counter = Counter(monkeypatch)
+    trims = []
+    monkeypatch.setattr(training_ops, "trim", lambda: trims.append(1))
     value = {
         "fits": 1 << 40,
         "micro-batches": _budget_for(60 * cost.plain),  # two datums at most per micro-batch
@@ -139,6 +141,9 @@ def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, m
     for d, o in zip(data, out.loss_fn_outputs):
         assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
     assert (counter.calls > 0) == (mode == "checkpointed"), counter.calls
+    # a checkpointed micro-batch trims the heap before its forward, output layer and backward pass
+    # (one torch checkpoint per layer and micro-batch); one that fits never does
+    assert len(trims) == 3 * counter.calls // host.layers, (len(trims), counter.calls)
     clear_grads(runtime, tc.name)
 
 
