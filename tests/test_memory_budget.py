@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sess.engine import AdamParams, Datum, ModelInput
-from sess.engine.runtime import memory_budget, output_layer, recompute, training_ops
+from sess.engine.runtime import memory, memory_budget, output_layer, recompute, training_ops
 
 from helpers import (
     budget,
@@ -141,9 +141,10 @@ def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, m
     for d, o in zip(data, out.loss_fn_outputs):
         assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
     assert (counter.calls > 0) == (mode == "checkpointed"), counter.calls
-    # a checkpointed micro-batch trims the heap before its forward, output layer and backward pass
-    # (one torch checkpoint per layer and micro-batch); one that fits never does
-    assert len(trims) == 3 * counter.calls // host.layers, (len(trims), counter.calls)
+    # on glibc, a checkpointed micro-batch trims the heap before its forward, output layer and
+    # backward pass (one torch checkpoint per layer and micro-batch); one that fits never does
+    per_micro_batch = 3 if memory.allocator() == "glibc" else 0
+    assert len(trims) == per_micro_batch * counter.calls // host.layers, (len(trims), counter.calls)
     clear_grads(runtime, tc.name)
 
 

@@ -46,8 +46,8 @@ and the default ``sess run`` engine's peak crept from 1.88 GiB at step 2 to 2.12
 it stayed at 1.87 (2026-12-01). A decode step needs one primitive per weight shape (five on smollm2,
 plus LoRA's), so 64 entries keep all of them, and a new one costs ~0.7 ms to make against a ~100 ms
 step. The runtime also trims the heap where the engine switches between sampling and training
-(``Runtime.entering``), and between the phases of a checkpointed micro-batch, whose long datum's
-blocks fit the holes earlier steps left badly (``training_ops._settle``).
+(``Runtime.entering``), and on glibc between the phases of a checkpointed micro-batch, whose long
+datum's blocks fit the holes earlier steps left badly (``training_ops._settle``).
 """
 
 from __future__ import annotations

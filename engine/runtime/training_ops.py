@@ -19,7 +19,7 @@ import torch
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.distributed_adapters import gathered, held_bytes
 from sess.engine.runtime.losses import compute_loss
-from sess.engine.runtime.memory import trim
+from sess.engine.runtime.memory import allocator, trim
 from sess.engine.runtime.memory_budget import checkpointing
 from sess.engine.runtime.output_layer import (
     activation_budget,
@@ -101,9 +101,10 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward)
                     continue
-                # a checkpointed micro-batch on CPU hands the heap's free pages back before its
+                # a checkpointed micro-batch on glibc's heap hands the free pages back before its
                 # forward, its output layer and its backward pass: see _settle
-                settle = _settle if checkpoint and runtime.device == "cpu" else _nothing
+                on_glibc = runtime.device == "cpu" and allocator() == "glibc"
+                settle = _settle if checkpoint and on_glibc else _nothing
                 settle()
                 with checkpointing(model, checkpoint):
                     # with a backward pass, the decoder's graph keeps recipes for what is cheap to
@@ -180,7 +181,9 @@ def _settle() -> None:
     Measured on smollm2 (benchmarks/README.md, sixth round): issue 14's SFT step of 4 x 1024 tokens,
     after its GRPO step, peaked at 1.85 GiB with these trims against 1.97-2.03 without (the engine
     over HTTP), and ran ~5 % slower in-process A/B (each trim's pages fault in again).
-    Checkpointing trades speed for memory already; a batch that fits the budget never trims here."""
+    Checkpointing trades speed for memory already; a batch that fits the budget never trims here.
+    jemalloc strands far less between live blocks and hands pages back by itself (the same step
+    peaked at 1.33 GiB with or without the trims), so an engine on it does not trim here."""
     trim()
 
 
