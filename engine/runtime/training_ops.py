@@ -13,6 +13,7 @@ loss's gradient go through the output layer in chunks (:mod:`.output_layer`), so
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -93,6 +94,9 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
             and _check_fits(datums, (padded, groups), cost, budget, repeat)
             for padded, groups in batches
         ]
+        # a checkpointed micro-batch on glibc's heap hands the free pages back before its forward,
+        # its output layer and its backward pass: see _settle
+        glibc_heap = runtime.device == "cpu" and allocator() == "glibc"
         with (
             torch.set_grad_enabled(backward),
             session.accumulating() if backward else contextlib.nullcontext(),
@@ -101,10 +105,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward)
                     continue
-                # a checkpointed micro-batch on glibc's heap hands the free pages back before its
-                # forward, its output layer and its backward pass: see _settle
-                on_glibc = runtime.device == "cpu" and allocator() == "glibc"
-                settle = _settle if checkpoint and on_glibc else _nothing
+                settle = _settle if checkpoint and glibc_heap else _nothing
                 settle()
                 with checkpointing(model, checkpoint):
                     # with a backward pass, the decoder's graph keeps recipes for what is cheap to
@@ -140,7 +141,15 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
 
 
 def _logprobs(
-    head, cap, pairs, budget: int, loss_fn: str, config: dict, inputs: list[dict], backward: bool, settle
+    head,
+    cap,
+    pairs,
+    budget: int,
+    loss_fn: str,
+    config: dict,
+    inputs: list[dict],
+    backward: bool,
+    settle: Callable[[], None],
 ) -> torch.Tensor:
     """One micro-batch's logprobs (pair order); with ``backward``, the loss's gradients too.
     ``settle`` runs before the output layer and before the backward pass."""
