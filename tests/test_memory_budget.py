@@ -9,6 +9,7 @@ refused before anything runs, and the session carries on.
 from __future__ import annotations
 
 import gc
+import re
 
 import numpy as np
 import pytest
@@ -280,6 +281,9 @@ def test_a_datum_too_long_even_with_checkpointing_is_refused_and_the_session_car
         ) as err:
             tc.forward_backward(data, "cross_entropy").result()
         assert getattr(err.value, "status", 400) == 400
+        # each figure in a unit that shows it (a budget of some hundred KB once read "0.00 GB")
+        sizes = re.findall(r"(\d+(?:\.\d+)?) ([KMG]B)", str(err.value))
+        assert len(sizes) == 4 and all(float(number) >= 1 for number, _ in sizes), str(err.value)
         assert all(p.grad is None for p in runtime.sessions[tc.name].params.values())  # nothing ran
         # the session carries on: a batch that fits trains
         assert tc.forward_backward(data[:1], "cross_entropy").result().metrics["loss:sum"] > 0

@@ -278,16 +278,22 @@ class Ranks:
         """``model``'s root FSDP unit (embeddings, final norm, output layer) gathered inside the block
         (every rank enters it in the same op): training calls the decoder and the output layer
         apart, not the root's forward that would gather them. The decoder layers gather their own
-        weights as they run. Nothing to do while rank 0 holds every weight gathered already."""
+        weights as they run. Nothing to do while rank 0 holds every weight gathered already.
+
+        The root stays gathered through every micro-batch of the op: FSDP2's callback at the end of
+        a backward pass reshards each unit of the tree, the root included by default, and the next
+        micro-batch's embedding would then meet the root's shards."""
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(model, FSDPModule) or not isinstance(model.get_input_embeddings().weight, DTensor):
             yield
             return
         self.collective("gathering weights", model.unshard)
+        model.set_reshard_after_backward(False, recurse=False)
         try:
             yield
         finally:
+            model.set_reshard_after_backward(True, recurse=False)
             model.reshard()
 
     def gather_logprobs(self, logprobs: list[torch.Tensor | None], datums: list[Datum]) -> list[torch.Tensor]:

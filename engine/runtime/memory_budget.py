@@ -57,6 +57,15 @@ def parse_bytes(text: str) -> int:
     return int(amount * UNITS[unit])
 
 
+def format_bytes(count: float) -> str:
+    """A size in the units :func:`parse_bytes` reads (``G``, ``M``, ``K``: powers of 1024), large
+    enough a unit to show it: ``"2.50 GB"``, ``"3.00 MB"``, ``"5 KB"``."""
+    for unit, name in ((1 << 30, "GB"), (1 << 20, "MB")):
+        if count >= unit:
+            return f"{count / unit:.2f} {name}"
+    return f"{count / 1024:.0f} KB"
+
+
 def default_budget(device: str) -> int:
     """The budget when none is given: :data:`CPU_BUDGET` on CPU; on CUDA a share of the memory
     free once the model is loaded."""

@@ -21,7 +21,7 @@ from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_p
 from sess.engine.runtime.distributed_adapters import gathered, held_bytes
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory import allocator, trim
-from sess.engine.runtime.memory_budget import checkpointing
+from sess.engine.runtime.memory_budget import checkpointing, format_bytes
 from sess.engine.runtime.output_layer import (
     activation_budget,
     backward_from,
@@ -40,7 +40,6 @@ from sess.engine.sdk.types import ForwardBackwardOutput, TensorData
 # goes through the output layer in the same pass as the logprobs. Any other loss takes two passes
 # (logprobs, then the loss's gradient over the micro-batch, then the output layer again).
 PER_TOKEN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
-GB = float(1 << 30)
 
 
 def forward(runtime: Runtime, owner: str, request: rq.ForwardRequest) -> dict:
@@ -219,9 +218,9 @@ def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0) -> bool:
     index = max(members, key=lambda i: datums[i].model_input.length)
     raise InvalidRequest(
         f"data[{index}]: {datums[index].model_input.length} tokens need about "
-        f"{count * cost.checkpointed / GB:.2f} GB of activations even with activation checkpointing "
-        f"({cost.checkpointed / 1024:.0f} KB a token), over the {room / GB:.2f} GB that the engine's "
-        f"memory budget of {budget / GB:.2f} GB leaves them beside the output layer; split the datum "
+        f"{format_bytes(count * cost.checkpointed)} of activations even with activation checkpointing "
+        f"({format_bytes(cost.checkpointed)} a token), over the {format_bytes(room)} that the engine's "
+        f"memory budget of {format_bytes(budget)} leaves them beside the output layer; split the datum "
         f"or start the engine with a larger --memory-budget"
     )
 
