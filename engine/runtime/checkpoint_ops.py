@@ -9,6 +9,7 @@ request still samples from them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sess.engine.runtime import checkpoints as ckpt
 from sess.engine.runtime.distributed_adapters import gathered
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session import Session
+from sess.engine.runtime.session import Session, adamw_step_dtype
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import CheckpointRef, check_name, parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound
@@ -113,29 +114,25 @@ def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False
     if ranks is None:
         return _whole_adapter(session, host, optimizer, merge, lambda t: t)
     ranks.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
-    with gathered(session.shard):
+    with gathered(session.shard) if merge else contextlib.nullcontext():  # the merge's deltas
         return _whole_adapter(session, host, optimizer, merge, ranks.adapters.full)
 
 
 def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bool, full) -> WholeAdapter:
-    whole = WholeAdapter(host.get_state(session.adapter))
-    if optimizer and session.shard is None:  # one rank: each parameter's AdamW state
+    """``full`` makes a tensor whole (several ranks: a DTensor's all-gather, in the same order on
+    every rank; one rank: the tensor itself)."""
+    # the merge first, while the adapter is gathered: reading a state dict (as get_state does) gives
+    # FSDP2's LoRA modules their shards back
+    merged, untie = host.merged_state(session.adapter, full) if merge else (None, False)
+    whole = WholeAdapter({key: full(value) for key, value in host.get_state(session.adapter).items()})
+    whole.merged, whole.untie = merged, untie
+    if optimizer:  # each parameter's AdamW state
         for key, param in _canonical(session.params, session.adapter).items():
             state = session.optimizer.state.get(param, {})
             if state and float(state["step"]) > 0:  # a parameter never stepped has no state to save
-                whole.moments[f"{key}.exp_avg"] = state["exp_avg"]
-                whole.moments[f"{key}.exp_avg_sq"] = state["exp_avg_sq"]
+                whole.moments[f"{key}.exp_avg"] = full(state["exp_avg"])
+                whole.moments[f"{key}.exp_avg_sq"] = full(state["exp_avg_sq"])
                 whole.steps[key] = float(state["step"])
-    elif optimizer:  # several: one slice's state for the whole adapter, put together from every rank
-        state = session.optimizer.state.get(session.shard.param, {})
-        if state:
-            keys = list(_canonical(session.params, session.adapter))
-            pairs = zip(session.shard.whole(state["exp_avg"]), session.shard.whole(state["exp_avg_sq"]))
-            for key, (exp_avg, exp_avg_sq) in zip(keys, pairs):
-                whole.moments[f"{key}.exp_avg"], whole.moments[f"{key}.exp_avg_sq"] = exp_avg, exp_avg_sq
-                whole.steps[key] = float(state["step"])
-    if merge:
-        whole.merged, whole.untie = host.merged_state(session.adapter, full)
     return whole
 
 
@@ -208,49 +205,38 @@ def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
             f"path: {request.path} was saved from {meta['base_model']} rank {meta['lora']['rank']}, "
             f"this session is {session.base_model} rank {session.lora['rank']}"
         )
-    with gathered(session.shard):  # several ranks: every rank reads the files and keeps its slice
-        try:
-            host.set_state(session.adapter, adapter_state)
-        except ValueError as exc:
-            raise InvalidRequest(f"path: {exc}") from None
-        session.new_optimizer()
-        if session.shard is not None:
-            with torch.no_grad():
-                session.shard.param.copy_(session.shard.mine(list(session.params.values())))
-        if request.with_optimizer:
-            _load_moments(session, moments, meta)
-            session.step = int(meta["step"])
+    if session.shard is not None:  # several ranks: every rank reads the files and loads its shards
+        adapter_state = session.shard.parts(adapter_state, _canonical(session.params, session.adapter))
+    try:
+        host.set_state(session.adapter, adapter_state)
+    except ValueError as exc:
+        raise InvalidRequest(f"path: {exc}") from None
+    session.new_optimizer()
+    if request.with_optimizer:
+        _load_moments(session, moments, meta)
+        session.step = int(meta["step"])
     for param in session.trainable():
         param.grad = None
     return {"path": request.path}
 
 
 def _load_moments(session: Session, moments: dict[str, torch.Tensor], meta: dict) -> None:
-    """AdamW's state from a checkpoint: each parameter's, or with several ranks this rank's slice."""
+    """AdamW's state from a checkpoint: each parameter's, or with several ranks its shards."""
     canonical = _canonical(session.params, session.adapter)
     saved = [key for key in canonical if key in meta["param_steps"]]
-    if session.shard is None:
-        for key in saved:  # into the flat buffers new_optimizer made (Session.flat)
-            state = session.optimizer.state[canonical[key]]
-            state["step"] = torch.tensor(meta["param_steps"][key], dtype=state["step"].dtype)
+    for key in saved:
+        param, step = canonical[key], meta["param_steps"][key]
+        if session.shard is None:  # into the flat buffers new_optimizer made (Session.flat)
+            state = session.optimizer.state[param]
+            state["step"] = torch.tensor(step, dtype=state["step"].dtype)
             state["exp_avg"].copy_(moments[f"{key}.exp_avg"])
             state["exp_avg_sq"].copy_(moments[f"{key}.exp_avg_sq"])
-        return
-    if not saved:
-        return
-
-    def laid_out(moment: str) -> list[torch.Tensor]:
-        # a parameter the checkpoint has no state for (never stepped) starts from zero moments
-        return [
-            moments[f"{key}.{moment}"] if f"{key}.{moment}" in moments else torch.zeros_like(param)
-            for key, param in canonical.items()
-        ]
-
-    session.optimizer.state[session.shard.param] = {
-        "step": torch.tensor(max(meta["param_steps"][key] for key in saved)),
-        "exp_avg": session.shard.mine(laid_out("exp_avg")),
-        "exp_avg_sq": session.shard.mine(laid_out("exp_avg_sq")),
-    }
+        else:  # as AdamW makes it at a parameter's first step, sharded as the parameter
+            session.optimizer.state[param] = {
+                "step": torch.tensor(step, dtype=adamw_step_dtype()),
+                "exp_avg": session.shard.mine(moments[f"{key}.exp_avg"], param),
+                "exp_avg_sq": session.shard.mine(moments[f"{key}.exp_avg_sq"], param),
+            }
 
 
 def _replace_config(config, **changes):

@@ -4,13 +4,13 @@ Rank 0's executor runs every op as a single-process engine does; before an op th
 all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
 request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
 (:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
-layer, then the whole model); each session's LoRA adapter and its AdamW moments are sharded too, as
-one flat slice per rank (:mod:`.distributed_adapters`, which says why not FSDP2 for them), so a
-rank holds 1/N of the base weights, of every adapter and of its AdamW state. Every rank computes
-its share of a batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the
-adapter's gradients are reduce-scattered as sums (token-sum losses stay sums, nothing is divided by
-the world size), each rank's AdamW steps its slice, and ``grad_clip_norm`` uses the norm of the
-whole adapter (:meth:`Ranks.combined_norm`).
+layer, then the whole model); each session's LoRA adapter is one FSDP2 unit of its own, and its
+AdamW moments are sharded as its parameters are (:mod:`.distributed_adapters`), so a rank holds 1/N
+of the base weights, of every adapter and of its AdamW state. Every rank computes its share of a
+batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the adapter's gradients
+are reduce-scattered as sums at the end of each micro-batch's backward pass (token-sum losses stay
+sums, nothing is divided by the world size), each rank's AdamW steps its shards, and
+``grad_clip_norm`` uses the norm of the whole adapter (:meth:`Ranks.combined_norm`).
 
 Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
 (:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
@@ -231,7 +231,8 @@ class Ranks:
             self.gathered = False
 
     def _any_sharded(self) -> bool:
-        return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
+        base = any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
+        return base or not all(shard.gathered for shard in self.adapters.shards.values())
 
     def _unshard(self) -> None:
         for module in self.modules:
@@ -264,12 +265,15 @@ class Ranks:
         rounds = max(len(p) for p in plans)
         return plans[self.rank] + [([], [])] * (rounds - len(plans[self.rank]))
 
-    def idle_round(self, decoder: torch.nn.Module, backward: bool) -> None:
+    def idle_round(self, decoder: torch.nn.Module, backward: bool, run: Callable) -> None:
         """A decoder call (and its backward) on one token for a rank with fewer micro-batches: it
         joins the others' weight gathers (the decoder layers'; the root's are held for the op, see
-        :meth:`root_gathered`) and adds exact zeros to the gradients."""
+        :meth:`root_gathered`) and, through ``run`` (the adapter's FSDP2 unit, as a real
+        micro-batch's decoder pass), their reduce-scatter of the adapter's gradients, adding exact
+        zeros to them."""
         device = decoder.get_input_embeddings().weight.device
-        hidden = decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).last_hidden_state
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        hidden = run(lambda: decoder(input_ids=ids).last_hidden_state)
         if backward and hidden.requires_grad:  # as a real micro-batch's backward_from
             (hidden.float().sum() * 0.0).backward()
 

@@ -1,111 +1,139 @@
-"""Sessions' LoRA adapters sharded over the ranks: each rank holds 1/N of every adapter and its AdamW.
+"""Sessions' LoRA adapters sharded over the ranks with FSDP2: each rank holds 1/N of every adapter
+and of its AdamW state.
 
 Every rank creates a session's adapter (``create_session`` is a followed op); :meth:`AdapterShards.add`
-then flattens its parameters (fp32, in peft's order) into one vector padded to a multiple of N and
-keeps this rank's contiguous slice as the session's only trainable parameter (:class:`FlatShard`):
-AdamW, built over that slice, holds 1/N of the moments, and the peft parameters hold nothing
-between ops. A training op gathers the adapter (one all-gather) into the peft parameters, runs its
-micro-batches, reduce-scatters the gradients with a plain sum into the slice's gradient (token-sum
-losses stay sums; nothing is divided by the world size) and drops the whole copy again. AdamW is
-elementwise, so each rank stepping its slice is the one-rank step; ``grad_clip_norm`` uses the norm
-of the whole adapter (the slices' squared norms summed over the ranks).
+then puts the adapter's LoRA modules under one :class:`AdapterUnit` (a second parent: peft's layers
+keep calling them) and applies FSDP2 ``fully_shard`` to it, so each of the adapter's parameters
+becomes a DTensor sharded on its first dimension and the whole adapter is one FSDP2 unit: one
+all-gather, one reduce-scatter. AdamW steps the sharded parameters (its moments are sharded alike),
+and ``grad_clip_norm`` uses the norm of the whole adapter (the shards' squared norms summed over the
+ranks).
 
-Why not FSDP2 ``fully_shard`` over the LoRA modules (as for the base weights): adapters come and
-go after the base model's FSDP root has run, so each unit made later is its own root, and FSDP2
-refuses a grouped ``fully_shard([...])`` as a root ("requires a single root module"). One unit per
-LoRA module does train on two ranks equal to one, until a rank runs an idle round (a rank without a
-datum joins the others' model calls on one token): FSDP2 then issues the LoRA units' all-gathers
-and reduce-scatters from autograd hooks in each rank's own backward order, and the ranks' collectives
-no longer pair (seen with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0 all-gathering a decoder layer,
-18,496 values, while rank 1 all-gathers a LoRA shard, 128 values). Here the adapter's collectives
-happen at fixed points of an op, the same on every rank whatever its share of the batch.
+A training op gathers the unit (:meth:`ShardedAdapter.gather`, every rank at the op's start) and
+keeps it whole through the op: it is not resharded after a forward or a backward pass. Each
+micro-batch's decoder pass runs inside the unit's forward (:meth:`ShardedAdapter.forward`), so
+FSDP2's hook at the end of that micro-batch's backward pass reduce-scatters the gradients into the
+shards' gradients, adding to what earlier micro-batches and ops left. The reduction is a plain sum
+(gradient divide factor 1): token-sum losses stay sums, nothing is divided by the world size.
+
+Why one unit per adapter, gathered for the whole op, rather than FSDP2's usual gather per module in
+the forward and backward hooks: the ranks' collectives must pair, and a rank's model calls differ in
+order from another's when one runs a checkpointed micro-batch (its backward pass recomputes the
+layers' forwards) while the other runs a plain one or an idle round. One unit per LoRA module, as
+first tried, let those orders differ (seen with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0
+all-gathering a decoder layer, 18,496 values, while rank 1 all-gathered a LoRA shard, 128 values).
+Here the adapter's collectives happen at fixed points, the same on every rank whatever its share of
+the batch: the gather at the op's start, and one reduce-scatter at the end of each micro-batch's
+backward pass, which every rank runs (a rank with fewer micro-batches joins with an idle round).
+FSDP2 reduce-scatters the parameters that have a gradient; every parameter gets one before each
+backward pass (:meth:`ShardedAdapter.zero_grads`), so the ranks' reduce-scatters are the same size
+even where an idle round's backward pass reaches no LoRA of the output layer.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed import Ranks
 
+T = TypeVar("T")
 
-class FlatShard:
-    """This rank's slice of one adapter (``param``, AdamW's parameter) and the adapter's peft
-    parameters, which hold the whole weights only between :meth:`gather` and :meth:`release`."""
 
-    def __init__(self, ranks: Ranks, params: list[torch.nn.Parameter]):
-        self.ranks, self.params = ranks, params
-        self.shapes = [p.shape for p in params]
-        self.sizes = [p.numel() for p in params]
-        self.total = sum(self.sizes)
-        self.size = -(-self.total // ranks.world)  # ceil: the slices are padded to equal sizes
-        self.param = torch.nn.Parameter(self.mine(params))
-        self.gathered = False
-        self.release()
+class AdapterUnit(torch.nn.Module):
+    """One adapter's LoRA modules as one FSDP2 unit. They stay where peft put them; this module is
+    a second parent, whose forward runs a micro-batch's decoder pass (``run``) so that FSDP2's
+    hooks see that pass's output."""
 
-    def _padded(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(
-            self.size * self.ranks.world, dtype=torch.float32, device=torch.device(self.ranks.device)
-        )
-        flat[: self.total] = torch.cat(parts).to(flat.device)
-        return flat
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__()
+        self.lora = torch.nn.ModuleList(modules)
 
-    def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's slice of a flat tensor laid out as ``param`` (the parameter itself, or an
-        AdamW moment) put together and cut into the adapter's parameters' shapes (an all-gather
-        every rank joins)."""
-        full = torch.empty(self.size * self.ranks.world, dtype=local.dtype, device=local.device)
-        self.ranks.collective(
-            "gathering an adapter", lambda: dist.all_gather_into_tensor(full, local.detach().contiguous())
-        )
-        return [part.view(shape) for part, shape in zip(full[: self.total].split(self.sizes), self.shapes)]
+    def forward(self, run: Callable[[], T]) -> T:
+        return run()
 
-    def mine(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's slice of whole tensors laid out as the adapter's parameters (no communication)."""
-        flat = self._padded([t.detach().reshape(-1).float() for t in tensors])
-        start = self.ranks.rank * self.size
-        return flat[start : start + self.size].clone()
+
+class ShardedAdapter:
+    """One session's adapter sharded with FSDP2. ``params`` are the sharded parameters (DTensors, in
+    peft's order): what AdamW steps. While gathered, peft's modules hold whole parameters instead."""
+
+    def __init__(self, ranks: Ranks, params: dict[str, torch.nn.Parameter], model: torch.nn.Module):
+        from torch.distributed.fsdp import fully_shard
+
+        self.ranks = ranks
+        modules = dict(model.named_modules())
+        self.places: list[tuple[torch.nn.Module, str]] = []
+        for name in params:
+            owner, attr = name.rsplit(".", 1)
+            self.places.append((modules[owner], attr))
+        owners = list(dict.fromkeys(module for module, _ in self.places))
+        if sum(len(list(m.parameters(recurse=False))) for m in owners) != len(params):
+            raise ValueError("an adapter's LoRA modules hold parameters of another adapter")
+        self.unit = AdapterUnit(owners)
+        fully_shard(self.unit, mesh=ranks.mesh, reshard_after_forward=False)
+        self.unit.set_reshard_after_backward(False)
+        self.unit.set_gradient_divide_factor(1.0)  # sums: token-sum losses stay sums
+        self.unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+        self.params = self.current()
+
+    def current(self) -> list[torch.nn.Parameter]:
+        """The parameters peft's modules hold now: the shards, or the whole ones while gathered."""
+        return [getattr(module, attr) for module, attr in self.places]
+
+    @property
+    def gathered(self) -> bool:
+        """Whether peft's modules hold the whole parameters. Reading or loading a state dict that
+        reaches them gives them their shards back (FSDP2's state-dict hooks), gathered or not."""
+        return not any(isinstance(p, DTensor) for p in self.current())
 
     def gather(self) -> None:
-        """The whole adapter into its peft parameters (every rank, in the same order)."""
-        for p, part in zip(self.params, self.whole(self.param)):
-            p.data = part.to(p.dtype)
-        # Assigning ``.data`` swaps the storage but keeps the version counter, and what reads the
-        # weights through a cache keyed on (identity, version) must see new values: the lean
-        # decoder's LoRA plans (llama_decoder._versions) would otherwise sample a live session with
-        # the weights of the first gather it saw.
-        torch.autograd.graph.increment_version(self.params)
-        self.gathered = True
-
-    def reduce_grads(self) -> None:
-        """Sum the peft parameters' gradients over the ranks into this slice's gradient (added to
-        what earlier ops accumulated); a rank without one adds zeros."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._padded([g.reshape(-1).float() for g in grads])
-        mine = torch.empty(self.size, dtype=torch.float32, device=flat.device)
-        self.ranks.collective(
-            "summing gradients", lambda: dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM)
-        )
-        self.param.grad = mine if self.param.grad is None else self.param.grad + mine
+        """The whole adapter into peft's modules (every rank, in the same order)."""
+        self.ranks.collective("gathering an adapter", self.unit.unshard)
+        # FSDP2 writes the gathered values into the same whole parameters each time and keeps their
+        # version counters; what reads the weights through a cache keyed on (identity, version) must
+        # see new values: the lean decoder's LoRA plans (llama_decoder._versions) would otherwise
+        # sample a live session with the weights of the first gather it saw.
+        torch.autograd.graph.increment_version(self.current())
 
     def release(self) -> None:
-        """Drop the whole copy (local): the peft parameters hold nothing until the next gather."""
-        for p in self.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            p.grad = None
-        torch.autograd.graph.increment_version(self.params)  # as in gather()
-        self.gathered = False
+        """Drop the whole copy (local): peft's modules hold the shards again."""
+        self.unit.reshard()
+
+    def forward(self, run: Callable[[], T]) -> T:
+        """A micro-batch's decoder pass through the unit: at the end of its backward pass, FSDP2
+        reduce-scatters the adapter's gradients into the shards' (summed over the ranks)."""
+        return self.unit(run)
+
+    def zero_grads(self) -> None:
+        """Before a backward pass: a zero gradient for every whole parameter without one, so that
+        every rank reduce-scatters all of them (FSDP2 takes the parameters that have a gradient)."""
+        for param in self.current():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def parts(self, state: dict[str, torch.Tensor], like: dict[str, DTensor]) -> dict[str, torch.Tensor]:
+        """A state dict of whole tensors as this rank's parts, each sharded as the parameter of its
+        key in ``like`` (for peft to load: FSDP2's hooks load them into the shards); a key of no
+        parameter stays as it is, for the load to refuse."""
+        return {key: self.mine(value, like[key]) if key in like else value for key, value in state.items()}
+
+    def mine(self, whole: torch.Tensor, like: DTensor) -> DTensor:
+        """This rank's part of a whole tensor, sharded as ``like`` (a parameter), as a DTensor
+        (local: every rank has the whole tensor)."""
+        return distribute_tensor(
+            whole.detach().float(), like.device_mesh, like.placements, src_data_rank=None
+        )
 
 
 @contextlib.contextmanager
-def gathered(shard: FlatShard | None):
-    """The adapter whole in its peft parameters for the block (every rank gathers it), only this
-    rank's slice again after it; one rank (``shard`` None): nothing to do."""
+def gathered(shard: ShardedAdapter | None) -> Iterator[None]:
+    """The adapter whole in peft's modules for the block (every rank gathers it), only this rank's
+    shards again after it; one rank (``shard`` None): nothing to do."""
     if shard is None:
         yield
         return
@@ -117,15 +145,17 @@ def gathered(shard: FlatShard | None):
 
 
 class AdapterShards:
-    """Every session adapter's :class:`FlatShard` on this rank (peft adapter name -> its shard)."""
+    """Every session adapter's :class:`ShardedAdapter` on this rank (peft adapter name -> it)."""
 
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
-        self.shards: dict[str, FlatShard] = {}
+        self.shards: dict[str, ShardedAdapter] = {}
 
-    def add(self, adapter: str, params: dict[str, torch.nn.Parameter]) -> FlatShard:
+    def add(
+        self, adapter: str, params: dict[str, torch.nn.Parameter], model: torch.nn.Module
+    ) -> ShardedAdapter:
         """Shard a new adapter (every rank, in the same followed op)."""
-        self.shards[adapter] = FlatShard(self.ranks, list(params.values()))
+        self.shards[adapter] = ShardedAdapter(self.ranks, params, model)
         return self.shards[adapter]
 
     def forget(self, adapter: str) -> None:
@@ -143,16 +173,23 @@ class AdapterShards:
                 shard.release()
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A base weight whole (an FSDP2 shard's all-gather, which every rank must join)."""
+        """A sharded tensor whole (a base weight, an adapter's weight or AdamW moment: an FSDP2
+        shard's all-gather, which every rank must join); any other tensor as it is."""
         if isinstance(tensor, DTensor):
             return self.ranks.collective("gathering weights", tensor.full_tensor)
         return tensor
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def held_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of this process's memory behind ``tensors`` (shared storage counted once)."""
+    """Bytes of this process's memory behind ``tensors`` (shared storage counted once; a DTensor's
+    local shard)."""
     storages = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -13,7 +13,12 @@ import torch
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed_adapters import FlatShard
+    from sess.engine.runtime.distributed_adapters import ShardedAdapter
+
+
+def adamw_step_dtype() -> torch.dtype:
+    """The dtype of AdamW's ``step`` on CPU, as AdamW picks it at a parameter's first step."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def flat_views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -47,10 +52,9 @@ class FlatState:
 
     def init_adamw(self, optimizer: torch.optim.AdamW) -> None:
         """AdamW's state as it would make it at a parameter's first step, in the flat buffers."""
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         for p, exp_avg, exp_avg_sq in zip(self.params, self.views(self.exp_avg), self.views(self.exp_avg_sq)):
             optimizer.state[p] = {
-                "step": torch.tensor(0.0, dtype=scalar),
+                "step": torch.tensor(0.0, dtype=adamw_step_dtype()),
                 "exp_avg": exp_avg,
                 "exp_avg_sq": exp_avg_sq,
             }
@@ -94,7 +98,7 @@ class Session:
     usage: Usage = field(default_factory=Usage)
     optimizer: torch.optim.AdamW | None = None
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
-    shard: FlatShard | None = None  # several ranks: this rank's slice of the adapter, what AdamW steps
+    shard: ShardedAdapter | None = None  # several ranks: the adapter's FSDP2 unit (AdamW steps its shards)
     flat: FlatState | None = None  # one rank: the adapter's gradients and AdamW moments, flat
 
     @property
@@ -107,13 +111,13 @@ class Session:
         self.last_active = time.time()
 
     def trainable(self) -> list[torch.nn.Parameter]:
-        """What AdamW steps: the adapter's parameters, or with several ranks this rank's slice."""
-        return [self.shard.param] if self.shard is not None else list(self.params.values())
+        """What AdamW steps: the adapter's parameters (with several ranks, their shards)."""
+        return list(self.params.values())
 
     def new_optimizer(self) -> None:
         """A fresh AdamW over the adapter's parameters (its moments start at zero). With one rank,
         its moments and the gradients live in flat buffers (:class:`FlatState`); several ranks'
-        slices are flat already."""
+        shards are FSDP2's."""
         self.optimizer = torch.optim.AdamW(self.trainable(), lr=1e-4, foreach=False)
         self.flat = None
         if self.shard is None:

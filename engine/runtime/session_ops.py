@@ -84,7 +84,8 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
     session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=request.user_metadata)
     session.params = host.adapter_params(adapter)
     if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
-        session.shard = runtime.ranks.adapters.add(adapter, session.params)
+        session.shard = runtime.ranks.adapters.add(adapter, session.params, host.peft)
+        session.params = dict(zip(session.params, session.shard.params))
     session.new_optimizer()
     runtime.sessions[name] = session
     return session.summary()

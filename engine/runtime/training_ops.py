@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 import torch
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
-from sess.engine.runtime.distributed_adapters import gathered, held_bytes
+from sess.engine.runtime.distributed_adapters import gathered, held_bytes, local
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory import allocator, trim
 from sess.engine.runtime.memory_budget import checkpointing, format_bytes
@@ -35,6 +37,8 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.data_checks import check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import ForwardBackwardOutput, TensorData
+
+T = TypeVar("T")
 
 # Losses whose gradient at a token depends on that token's logprob and inputs alone: their gradient
 # goes through the output layer in the same pass as the logprobs. Any other loss takes two passes
@@ -96,13 +100,19 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         # a checkpointed micro-batch on glibc's heap hands the free pages back before its forward,
         # its output layer and its backward pass: see _settle
         glibc_heap = runtime.device == "cpu" and allocator() == "glibc"
+        # several ranks: each micro-batch's decoder pass runs through the adapter's FSDP2 unit, which
+        # reduce-scatters its gradients at the end of the backward pass (distributed_adapters.py)
+        shard = session.shard if ranks and backward else None
+        run = shard.forward if shard is not None else _call
         with (
             torch.set_grad_enabled(backward),
             session.accumulating() if backward else contextlib.nullcontext(),
         ):
             for (padded, groups), checkpoint in zip(batches, checkpointed):
+                if shard is not None:
+                    shard.zero_grads()
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
-                    ranks.idle_round(decoder, backward)
+                    ranks.idle_round(decoder, backward, run)
                     continue
                 settle = _settle if checkpoint and glibc_heap else _nothing
                 settle()
@@ -112,25 +122,20 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                     with recomputing(backward and not checkpoint):
                         if groups:
                             indices = [i for idx, _ in groups for i in idx]
-                            pairs = shared_prefix_pairs(
-                                decoder,
-                                [
-                                    ([datums[i] for i in idx], [targets[i] for i in idx], shared)
-                                    for idx, shared in groups
-                                ],
-                            )
+                            members = [
+                                ([datums[i] for i in idx], [targets[i] for i in idx], shared)
+                                for idx, shared in groups
+                            ]
+                            pairs = run(partial(shared_prefix_pairs, decoder, members))
                         else:
                             indices = padded
-                            pairs = token_pairs(
-                                decoder, [datums[i] for i in indices], [targets[i] for i in indices]
-                            )
+                            picked = [datums[i] for i in indices], [targets[i] for i in indices]
+                            pairs = run(partial(token_pairs, decoder, *picked))
                     batch_inputs = [inputs[i] for i in indices]
                     lps = _logprobs(head, cap, pairs, budget, loss_fn, config, batch_inputs, backward, settle)
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
-        if ranks and backward:  # every rank's share of the gradients, summed into its slice
-            session.shard.reduce_grads()
     if ranks:
         all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
@@ -199,6 +204,10 @@ def _nothing() -> None:
     pass
 
 
+def _call(fn: Callable[[], T]) -> T:
+    return fn()
+
+
 def _root_gathered(ranks, host):
     """Several ranks: the model's root FSDP unit (embeddings, final norm, output layer) gathered for
     the op, since training runs the decoder and the output layer apart (:mod:`.output_layer`)."""
@@ -228,14 +237,14 @@ def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0) -> bool:
 def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     """One AdamW step on the accumulated gradients (clipped to ``grad_clip_norm`` when set).
 
-    With several ranks each holds its shard of the gradients (already summed over the ranks) and of
-    the AdamW moments: the norm is the whole adapter's (the shards' combined), and each rank steps
-    its shard. ``adapter_state_bytes`` is what the session's adapter and AdamW moments hold in this
-    rank's memory (every rank's slice is the same size)."""
+    With several ranks each holds its shards of the gradients (already summed over the ranks) and
+    of the AdamW moments: the norm is the whole adapter's (the shards' combined), and each rank
+    steps its shards. ``adapter_state_bytes`` is what the session's adapter and AdamW moments hold
+    in this rank's memory (every rank's shards are about the same size)."""
     session = runtime.session(owner, request.session)
     adam = request.adam_params
     params = session.trainable()
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
     if runtime.ranks and grads:  # every rank holds a slice's gradient: the whole adapter's norm
         grad_norm = runtime.ranks.combined_norm(grad_norm)
