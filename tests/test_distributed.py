@@ -74,6 +74,10 @@ def _run_phase(url: str, home, tmp_path, tag: str) -> dict:
         result = sampler.sample(tok.encode(PROMPT_TEXT), num_samples=3, sampling_params=params).result()
         record["samples"] = [s.tokens for s in result.sequences]
         record["sample_logprobs"] = [s.logprobs for s in result.sequences]
+        # the live session again: loading the sampler's adapter on rank 0 loaded a state dict, which
+        # gave every FSDP2 unit there (the base model's, every session's adapter) its shards back
+        # on rank 0 alone, so it gathers anew with the others
+        record["live"].append(_sample_live(url, svc, tc, tok.encode(PROMPT_TEXT)))
         record["state"] = tc.save_state(name="state").result().path
         record["eval"], record["next_step"] = _eval_and_step(tc, batches)
         # the state (weights and AdamW moments) loaded back here: the same step, exactly
