@@ -338,6 +338,15 @@ def _budget_phase(url: str, home) -> dict:
                 out = tc.forward_backward(data[step:]).result()
                 record["losses"].append(out.metrics["loss:sum"])
                 record["grad_norms"].append(tc.optim_step(ADAM).result().metrics["grad_norm"])
+        # a session goes and another comes (its adapter a new FSDP2 unit); the one left samples
+        svc.delete_session(clients[0].name, stop_if_active=True)
+        clients[0] = svc.create_lora_training_client("tiny-llama", rank=4, seed=7)
+        out = clients[0].forward_backward(data[2:]).result()
+        record["losses"].append(out.metrics["loss:sum"])
+        record["grad_norms"].append(clients[0].optim_step(ADAM).result().metrics["grad_norm"])
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        sampled = clients[1].create_sampling_client().sample(tok.encode(PROMPT_TEXT), 2, params).result()
+        record["samples"] = [s.tokens for s in sampled.sequences]
         for tc in clients:
             record["logprobs"].append(
                 [o["logprobs"].tolist() for o in tc.forward(data).result().loss_fn_outputs]
@@ -349,8 +358,8 @@ def _budget_phase(url: str, home) -> dict:
 
 def test_two_ranks_split_batches_beyond_the_memory_budget_like_one(tmp_path):
     """Batches over a small --memory-budget, two sessions in turn: rank 0 runs several micro-batches
-    (checkpointed and not) while rank 1 idles; the losses, grad norms and weights after are one
-    rank's. (Before the root unit was kept gathered through an op, a rank's second micro-batch
+    (checkpointed and not) while rank 1 idles; then one session is deleted and a new one trains,
+    and the other samples. The losses, grad norms, samples and weights are one rank's. (Before the root unit was kept gathered through an op, a rank's second micro-batch
     failed: "aten.embedding.default got mixed torch.Tensor and DTensor".)"""
     home = tmp_path / "home"
     home.mkdir()
@@ -364,6 +373,7 @@ def test_two_ranks_split_batches_beyond_the_memory_budget_like_one(tmp_path):
     one, two = records
     assert _max_rel_diff(one["losses"] + one["grad_norms"], two["losses"] + two["grad_norms"]) < 1e-5
     assert _max_diff(one["logprobs"], two["logprobs"]) < 1e-5
+    assert one["samples"] == two["samples"]
     assert one["logprobs"][0] != one["logprobs"][1]  # the sessions' adapters are their own
 
 
