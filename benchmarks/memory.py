@@ -47,7 +47,8 @@ from sess.engine.server.launcher import start_engine, stop_engine  # noqa: E402
 
 from common import memory_status  # noqa: E402
 
-GB = 1 << 30
+GiB = 1 << 30
+TARGET_SESS_RUN = 2e9  # issue 14: the default `sess run` engine under 2 GB (bytes)
 
 
 def reset_peak(pid: int) -> None:
@@ -123,7 +124,7 @@ def measure(args, home: Path, console: Console) -> dict:
     def done(name: str, speed: str, seconds: float, reading: dict) -> None:
         rows.append((name, speed, seconds, reading))  # and a line now: a workload can take minutes
         console.print(
-            f"{name}: {seconds:.1f} s {speed}, peak {reading['VmHWM'] / GB:.2f} GB, now {reading['VmRSS'] / GB:.2f} GB"
+            f"{name}: {seconds:.1f} s {speed}, peak {reading['VmHWM'] / GiB:.2f} GiB, now {reading['VmRSS'] / GiB:.2f} GiB"
         )
 
     try:
@@ -184,40 +185,40 @@ def measure(args, home: Path, console: Console) -> dict:
         stop_engine(home)
     weights = fp32_weight_bytes(home, args.model)
     table = Table(
-        title=f"engine RSS, {args.model}, dtype {args.dtype or 'default'} (fp32 weights {weights / GB:.2f} GB)"
+        title=f"engine RSS, {args.model}, dtype {args.dtype or 'default'} (fp32 weights {weights / GiB:.2f} GiB)"
     )
-    for col in ("workload", "throughput", "seconds", "peak RSS GB", "peak / fp32 weights", "RSS after GB"):
+    for col in ("workload", "throughput", "seconds", "peak RSS GiB", "peak / fp32 weights", "RSS after GiB"):
         table.add_column(col)
-    table.add_row("engine started", "", "", "", "", f"{started['VmRSS'] / GB:.2f}")
+    table.add_row("engine started", "", "", "", "", f"{started['VmRSS'] / GiB:.2f}")
     for name, speed, seconds, s in rows:
         table.add_row(
             name,
             speed,
             f"{seconds:.1f}",
-            f"{s['VmHWM'] / GB:.2f}",
+            f"{s['VmHWM'] / GiB:.2f}",
             f"{s['VmHWM'] / weights:.2f}x",
-            f"{s['VmRSS'] / GB:.2f}",
+            f"{s['VmRSS'] / GiB:.2f}",
         )
     console.print(table)
     peak = max(s["VmHWM"] for _, _, _, s in rows[1:])
     result = {
         "model": args.model,
         "dtype": args.dtype or "default",
-        "fp32_weights_gb": weights / GB,
-        "loaded_gb": loaded["VmRSS"] / GB,
-        "peak_gb": peak / GB,
+        "fp32_weights_gib": weights / GiB,
+        "loaded_gib": loaded["VmRSS"] / GiB,
+        "peak_gib": peak / GiB,
         "peak_over_weights": peak / weights,
-        "after_gb": after["VmRSS"] / GB,
-        "after_idle_gb": idle["VmRSS"] / GB,
+        "after_gib": after["VmRSS"] / GiB,
+        "after_idle_gib": idle["VmRSS"] / GiB,
         "after_over_loaded": idle["VmRSS"] / loaded["VmRSS"],
         "sft_loss": loss,
-        "workloads": {name: {"seconds": sec, "peak_gb": s["VmHWM"] / GB} for name, _, sec, s in rows},
+        "workloads": {name: {"seconds": sec, "peak_gib": s["VmHWM"] / GiB} for name, _, sec, s in rows},
     }
     console.print(
-        f"peak over the workload {peak / GB:.2f} GB = {peak / weights:.2f}x the fp32 weights (target <= 4x); "
-        f"RSS after the work {after['VmRSS'] / GB:.2f} GB, after {args.idle_wait:.0f} s idle "
-        f"{idle['VmRSS'] / GB:.2f} GB = {idle['VmRSS'] / loaded['VmRSS']:.2f}x RSS after loading "
-        f"({loaded['VmRSS'] / GB:.2f} GB; target <= 2x)"
+        f"peak over the workload {peak / GiB:.2f} GiB = {peak / weights:.2f}x the fp32 weights (target <= 4x); "
+        f"RSS after the work {after['VmRSS'] / GiB:.2f} GiB, after {args.idle_wait:.0f} s idle "
+        f"{idle['VmRSS'] / GiB:.2f} GiB = {idle['VmRSS'] / loaded['VmRSS']:.2f}x RSS after loading "
+        f"({loaded['VmRSS'] / GiB:.2f} GiB; target <= 2x)"
     )
     return result
 
@@ -237,10 +238,11 @@ def sess_run(console: Console) -> dict:
     s = memory_status(info["pid"])
     stop_engine(home)
     console.print(
-        f"sess run (default GRPO, {seconds:.0f} s): engine peak {s['VmHWM'] / GB:.2f} GB, "
-        f"held at the end {s['VmRSS'] / GB:.2f} GB (target: under 2 GB)"
+        f"sess run (default GRPO, {seconds:.0f} s): engine peak {s['VmHWM'] / GiB:.2f} GiB "
+        f"= {s['VmHWM'] / 1e9:.3f} GB, held at the end {s['VmRSS'] / GiB:.2f} GiB (target: under 2 GB, "
+        f"{'met' if s['VmHWM'] < TARGET_SESS_RUN else 'NOT met'})"
     )
-    return {"seconds": seconds, "peak_gb": s["VmHWM"] / GB, "held_gb": s["VmRSS"] / GB}
+    return {"seconds": seconds, "peak_gib": s["VmHWM"] / GiB, "held_gib": s["VmRSS"] / GiB}
 
 
 def main() -> None:
