@@ -8,8 +8,8 @@ layer, then the whole model); each session's LoRA adapter is one FSDP2 unit of i
 AdamW moments are sharded as its parameters are (:mod:`.distributed_adapters`), so a rank holds 1/N
 of the base weights, of every adapter and of its AdamW state. Every rank computes its share of a
 batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the adapter's gradients
-are reduce-scattered as sums at the end of each micro-batch's backward pass (token-sum losses stay
-sums, nothing is divided by the world size), each rank's AdamW steps its shards, and
+are reduce-scattered as sums once, after the op's last backward pass (token-sum losses stay sums,
+nothing is divided by the world size), each rank's AdamW steps its shards, and
 ``grad_clip_norm`` uses the norm of the whole adapter (:meth:`Ranks.combined_norm`).
 
 Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
@@ -269,8 +269,8 @@ class Ranks:
         """A decoder call (and its backward) on one token for a rank with fewer micro-batches: it
         joins the others' weight gathers (the decoder layers'; the root's are held for the op, see
         :meth:`root_gathered`) and, through ``run`` (the adapter's FSDP2 unit, as a real
-        micro-batch's decoder pass), their reduce-scatter of the adapter's gradients, adding exact
-        zeros to them."""
+        micro-batch's decoder pass), adds exact zeros to the adapter's gradients (and, in the op's
+        last round, joins their reduce-scatter)."""
         device = decoder.get_input_embeddings().weight.device
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         hidden = run(lambda: decoder(input_ids=ids).last_hidden_state)

@@ -11,9 +11,10 @@ ranks).
 
 A training op gathers the unit (:meth:`ShardedAdapter.gather`, every rank at the op's start) and
 keeps it whole through the op: it is not resharded after a forward or a backward pass. Each
-micro-batch's decoder pass runs inside the unit's forward (:meth:`ShardedAdapter.forward`), so
-FSDP2's hook at the end of that micro-batch's backward pass reduce-scatters the gradients into the
-shards' gradients, adding to what earlier micro-batches and ops left. The reduction is a plain sum
+micro-batch's decoder pass runs inside the unit's forward (:meth:`ShardedAdapter.forward`). The
+op's micro-batches accumulate whole gradients on each rank without communication (FSDP2's gradient
+sync is off for them), and FSDP2's hook at the end of the last one's backward pass reduce-scatters
+the sum into the shards' gradients, adding to what earlier ops left. The reduction is a plain sum
 (gradient divide factor 1): token-sum losses stay sums, nothing is divided by the world size.
 
 Why one unit per adapter, gathered for the whole op, rather than FSDP2's usual gather per module in
@@ -23,11 +24,12 @@ layers' forwards) while the other runs a plain one or an idle round. One unit pe
 first tried, let those orders differ (seen with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0
 all-gathering a decoder layer, 18,496 values, while rank 1 all-gathered a LoRA shard, 128 values).
 Here the adapter's collectives happen at fixed points, the same on every rank whatever its share of
-the batch: the gather at the op's start, and one reduce-scatter at the end of each micro-batch's
-backward pass, which every rank runs (a rank with fewer micro-batches joins with an idle round).
-FSDP2 reduce-scatters the parameters that have a gradient; every parameter gets one before each
-backward pass (:meth:`ShardedAdapter.zero_grads`), so the ranks' reduce-scatters are the same size
-even where an idle round's backward pass reaches no LoRA of the output layer.
+the batch: the gather at the op's start, and one reduce-scatter at the end of the last round's
+backward pass, which every rank runs (a rank with fewer micro-batches joins with idle rounds, so all
+ranks have the same rounds). FSDP2 reduce-scatters the parameters that have a gradient; every
+parameter gets one before the op's first backward pass (:meth:`ShardedAdapter.backward_round`), so
+the ranks' reduce-scatters are the same size even where a rank ran only idle rounds, whose backward
+passes reach no LoRA of the output layer.
 """
 
 from __future__ import annotations
@@ -109,12 +111,15 @@ class ShardedAdapter:
         reduce-scatters the adapter's gradients into the shards' (summed over the ranks)."""
         return self.unit(run)
 
-    def zero_grads(self) -> None:
-        """Before a backward pass: a zero gradient for every whole parameter without one, so that
-        every rank reduce-scatters all of them (FSDP2 takes the parameters that have a gradient)."""
+    def backward_round(self, last: bool) -> None:
+        """Before a round's backward pass (every rank, each round of an op): a zero gradient for
+        every whole parameter without one, so that every rank reduce-scatters all of them (FSDP2
+        takes the parameters that have a gradient); the gradients are synced only after the
+        ``last`` round's, and until then add up in the whole parameters' gradients."""
         for param in self.current():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+        self.unit.set_requires_gradient_sync(last, recurse=False)
 
     def parts(self, state: dict[str, torch.Tensor], like: dict[str, DTensor]) -> dict[str, torch.Tensor]:
         """A state dict of whole tensors as this rank's parts, each sharded as the parameter of its

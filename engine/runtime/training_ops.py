@@ -101,16 +101,16 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         # its output layer and its backward pass: see _settle
         glibc_heap = runtime.device == "cpu" and allocator() == "glibc"
         # several ranks: each micro-batch's decoder pass runs through the adapter's FSDP2 unit, which
-        # reduce-scatters its gradients at the end of the backward pass (distributed_adapters.py)
+        # reduce-scatters the gradients after the last round's backward pass (distributed_adapters.py)
         shard = session.shard if ranks and backward else None
         run = shard.forward if shard is not None else _call
         with (
             torch.set_grad_enabled(backward),
             session.accumulating() if backward else contextlib.nullcontext(),
         ):
-            for (padded, groups), checkpoint in zip(batches, checkpointed):
+            for round_, ((padded, groups), checkpoint) in enumerate(zip(batches, checkpointed)):
                 if shard is not None:
-                    shard.zero_grads()
+                    shard.backward_round(last=round_ == len(batches) - 1)
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward, run)
                     continue
