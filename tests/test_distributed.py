@@ -359,8 +359,9 @@ def _budget_phase(url: str, home) -> dict:
 def test_two_ranks_split_batches_beyond_the_memory_budget_like_one(tmp_path):
     """Batches over a small --memory-budget, two sessions in turn: rank 0 runs several micro-batches
     (checkpointed and not) while rank 1 idles; then one session is deleted and a new one trains,
-    and the other samples. The losses, grad norms, samples and weights are one rank's. (Before the root unit was kept gathered through an op, a rank's second micro-batch
-    failed: "aten.embedding.default got mixed torch.Tensor and DTensor".)"""
+    and the other samples. The losses, grad norms, samples and weights are one rank's. (Before the
+    root unit was kept gathered through an op, a rank's second micro-batch failed:
+    "aten.embedding.default got mixed torch.Tensor and DTensor".)"""
     home = tmp_path / "home"
     home.mkdir()
     records = []

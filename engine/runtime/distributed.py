@@ -207,7 +207,9 @@ class Ranks:
         """Rank 0: gather every base model's weights for work of its own (the followers join the
         all-gather and drop their copies at once). Gathered weights stay until :meth:`sharded`, or
         until a state dict is read or loaded (peft does, for adapter weights): FSDP then registers
-        the shards again, and the next call gathers anew."""
+        the shards again, and the next call gathers anew. peft reads and loads the whole model's
+        state dict, so a base unit's shards show it; the adapters' units get theirs back with
+        them."""
         if not self.modules or (self.gathered and not self._any_sharded()):
             return
         self.sharded()
@@ -231,8 +233,7 @@ class Ranks:
             self.gathered = False
 
     def _any_sharded(self) -> bool:
-        base = any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
-        return base or not all(shard.gathered for shard in self.adapters.shards.values())
+        return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
 
     def _unshard(self) -> None:
         for module in self.modules:
