@@ -125,6 +125,7 @@ def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, m
     counter = Counter(monkeypatch)
     trims = []
     monkeypatch.setattr(training_ops, "trim", lambda: trims.append(1))
+    monkeypatch.setattr(training_ops, "resident_bytes", lambda: 1 << 30)  # the op's memory never grows
     value = {
         "fits": 1 << 40,
         "micro-batches": _budget_for(60 * cost.plain),  # two datums at most per micro-batch
@@ -143,9 +144,50 @@ def test_chunked_and_checkpointed_training_equals_unchunked_torch(tc, runtime, m
         assert (o["logprobs"].to_torch() - reference_logprobs(model, d).detach()).abs().max() < 1e-5
     assert (counter.calls > 0) == (mode == "checkpointed"), counter.calls
     # on glibc, a checkpointed micro-batch trims the heap before its forward, output layer and
-    # backward pass (one torch checkpoint per layer and micro-batch); one that fits never does
+    # backward pass (one torch checkpoint per layer and micro-batch); one that fits does only where
+    # the op's memory has grown past its budget (below), which it does not here
     per_micro_batch = 3 if memory.allocator() == "glibc" else 0
     assert len(trims) == per_micro_batch * counter.calls // host.layers, (len(trims), counter.calls)
+    clear_grads(runtime, tc.name)
+
+
+@pytest.mark.skipif(memory.allocator() != "glibc", reason="the trims are for glibc's heap")
+def test_an_op_grown_past_its_budget_trims_before_each_next_phase_and_one_within_it_never(
+    tc, runtime, monkeypatch
+):
+    """On glibc, a training op whose resident memory has grown by more than the memory budget since
+    it began hands the heap's free pages back before each next phase of its micro-batches (forward,
+    output layer, backward pass); an op that stays within its budget never trims. The resident
+    memory is the test's, to make the growth exact."""
+    tok, model, host = _prepared(tc, runtime)
+    cost = host.activation_cost(host.peft)
+    data = _batch(tok, np.random.default_rng(4), [40, 31, 24, 40, 17])
+    value = _budget_for(60 * cost.plain)  # two datums at most per micro-batch
+    trims: list[int] = []
+    readings: list[int] = []
+    monkeypatch.setattr(training_ops, "trim", lambda: trims.append(len(readings) - 1))
+
+    def growing() -> int:  # half the budget more at each reading: over it from the third phase on
+        readings.append(len(readings) * (value // 2))
+        return readings[-1]
+
+    monkeypatch.setattr(training_ops, "resident_bytes", growing)
+    clear_grads(runtime, tc.name)
+    with budget(runtime, value):
+        grown = tc.forward_backward(data, "ppo").result()
+    phases = len(readings) - 1  # the first reading is the op's start
+    assert phases >= 6 and phases % 3 == 0, phases  # several micro-batches, three phases each
+    assert trims == list(range(3, phases + 1)), (trims, phases)
+
+    trims.clear()
+    monkeypatch.setattr(training_ops, "resident_bytes", lambda: 1 << 30)
+    clear_grads(runtime, tc.name)
+    with budget(runtime, value):
+        flat = tc.forward_backward(data, "ppo").result()
+    assert trims == []
+    assert grown.metrics["loss:sum"] == flat.metrics["loss:sum"]  # a trim changes no bit
+    for a, b in zip(grown.loss_fn_outputs, flat.loss_fn_outputs):
+        assert torch.equal(a["logprobs"].to_torch(), b["logprobs"].to_torch())
     clear_grads(runtime, tc.name)
 
 

@@ -46,8 +46,10 @@ and the default ``sess run`` engine's peak crept from 1.88 GiB at step 2 to 2.12
 it stayed at 1.87 (2026-12-01). A decode step needs one primitive per weight shape (five on smollm2,
 plus LoRA's), so 64 entries keep all of them, and a new one costs ~0.7 ms to make against a ~100 ms
 step. The runtime also trims the heap where the engine switches between sampling and training
-(``Runtime.entering``), and on glibc between the phases of a checkpointed micro-batch, whose long
-datum's blocks fit the holes earlier steps left badly (``training_ops._settle``).
+(``Runtime.entering``), and on glibc between the phases of a training op's micro-batches where the
+op's resident memory has grown past its memory budget, and always between a checkpointed
+micro-batch's, whose long datum's blocks fit the holes earlier steps left badly
+(``training_ops._Heap``).
 """
 
 from __future__ import annotations
@@ -204,13 +206,13 @@ def trim() -> bool:
     return True
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def resident_bytes() -> int | None:
-    """This process's resident memory (Linux ``/proc``), or None where that cannot be read."""
+    """This process's resident memory (Linux ``/proc``: VmRSS), or None where that cannot be read."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None

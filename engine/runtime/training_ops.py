@@ -22,7 +22,7 @@ import torch
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.distributed_adapters import gathered, held_bytes, local
 from sess.engine.runtime.losses import compute_loss
-from sess.engine.runtime.memory import allocator, trim
+from sess.engine.runtime.memory import allocator, resident_bytes, trim
 from sess.engine.runtime.memory_budget import checkpointing, format_bytes
 from sess.engine.runtime.output_layer import (
     activation_budget,
@@ -97,9 +97,8 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
             and _check_fits(datums, (padded, groups), cost, budget, repeat)
             for padded, groups in batches
         ]
-        # a checkpointed micro-batch on glibc's heap hands the free pages back before its forward,
-        # its output layer and its backward pass: see _settle
-        glibc_heap = runtime.device == "cpu" and allocator() == "glibc"
+        # on glibc's heap, free pages go back between a micro-batch's phases where needed: see _Heap
+        heap = _Heap(budget) if runtime.device == "cpu" and allocator() == "glibc" else None
         # several ranks: each micro-batch's decoder pass runs through the adapter's FSDP2 unit, which
         # reduce-scatters the gradients after the last round's backward pass (distributed_adapters.py)
         shard = session.shard if ranks and backward else None
@@ -114,7 +113,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward, run)
                     continue
-                settle = _settle if checkpoint and glibc_heap else _nothing
+                settle = heap.settle(always=checkpoint) if heap is not None else _nothing
                 settle()
                 with checkpointing(model, checkpoint):
                     # with a backward pass, the decoder's graph keeps recipes for what is cheap to
@@ -186,18 +185,45 @@ def _logprobs(
     return lps
 
 
-def _settle() -> None:
-    """Hand the heap's free pages back (:func:`.memory.trim`) between the phases of a checkpointed
-    micro-batch. glibc serves even a block over its mmap threshold from a free hole where one fits,
-    so a long datum's large blocks (logits, the MLP's) take the holes earlier steps left, and its
-    many hidden-sized blocks then grow the heap; the holes' pages stay resident all the while.
-    Measured on smollm2 (benchmarks/README.md, sixth round): issue 14's SFT step of 4 x 1024 tokens,
-    after its GRPO step, peaked at 1.85 GiB with these trims against 1.97-2.03 without (the engine
-    over HTTP), and ran ~5 % slower in-process A/B (each trim's pages fault in again).
-    Checkpointing trades speed for memory already; a batch that fits the budget never trims here.
-    jemalloc strands far less between live blocks and hands pages back by itself (the same step
-    peaked at 1.33 GiB with or without the trims), so an engine on it does not trim here."""
-    trim()
+class _Heap:
+    """glibc's heap through one training op, which hands its free pages back (:func:`.memory.trim`)
+    before a micro-batch's forward, its output layer and its backward pass where it must.
+
+    glibc serves a block from any free hole it fits, even one over its mmap threshold, so blocks of
+    changing sizes (micro-batches of other lengths, the output layer's chunks, the backward pass's
+    gradients) leave holes whose pages stay resident in a heap never trimmed while the engine works
+    (:mod:`.memory`): on smollm2 a GRPO step's live bytes rose by the budget and its resident memory
+    by ~0.3 GiB more. So where the op's resident memory has grown by more than its budget since it
+    began, the next phase starts with a trim. An op whose blocks reuse pages resident already
+    (training ops in a row) never gets there and pays nothing; the first op after sampling, whose
+    heap the switch trimmed, does. A trim's pages fault in again, which is why not every phase
+    trims. Measured on smollm2 (benchmarks/README.md, eighth round): the default ``sess run``
+    engine peaked at 1.68-1.76 GiB with these trims, against 1.87-1.90 without.
+
+    A checkpointed micro-batch (a datum longer than the budget allows) trims before every phase: its
+    long datum's large blocks take the holes earlier steps left, and its many hidden-sized blocks then
+    grow the heap. Issue 14's SFT step of 4 x 1024 tokens, after its GRPO step, peaked at 1.85 GiB
+    with these trims against 1.97-2.03 without (sixth round); checkpointing trades speed for memory
+    already. jemalloc strands far less between live blocks and hands pages back by itself (the same
+    step peaked at 1.33 GiB with or without the trims), so an engine on it has no :class:`_Heap`."""
+
+    def __init__(self, budget: int):
+        start = resident_bytes()
+        self.ceiling = None if start is None else start + budget
+
+    def settle(self, *, always: bool) -> Callable[[], None]:
+        """What a micro-batch runs before each phase: a trim where ``always`` or where the op has
+        grown past its budget."""
+
+        def settle() -> None:
+            if always or self.grown():
+                trim()
+
+        return settle
+
+    def grown(self) -> bool:
+        now = resident_bytes()
+        return self.ceiling is not None and now is not None and now > self.ceiling
 
 
 def _nothing() -> None:
