@@ -113,7 +113,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
                     ranks.idle_round(decoder, backward, run)
                     continue
-                settle = heap.settle(always=checkpoint) if heap is not None else _nothing
+                settle = partial(heap.settle, always=checkpoint) if heap is not None else _nothing
                 settle()
                 with checkpointing(model, checkpoint):
                     # with a backward pass, the decoder's graph keeps recipes for what is cheap to
@@ -211,15 +211,11 @@ class _Heap:
         start = resident_bytes()
         self.ceiling = None if start is None else start + budget
 
-    def settle(self, *, always: bool) -> Callable[[], None]:
-        """What a micro-batch runs before each phase: a trim where ``always`` or where the op has
-        grown past its budget."""
-
-        def settle() -> None:
-            if always or self.grown():
-                trim()
-
-        return settle
+    def settle(self, *, always: bool) -> None:
+        """Before a micro-batch's phase: a trim where ``always`` or where the op has grown past its
+        budget."""
+        if always or self.grown():
+            trim()
 
     def grown(self) -> bool:
         now = resident_bytes()
