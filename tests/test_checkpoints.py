@@ -157,10 +157,13 @@ def test_transient_sampler_saves_keep_the_newest_three_and_serve_their_own_weigh
         with pytest.raises(NotFound, match="transient sampler save"):
             samplers[0].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
         samplers[-3].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
+    # the stop saved the state of the six steps taken since the session's last save_state (none)
+    stopped = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    assert stopped == listed + [f"sess://{tc.name}/state/stop-step000006-008"]
     if not hasattr(svc.transport, "engine"):  # the server's registry lists what is on disk
         with sqlite3.connect(sess_home / "registry.db") as db:
             rows = db.execute("SELECT path FROM checkpoints WHERE session=?", (tc.name,)).fetchall()
-        assert sorted(r[0] for r in rows) == sorted(listed)
+        assert sorted(r[0] for r in rows) == sorted(stopped)
 
 
 def test_only_the_newest_transient_save_stays_in_memory_and_older_ones_load_again(svc):

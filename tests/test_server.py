@@ -185,6 +185,58 @@ def test_kill9_restart_lists_interrupted_and_resume_continues_exactly(engine_hom
     svc.close()
 
 
+def test_stop_and_engine_down_save_unsaved_training_and_resume_continues_exactly(engine_home):
+    """A stop, and a one-rank engine's shutdown (sess engine down), first save the state of a
+    session that trained since its last save_state, so sess resume continues it exactly; a session
+    that saved its state at its current step is not saved again."""
+    from typer.testing import CliRunner
+
+    from sess.cli.main import app
+
+    info = _engine(engine_home)
+    svc = ServiceClient(info["url"], home=engine_home)
+    make = svc.create_lora_training_client
+    twin, stopped = (make("tiny-llama", rank=4, seed=5, training_session_name=n) for n in ("twin", "stopped"))
+    down, saved = make("tiny-llama", rank=4, seed=6, training_session_name="down"), make("tiny-llama", rank=4)
+    data = [ce_datum(twin.get_tokenizer().encode(s)) for s in SENTENCES]
+    adam = AdamParams(learning_rate=1e-2, weight_decay=0.1)
+    for tc, steps in ((twin, 3), (stopped, 2), (down, 1), (saved, 1)):
+        for _ in range(steps):
+            tc.forward_backward(data)
+            tc.optim_step(adam)
+    expected = twin.forward(data).result().metrics["loss:sum"]  # the step the stopped one did not take
+    kept = saved.save_state(name="kept").result().path
+
+    assert svc.stop_session("stopped").status.value == "Stopped"
+    assert [c["path"] for c in svc.list_checkpoints("stopped")] == [
+        "sess://stopped/state/stop-step000002-001"
+    ]
+    saved.stop()
+    assert [c["path"] for c in svc.list_checkpoints(saved.name)] == [kept]
+    env = {"SESS_HOME": str(engine_home), "SESS_ENGINE_URL": info["url"]}
+    result = CliRunner().invoke(app, ["resume", "stopped", "--name", "resumed"], env=env)
+    assert result.exit_code == 0 and "step 2" in result.output, result.output
+    resumed = svc.get_training_client("resumed")
+    resumed.forward_backward(data)
+    assert resumed.optim_step(adam).result().metrics["step"] == 3
+    assert abs(resumed.forward(data).result().metrics["loss:sum"] - expected) < 1e-6
+    svc.close()
+
+    stop_engine(engine_home)  # SIGTERM, as sess engine down
+    info = _engine(engine_home)
+    with ServiceClient(info["url"], home=engine_home) as svc:
+        status = {s.name: (s.status.value, s.step) for s in svc.list_sessions()}
+        assert status["down"] == ("Interrupted", 1) and status["resumed"] == ("Interrupted", 3)
+        assert [c["path"] for c in svc.list_checkpoints("down")] == [
+            "sess://down/state/shutdown-step000001-001"
+        ]
+        assert [c["kind"] for c in svc.list_checkpoints("resumed")] == ["state"]
+        assert [c["path"] for c in svc.list_checkpoints(saved.name)] == [kept]
+        env["SESS_ENGINE_URL"] = info["url"]
+        result = CliRunner().invoke(app, ["resume", "down"], env=env)
+        assert result.exit_code == 0 and "step 1" in result.output, result.output
+
+
 CLIENT = """
 import sys, time
 from sess.engine import ServiceClient

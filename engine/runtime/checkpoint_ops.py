@@ -193,7 +193,20 @@ def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
     }
     config = host.adapter_config(session.adapter)
     ckpt.save_state(ref, runtime.home, whole.state, config, whole.moments, meta)
+    session.saved_step = session.step
     return {"path": ref.uri}
+
+
+def save_unsaved_state(runtime: Runtime, owner: str, name: str, reason: str) -> str | None:
+    """Before live session ``name`` stops: save its state, AdamW included, under
+    ``<reason>-step<N>-<k>``, unless it saved its state at its current step already (a state it
+    was resumed from is another session's). The path saved, or None: a stop keeps the training for
+    ``sess resume``."""
+    session = runtime.find_session(owner, name)
+    if session is None or not session.live or session.saved_step == session.step:
+        return None
+    saved = rq.SaveState(session=name, name=f"{reason}-step{session.step:06d}-{session.saves + 1:03d}")
+    return save_state(runtime, owner, saved)["path"]
 
 
 def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:

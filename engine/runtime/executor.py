@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.usage import session_of, usage_of
@@ -51,6 +52,7 @@ class Operation:
     error: SessError | None = None
     usage: Usage | None = None  # what it cost: tokens and engine seconds (see usage.py)
     refused: bool = False  # its request was refused on reading, before it was queued
+    saved: str | None = None  # a stop_session's state save, made before the session stopped
 
     def finish(self, result: Any = None, error: SessError | None = None) -> None:
         self.result, self.error = result, error
@@ -351,6 +353,8 @@ class Executor:
             self._finish(op, result=result)
             return
         started = time.perf_counter()
+        if op.name == "stop_session":  # a stop keeps the training: its state first, on every rank
+            op.saved = self._save_before_stop(op.owner, op.request.name)
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
         result = OPS[op.name].handler(self.runtime, op.owner, op.request)
         if op.name == "session_info":  # the executor's ordering state belongs in the answer
@@ -369,6 +373,16 @@ class Executor:
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
         OPS[op.name].handler(self.runtime, op.owner, op.request, done)
+
+    def _save_before_stop(self, owner: str, name: str) -> str | None:
+        try:
+            return checkpoint_ops.save_unsaved_state(self.runtime, owner, name, "stop")
+        except OSError as exc:
+            raise SessError(
+                f"session {name!r}: saving its state before it stops failed ({exc}), so it was not "
+                "stopped; make room and stop it again, or delete it",
+                status=507,
+            ) from None
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
         op.finish(result, error)

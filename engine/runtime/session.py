@@ -94,6 +94,7 @@ class Session:
     created: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.time)
     step: int = 0
+    saved_step: int | None = None  # the step of its newest save_state (None: none yet)
     saves: int = 0
     usage: Usage = field(default_factory=Usage)
     optimizer: torch.optim.AdamW | None = None

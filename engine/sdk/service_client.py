@@ -134,6 +134,9 @@ class ServiceClient:
         return [TrainingSessionSummary.from_wire(s) for s in self._call("list_sessions", request)]
 
     def stop_session(self, name: str) -> TrainingSessionSummary:
+        """Stop a session and free its memory. If it trained since its last ``save_state``, the
+        engine saves its state first (``sess://NAME/state/stop-step…``), so ``sess resume`` or
+        ``create_training_client_from_state_with_optimizer`` continues it."""
         return TrainingSessionSummary.from_wire(self._call("stop_session", rq.SessionName(name=name)))
 
     def delete_session(self, name: str, *, stop_if_active: bool = False) -> TrainingSessionSummary:

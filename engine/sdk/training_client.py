@@ -240,6 +240,7 @@ class TrainingClient:
         return SamplingClient(self.service, target, self.base_model)
 
     def stop(self) -> None:
+        """Stop the session; its unsaved training is saved first (:meth:`ServiceClient.stop_session`)."""
         self.service.stop_session(self.name)
 
     def delete(self) -> None:

@@ -115,6 +115,8 @@ class ManagedEngine(Executor):
             self.registry.remove_checkpoint(op.result["path"])
         if session is not None:
             self.registry.save_session(session.summary(), session.owner)
+            if op.saved:
+                self.registry.add_checkpoint(op.saved, name, op.owner, "state")
             if op.error is None and op.name in ("save_weights", "save_state"):
                 ref = parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
@@ -161,12 +163,7 @@ class ManagedEngine(Executor):
         if time.time() - self._last_seen(session) <= self.idle_timeout:
             return  # an op or a heartbeat arrived while this stop waited in the queue
         owner = session.owner
-        try:
-            saved = rq.SaveState(session=name, name=f"idle-step{session.step:06d}")
-            path = checkpoint_ops.save_state(runtime, owner, saved)["path"]
-            self.registry.add_checkpoint(path, name, owner, "state")
-        except SessError as exc:
-            log.warning("idle session %s: saving its state failed: %s", name, exc)
+        self._save_state(runtime, session, "idle")
         stop = rq.SessionName(name=name)
         runtime.prepare("stop_session", owner, stop)  # other ranks stop it too
         session_ops.stop_session(runtime, owner, stop)
@@ -175,6 +172,30 @@ class ManagedEngine(Executor):
             "session %s was idle for over %.0f s: state saved, session stopped", name, self.idle_timeout
         )
 
+    def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
+        """``session``'s state before it stops (:func:`.checkpoint_ops.save_unsaved_state`), in
+        the registry too; a failure is logged: the session stops anyway, without those steps."""
+        try:
+            path = checkpoint_ops.save_unsaved_state(runtime, session.owner, session.name, reason)
+        except (SessError, OSError) as exc:
+            log.warning("session %s: saving its state failed: %s", session.name, exc)
+            return
+        if path:
+            self.registry.add_checkpoint(path, session.name, session.owner, "state")
+
+    def _save_live_sessions(self, runtime: Runtime) -> None:
+        for session in list(runtime.sessions.values()):
+            if session.live:
+                self._save_state(runtime, session, "shutdown")
+
     def close(self) -> None:
+        """Stop serving. A one-rank engine first saves the state of every live session that
+        trained since its last save (they become Interrupted, resumable from it). Several ranks
+        stop together on the signal, so their sessions keep only the states saved before."""
+        if self.runtime.ranks is None and not self._closed:
+            try:
+                self.run(self._save_live_sessions)
+            except Exception:  # stopping must not fail on it
+                log.exception("saving the live sessions' state at shutdown failed")
         super().close()
         self.registry.close()
