@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -21,6 +23,7 @@ HOME = typer.Option(None, "--home", help="Engine home (default $SESS_HOME or ~/.
 
 @engine_app.command("up")
 def up(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address to bind; non-loopback needs API keys."),
     port: int = typer.Option(0, help="Port (0: a free one, recorded in HOME/engine.json)."),
     home: str = HOME,
@@ -31,7 +34,7 @@ def up(
         help="Seconds a session may go without an op or a client heartbeat; then its state is saved "
         "and it is stopped (sess resume NAME continues it).",
     ),
-    max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key."),
+    max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key (at least 1)."),
     tls_cert: str = typer.Option(
         None, "--tls-cert", help="PEM certificate (chain) to serve https with; needs --tls-key."
     ),
@@ -64,14 +67,17 @@ def up(
     --host 0.0.0.0, add keys (sess engine keys add) and serve https with --tls-cert/--tls-key;
     clients then trust the certificate through SESS_CA_BUNDLE (sess) or SSL_CERT_FILE (tinker).
 
+    With the home's engine already running, it says where and exits 0, or exits 1 naming the
+    options given here that the running engine does not have.
+
     A CPU engine runs on glibc's malloc, tuned to keep freed memory for the next step;
     SESS_MALLOC=jemalloc runs it on the system's jemalloc (leaner; Debian: libjemalloc2) and
     SESS_MALLOC=system on glibc's defaults."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.keys import KeyStore
-    from sess.engine.server.launcher import engine_info, server_command, start_engine
-    from sess.engine.server.serve import check_options, check_tls, is_loopback, serve
+    from sess.engine.server.launcher import acquire_start_lock, engine_info, server_command, start_engine
+    from sess.engine.server.serve import START_LOCK_FD_ENV, bind, check_options, check_tls, is_loopback
 
     home_path = sess_home(home)
     try:
@@ -80,7 +86,9 @@ def up(
         fail(str(exc))
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"--device: expected cpu or cuda, got {device!r}")
-    problem = check_options(device, dtype, memory_budget)
+    problem = check_options(
+        device, dtype, memory_budget, port=port, idle_timeout=idle_timeout, max_sessions=max_sessions
+    )
     if problem:
         fail(problem)
     if not is_loopback(host) and not KeyStore(home_path).load():
@@ -93,43 +101,123 @@ def up(
         check_nproc(nproc, device)
     except ValueError as exc:
         fail(str(exc))
-    running = engine_info(home_path)
-    if running is not None:
-        out.print(f"engine already running at {running['url']} (pid {running['pid']})")
-        return
-    extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
-    extra += ["--dtype", dtype] if dtype else []
-    extra += ["--memory-budget", memory_budget] if memory_budget else []
-    if tls_cert:
-        extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
-    if nproc != 1:
-        extra += ["--nproc", str(nproc)]
-    if detach:
-        info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
-        out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
-        return
+    # The lock ensure_local_engine takes: of two starts at once, the second finds the first's engine.
+    lock, handed_down = acquire_start_lock(home_path), False
+    try:
+        running = engine_info(home_path)
+        if running is not None:
+            differing = _differing_options(ctx, running)
+            where = f"at {running['url']} (pid {running['pid']})"
+            if differing:
+                fail(
+                    f"an engine already runs for home {home_path} {where} with other options: "
+                    f"{', '.join(differing)}; stop it first (sess engine down) to start one with these"
+                )
+            out.print(f"engine already running {where}")
+            return
+        if port:  # a busy port: one line now, not a failed start
+            try:
+                bind(host, port).close()
+            except SystemExit as exc:
+                fail(str(exc))
+        extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
+        extra += ["--dtype", dtype] if dtype else []
+        extra += ["--memory-budget", memory_budget] if memory_budget else []
+        if tls_cert:
+            extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
+        if nproc != 1:
+            extra += ["--nproc", str(nproc)]
+        if detach:
+            info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
+            out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
+            return
+        # In the foreground this process becomes the engine; it keeps the lock until its
+        # engine.json is written (serve.release_start_lock), across the exec below.
+        os.set_inheritable(lock, True)
+        os.environ[START_LOCK_FD_ENV] = str(lock)
+        handed_down = True
+    finally:
+        if not handed_down:
+            os.close(lock)
     command = server_command(home_path, host, port, device, extra)
     exec_as_engine(command, device)  # malloc settings: memory.py
+    from sess.engine.server.serve import release_start_lock, serve
+
     if nproc != 1:  # the elastic agent starts the ranks: see engine/server/serve_ranks.py
         from sess.engine.server.serve_ranks import run_agent
 
+        release_start_lock()
         raise typer.Exit(run_agent(nproc, command[3:], home_path))
-    serve(
-        home_path,
-        host,
-        port,
-        device,
-        idle_timeout,
-        max_sessions,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        dtype=dtype,
-        memory_budget=memory_budget,
-    )
+    try:
+        serve(
+            home_path,
+            host,
+            port,
+            device,
+            idle_timeout,
+            max_sessions,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            dtype=dtype,
+            memory_budget=memory_budget,
+        )
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        fail(exc.code.removeprefix("sess engine: "))
+    finally:
+        release_start_lock()  # if serve stopped before it could
+
+
+def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
+    """The options given on this command line that the running engine (its engine.json) lacks, as
+    ``--port 18703 (asked 18704)``; options left at their defaults never differ."""
+    from sess.engine.runtime.catalog import Dtypes, default_dtype
+    from sess.engine.runtime.memory_budget import parse_bytes
+
+    recorded = running.get("options", {})  # an engine from before options were recorded: none
+    device = recorded.get("device", "cpu")
+
+    def dtypes(text):
+        parsed = Dtypes.parse(text)
+        return parsed.default or default_dtype(device), dict(parsed.per_model)
+
+    def cuda0(name):
+        return "cuda:0" if name == "cuda" else name
+
+    same = {
+        "host": lambda asked: asked == running.get("host"),
+        "port": lambda asked: asked in (0, running.get("port")),
+        "device": lambda asked: cuda0(asked) == cuda0(device),
+        "idle_timeout": lambda asked: asked == running.get("idle_timeout", recorded.get("idle_timeout")),
+        "max_sessions": lambda asked: asked == recorded.get("max_sessions", asked),
+        "tls_cert": lambda asked: str(Path(asked).resolve()) == running.get("tls_cert"),
+        "dtype": lambda asked: "dtype" not in recorded or dtypes(asked) == dtypes(recorded["dtype"]),
+        "memory_budget": lambda asked: (
+            "memory_budget" not in recorded
+            or parse_bytes(asked) == (recorded["memory_budget"] and parse_bytes(recorded["memory_budget"]))
+        ),
+        "nproc": lambda asked: asked == recorded.get("nproc", asked),
+    }
+    differing = []
+    for name, matches in same.items():
+        asked, source = ctx.params[name], ctx.get_parameter_source(name)
+        # by name: typer carries its own copy of click's ParameterSource
+        if source is None or source.name in ("DEFAULT", "DEFAULT_MAP") or matches(asked):
+            continue
+        value = {"port": running.get("port"), "tls_cert": running.get("tls_cert")}.get(
+            name, recorded.get(name, running.get(name))
+        )
+        flag = "--" + name.replace("_", "-")
+        differing.append(f"{flag} {'not set' if value is None else value} (asked {asked})")
+    return differing
 
 
 @engine_app.command("status")
-def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> None:
+def status(
+    home: str = HOME,
+    as_json: bool = typer.Option(False, "--json", help="As JSON: {running, url, pid, port, ...}."),
+) -> None:
     """Show whether the engine of the home is running, and where."""
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.launcher import engine_info
@@ -152,20 +240,31 @@ def status(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> N
 
 @engine_app.command("down")
 def down(home: str = HOME) -> None:
-    """Stop the engine of the home; live sessions become Interrupted (resume them with sess resume)."""
+    """Stop the engine of the home; its live sessions become Interrupted (sess resume NAME).
+
+    A one-rank engine first saves the state of each live session that trained since its last
+    save_state (sess://NAME/state/shutdown-step...), so nothing is lost. The ranks of an engine
+    started with --nproc N stop together, so their sessions resume from the states saved before."""
     from sess.engine.sdk.home import sess_home
     from sess.engine.server.launcher import stop_engine
 
     info = stop_engine(sess_home(home))
     if info is None:
         fail(f"no engine running for home {sess_home(home)}")
+    if info.get("killed"):
+        fail(
+            f"engine at {info['url']} did not stop within {info['killed']:.0f} s and was killed: its live "
+            "sessions resume from the states they saved before (sess checkpoints NAME)"
+        )
     out.print(f"engine at {info['url']} stopped")
 
 
 @keys_app.command("add")
 def keys_add(
     owner: str = typer.Option(None, help="Owner id the key acts as (default: a new one)."),
-    max_sessions: int = typer.Option(None, help="Live sessions for this key (default: the engine's)."),
+    max_sessions: int = typer.Option(
+        None, help="Live sessions for this key, at least 1 (default: the engine's --max-sessions)."
+    ),
     home: str = HOME,
 ) -> None:
     """Create an API key and print it: the one time it is shown (the home keeps only its hash).
@@ -174,6 +273,8 @@ def keys_add(
     SDK (TINKER_API_KEY) alike, and sees only its owner's sessions and checkpoints."""
     from sess.engine.server.keys import KeyStore
 
+    if max_sessions is not None and max_sessions < 1:
+        fail(f"--max-sessions: expected at least 1 live session for the key, got {max_sessions}")
     store = KeyStore(home)
     entry = store.add(owner, max_sessions=max_sessions)
     print(entry["key"])
@@ -181,19 +282,30 @@ def keys_add(
 
 
 @keys_app.command("list")
-def keys_list(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_list(
+    home: str = HOME,
+    as_json: bool = typer.Option(
+        False, "--json", help="As JSON: [{id, owner, created, max_sessions, local}]."
+    ),
+) -> None:
     """List keys by id and owner (the keys themselves are not stored, only their hashes)."""
     import time
 
     from sess.engine.server.keys import KeyStore
 
+    store = KeyStore(home)
     entries = [
         {k: e.get(k) for k in ("id", "owner", "created", "max_sessions", "local")}
-        for e in KeyStore(home).load().values()
+        for e in store.load().values()
     ]
     if as_json:
         print(json.dumps(entries))
         return
+    if not entries:
+        out.print(
+            f"no keys in {store.path} (the engine makes the home's own key when it starts; "
+            "sess engine keys add makes one for another user)"
+        )
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"])) if e["created"] else "?"
         local = "  (this home's own key, in api_key)" if e["local"] else ""
@@ -204,12 +316,30 @@ def keys_list(home: str = HOME, as_json: bool = typer.Option(False, "--json")) -
 
 @keys_app.command("revoke")
 def keys_revoke(
-    key: str = typer.Argument(..., help="The key's id (sess engine keys list) or the key."), home: str = HOME
+    key: str = typer.Argument(..., help="The key's id (sess engine keys list) or the key."),
+    home: str = HOME,
+    force: bool = typer.Option(
+        False, "--force", help="Revoke the home's own key too (the engine makes a new one at its next start)."
+    ),
 ) -> None:
     """Revoke a key: a running engine refuses it from its next request on."""
     from sess.engine.server.keys import KeyStore
 
-    entry = KeyStore(home).revoke(key)
+    store = KeyStore(home)
+    entry = store.find(key)
     if entry is None:
-        fail(f"no key {key[:16]!r} in {KeyStore(home).path} (see sess engine keys list)")
+        fail(f"no key {key[:16]!r} in {store.path} (see sess engine keys list)")
+    if entry.get("local") and not force:
+        fail(
+            f"key {entry['id']} is this home's own key (in {store.home / 'api_key'}), which sess "
+            "commands use to reach the engine: revoked, they are refused until the engine restarts "
+            "and makes a new one. To do that anyway (say, to replace a leaked key): --force, then "
+            "sess engine down and up"
+        )
+    store.revoke(entry["id"])
     out.print(f"key {entry['id']} of owner {entry['owner']!r} revoked")
+    if entry.get("local"):
+        Console(stderr=True, soft_wrap=True).print(
+            "warning: that was this home's own key: restart the engine (sess engine down, then up) "
+            "for a new one"
+        )

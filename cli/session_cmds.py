@@ -113,10 +113,20 @@ def start(
 
 @app.command("list")
 def list_(
-    status: str = typer.Option(None, help="Only sessions with this status."),
-    as_json: bool = typer.Option(False, "--json"),
+    status: str = typer.Option(
+        None,
+        help="Only sessions with this status: Starting, Running, Stopping, Stopped, Failed or Interrupted.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="As JSON: one object per session, usage included."),
 ) -> None:
     """List sessions: name, model, status, step, tokens used, last active."""
+    from sess.engine.sdk.types import SessionStatus
+
+    if status is not None:
+        statuses = {s.value.lower(): s.value for s in SessionStatus}
+        if status.lower() not in statuses:
+            fail(f"--status: expected one of {', '.join(statuses.values())} (any case), got {status!r}")
+        status = statuses[status.lower()]
     sessions = guard(reader().list_sessions, status_equals=status)
     if as_json:
         print(
@@ -135,9 +145,13 @@ def list_(
 
 @app.command()
 def stop(name: str) -> None:
-    """Stop a session (its checkpoints stay)."""
+    """Stop a session and free its memory; its checkpoints stay. If it trained since its last
+    save_state, the engine saves its state first (sess://NAME/state/stop-step...), so
+    sess resume NAME continues it from the step it stopped at."""
     summary = guard(reader().stop_session, name)
-    out.print(f"session {summary.name} is {summary.status.value}")
+    out.print(
+        f"session {summary.name} is {summary.status.value} at step {summary.step} (sess resume {name} continues it)"
+    )
 
 
 @app.command()
@@ -164,7 +178,18 @@ def resume(
     ),
     new_name: str = typer.Option(None, "--name", help="Name of the new session."),
 ) -> None:
-    """Continue a session in a new one from a state checkpoint, optimizer included."""
+    """Continue session NAME in a new one from one of its state checkpoints, optimizer included.
+
+    --checkpoint must be NAME's own; to branch from another session's checkpoint, name that session."""
+    if checkpoint is not None:
+        from sess.engine.sdk.checkpoint_paths import parse_path
+
+        owner = guard(parse_path, checkpoint, field="--checkpoint").session
+        if owner != name:  # a typo'd NAME or path would otherwise resume the wrong session silently
+            fail(
+                f"--checkpoint {checkpoint} is a checkpoint of session {owner!r}, not of {name!r}; "
+                f"to continue {owner} from it: sess resume {owner} --checkpoint {checkpoint}"
+            )
     svc = _client()
     if checkpoint is None:
         states = [c for c in svc.list_checkpoints(name) if c["kind"] == "state"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +14,10 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.server.launcher import engine_info
+from sess.engine.sdk.errors import SessError
+from sess.engine.server.launcher import engine_info, start_engine
+from sess.engine.server.serve import main as server_main
+from sess.engine.server.serve import serve
 
 from helpers import SENTENCES, ce_datum
 
@@ -31,12 +35,22 @@ def sess(env, *args):
     return result.output
 
 
+CLI = [sys.executable, "-c", "from sess.cli.main import main; main()"]
+
+
 def test_engine_up_status_down(tmp_path):
     home = str(tmp_path / "home")
     assert runner.invoke(app, ["engine", "status", "--home", home]).exit_code == 1
-    output = sess({}, "engine", "up", "--detach", "--home", home)
+    # two at once: the second waits on the start lock and finds the first's engine, no second one
+    both = [subprocess.Popen([*CLI, "engine", "up", "--detach", "--home", home], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]  # fmt: skip
+    outputs = [p.communicate(timeout=180)[0] for p in both]
+    assert [p.returncode for p in both] == [0, 0], outputs
     info = engine_info(home)
-    assert info is not None and info["url"] in output
+    assert info is not None and all(f"(pid {info['pid']}" in o for o in outputs), outputs
+    assert sum("already running" in o for o in outputs) == 1
+    output = outputs[0]
+    assert info["url"] in output
     assert info["url"] in sess({}, "engine", "status", "--home", home)
     assert json.loads(sess({}, "engine", "status", "--home", home, "--json"))["pid"] == info["pid"]
     assert "already running" in sess({}, "engine", "up", "--detach", "--home", home)
@@ -44,6 +58,105 @@ def test_engine_up_status_down(tmp_path):
     assert engine_info(home) is None
     down_again = runner.invoke(app, ["engine", "down", "--home", home])
     assert down_again.exit_code == 1 and "no engine running" in down_again.output
+    # a command that starts the local engine says so: it outlives the command
+    unknown = subprocess.run(
+        [*CLI, "delete", "no-such", "-y"],
+        env={**os.environ, "SESS_HOME": home},
+        capture_output=True,
+        text=True,
+    )
+    info = engine_info(home)
+    try:
+        assert unknown.returncode == 1 and "not found" in unknown.stderr
+        assert f"started the local engine at {info['url']} (pid {info['pid']}" in unknown.stderr
+        assert "sess engine down" in unknown.stderr
+    finally:
+        sess({}, "engine", "down", "--home", home)
+
+
+def test_engine_up_with_other_options_than_the_running_engine_fails(env, http_engine):
+    home = ["--home", env["SESS_HOME"]]
+    port = str(http_engine["port"])
+    assert "already running" in sess({}, "engine", "up", "--detach", *home)
+    assert "already running" in sess(
+        {}, "engine", "up", "--detach", *home, "--port", port, "--idle-timeout", "600"
+    )
+    other = runner.invoke(
+        app, ["engine", "up", "--detach", *home, "--port", "18999", "--memory-budget", "1K"]
+    )
+    assert other.exit_code == 1, other.output
+    assert (
+        f"--port {port} (asked 18999)" in other.output
+        and "--memory-budget not set (asked 1K)" in other.output
+    )
+    assert "--idle-timeout" not in other.output  # left at its default: not compared
+
+
+def test_a_busy_port_is_one_line(tmp_path, http_engine):
+    port = http_engine["port"]
+    for detach in ([], ["--detach"]):
+        result = runner.invoke(app, ["engine", "up", "--home", str(tmp_path), "--port", str(port), *detach])
+        assert result.exit_code == 1 and f"port {port} on 127.0.0.1 is in use" in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+    with pytest.raises(SystemExit, match=f"^sess engine: port {port} on 127.0.0.1 is in use"):
+        serve(tmp_path, port=port)
+    with pytest.raises(SessError, match=f"^the engine refused to start: port {port} on 127.0.0.1 is in use"):
+        start_engine(tmp_path, port=port)  # what --detach reports should the port be taken after its check
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--port", "99999"], "--port: expected 1 to 65535 (or 0: any free port), got 99999"),
+        (["--max-sessions", "0"], "--max-sessions: expected at least 1"),
+        (["--idle-timeout", "-5"], "--idle-timeout: expected a positive number of seconds, got -5.0"),
+        (["--idle-timeout", "nan"], "--idle-timeout: expected a positive number of seconds, got nan"),
+        (["--idle-timeout", "inf"], "--idle-timeout: expected a positive number of seconds, got inf"),
+    ],
+)
+def test_engine_options_out_of_range_are_refused(tmp_path, option, message):
+    result = runner.invoke(app, ["engine", "up", "--detach", "--home", str(tmp_path), *option])
+    assert result.exit_code == 1 and message in result.output, result.output
+    with pytest.raises(SystemExit, match="^" + re.escape(f"sess engine: {message}")):
+        server_main(["--home", str(tmp_path), *option])
+    assert engine_info(tmp_path) is None
+
+
+def test_a_bad_tls_pair_is_one_line_naming_the_files(tmp_path):
+    not_pem = tmp_path / "hostname"
+    not_pem.write_text("box\n")
+    result = runner.invoke(
+        app,
+        [
+            "engine",
+            "up",
+            "--detach",
+            "--home",
+            str(tmp_path),
+            "--tls-cert",
+            str(not_pem),
+            "--tls-key",
+            str(not_pem),
+        ],
+    )
+    assert result.exit_code == 1 and f"--tls-cert {not_pem} / --tls-key {not_pem}: not a PEM" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_session_command_inputs_are_checked_up_front(env, tmp_path):
+    other = runner.invoke(app, ["resume", "cli-a", "--checkpoint", "sess://cli-b/state/s1"], env=env)
+    assert other.exit_code == 1 and "is a checkpoint of session 'cli-b', not of 'cli-a'" in other.output
+    assert "sess resume cli-b --checkpoint sess://cli-b/state/s1" in other.output
+    assert sess(env, "list", "--status", "running") is not None  # any case
+    bad = runner.invoke(app, ["list", "--status", "going"], env=env)
+    assert bad.exit_code == 1 and "--status: expected one of Starting, Running" in bad.output
+    for command in (["list"], ["engine", "status"], ["engine", "keys", "list"]):
+        assert "As JSON" in runner.invoke(app, [*command, "--help"]).output, command
+    none = runner.invoke(app, ["engine", "keys", "list", "--home", str(tmp_path)])
+    assert none.exit_code == 0 and "no keys in" in none.output
+    refused = runner.invoke(app, ["engine", "keys", "add", "--max-sessions", "-1", "--home", str(tmp_path)])
+    assert refused.exit_code == 1 and "--max-sessions: expected at least 1" in refused.output
+    assert not (tmp_path / "keys.json").exists()
 
 
 def test_public_host_without_keys_is_refused_and_keys_add(tmp_path):
@@ -78,7 +191,8 @@ def test_start_list_stop_resume_checkpoints(env):
     declined = runner.invoke(app, ["delete", "cli-one-c"], env=env, input="n\n")
     assert declined.exit_code == 1 and "nothing deleted" in declined.output
     assert svc.list_sessions(name_contains="cli-one-c")
-    assert "deleted with 0 checkpoint(s)" in sess(env, "delete", "cli-one-c", "--yes")
+    # its stop above saved the step it was resumed at (a stop keeps the training: stop-step<N>-<k>)
+    assert "deleted with 1 checkpoint(s)" in sess(env, "delete", "cli-one-c", "--yes")
     assert not svc.list_sessions(name_contains="cli-one-c")
     unknown = runner.invoke(app, ["delete", "no-such-session", "--yes"], env=env)
     assert unknown.exit_code != 0 and "not found" in str(unknown.exception or unknown.output)

@@ -83,6 +83,21 @@ def test_keys_add_list_revoke_from_the_cli(tmp_path):
     assert KeyStore(home).entry(key) is None
     again = runner.invoke(app, ["engine", "keys", "revoke", key_id, "--home", home])
     assert again.exit_code == 1 and "no key" in again.output
+    assert "no keys in" in runner.invoke(app, ["engine", "keys", "list", "--home", home]).stdout
+
+
+def test_revoking_the_homes_own_key_needs_force(tmp_path):
+    """The CLI reaches the engine with the home's own key: revoking it locks the CLI out until the
+    engine restarts, so it takes --force."""
+    home = str(tmp_path)
+    local = KeyStore(home).ensure_local_key()
+    local_id = KeyStore(home).entry(local)["id"]
+    refused = runner.invoke(app, ["engine", "keys", "revoke", local_id, "--home", home])
+    assert refused.exit_code == 1 and "this home's own key" in refused.output and "--force" in refused.output
+    assert KeyStore(home).entry(local) is not None
+    forced = runner.invoke(app, ["engine", "keys", "revoke", local_id, "--force", "--home", home])
+    assert forced.exit_code == 0 and "revoked" in forced.stdout and "restart the engine" in forced.output
+    assert KeyStore(home).entry(local) is None
 
 
 def test_one_key_for_both_sdks_and_a_revoked_key_is_refused_at_once(http_engine, sess_home):

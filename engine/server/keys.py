@@ -96,6 +96,10 @@ class KeyStore:
 
     def add(self, owner: str | None = None, *, max_sessions: int | None = None, local: bool = False) -> dict:
         """Create a key; the returned entry carries the key itself under ``key`` (shown once)."""
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(
+                f"max_sessions: expected at least 1 live session for the key, got {max_sessions}"
+            )
         keys = dict(self.load())
         key_id, key = new_key()
         entry = _hashed(
@@ -110,10 +114,14 @@ class KeyStore:
         self._save(keys.values())
         return {**entry, "key": key}
 
+    def find(self, key_or_id: str) -> dict | None:
+        """The entry of a key named by its id or by the key itself, or None."""
+        return self.load().get(key_or_id) or self.entry(key_or_id)
+
     def revoke(self, key_or_id: str) -> dict | None:
         """Remove a key, named by its id or by the key itself; the removed entry, or None."""
         keys = dict(self.load())
-        entry = keys.get(key_or_id) or self.entry(key_or_id)
+        entry = self.find(key_or_id)
         if entry is None:
             return None
         del keys[entry["id"]]

@@ -2,7 +2,8 @@
 
 A running engine writes ``engine.json`` (url, pid, port) into its home. :func:`ensure_local_engine`
 returns that engine's URL when it answers, and otherwise starts one in the background (a new session
-leader, logging to ``engine.log``) under a file lock, so two clients starting at once share one engine.
+leader, logging to ``engine.log``) under a file lock, so two clients starting at once share one engine;
+``sess engine up`` takes the same lock. Starting one says so on stderr, since it outlives the command.
 """
 
 from __future__ import annotations
@@ -67,14 +68,23 @@ def _own_certificate(info: dict) -> ssl.SSLContext | bool:
     return context
 
 
+def acquire_start_lock(home: Path) -> int:
+    """Wait for the home's start lock and return its file descriptor: closing it releases the lock.
+    A raw descriptor, so that a foreground engine can inherit it and close it once it is findable
+    (serve.release_start_lock)."""
+    fd = os.open(home / "engine.lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 @contextlib.contextmanager
-def _start_lock(home: Path):
-    with open(home / "engine.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def start_lock(home: Path):
+    """Held while one process checks for the home's engine and starts it, so no two start one."""
+    fd = acquire_start_lock(home)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def server_command(
@@ -114,6 +124,7 @@ def start_engine(
     (home / ENGINE_FILE).unlink(missing_ok=True)
     command = server_command(home, host, port, device, extra_args)
     with open(home / LOG_FILE, "ab") as log:
+        log_start = log.tell()
         process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -125,8 +136,7 @@ def start_engine(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            tail = (home / LOG_FILE).read_text(errors="replace").strip().splitlines()[-3:]
-            raise SessError(f"the engine exited at start (code {process.returncode}): {' | '.join(tail)}")
+            raise SessError(_exit_reason(home / LOG_FILE, log_start, process.returncode))
         info = engine_info(home, timeout=1.0)
         if info is not None and info["pid"] == process.pid:
             return info
@@ -135,19 +145,39 @@ def start_engine(
     raise SessError(f"the engine did not answer within {timeout:.0f} s; see {home / LOG_FILE}")
 
 
+def _exit_reason(log: Path, start: int, code: int) -> str:
+    """Why an engine exited at start, from what it wrote to ``log`` past ``start``: the engine's own
+    one-line refusal (``sess engine: ...``) when it gave one, else the last lines."""
+    with open(log, "rb") as file:
+        file.seek(start)
+        lines = file.read().decode(errors="replace").strip().splitlines()
+    if lines and lines[-1].startswith("sess engine: "):
+        return f"the engine refused to start: {lines[-1].removeprefix('sess engine: ')}"
+    return f"the engine exited at start (code {code}): {' | '.join(lines[-3:])} (all of it in {log})"
+
+
 def ensure_local_engine(home: str | os.PathLike | None = None, **start_options) -> str:
     """The URL of the local engine of ``home``, started in the background if none is running."""
     home = sess_home(home)
     info = engine_info(home)
     if info is not None:
         return info["url"]
-    with _start_lock(home):
-        info = engine_info(home) or start_engine(home, **start_options)
+    with start_lock(home):
+        info = engine_info(home)
+        if info is None:
+            info = start_engine(home, **start_options)
+            print(
+                f"started the local engine at {info['url']} (pid {info['pid']}, home {home}); "
+                "it keeps running: stop it with `sess engine down`",
+                file=sys.stderr,
+                flush=True,
+            )
     return info["url"]
 
 
 def stop_engine(home: str | os.PathLike | None = None, *, timeout: float = 20.0) -> dict | None:
-    """Stop the engine of ``home`` (SIGTERM, then SIGKILL after ``timeout``); its info, or None."""
+    """Stop the engine of ``home`` (SIGTERM, then SIGKILL after ``timeout``): its info, with
+    ``killed`` (the seconds waited) if it had to be killed; None if none was running."""
     home = sess_home(home)
     info = engine_info(home)
     if info is None:
@@ -161,5 +191,6 @@ def stop_engine(home: str | os.PathLike | None = None, *, timeout: float = 20.0)
         time.sleep(0.1)
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
+        info = {**info, "killed": timeout}
     (home / ENGINE_FILE).unlink(missing_ok=True)
     return info

@@ -9,12 +9,15 @@ engine that other machines reach: keys then never cross the network in clear tex
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -32,27 +35,73 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Set by `sess engine up` in the foreground: the fd of the start lock (launcher.start_lock) it
+# holds, so that no other start of this home's engine begins until this one has written engine.json.
+START_LOCK_FD_ENV = "SESS_ENGINE_START_LOCK_FD"
+
+
+def release_start_lock() -> None:
+    """Close the start lock handed down by ``sess engine up`` (if any): this engine is findable now."""
+    fd = os.environ.pop(START_LOCK_FD_ENV, None)
+    if fd is not None:
+        try:
+            os.close(int(fd))
+        except (OSError, ValueError):
+            pass
+
+
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; SystemExit with one line when it cannot be had."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when it is explicit; without
     # it a response's header and body writes wait ~40 ms on the client's delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"port {port} on {host} is in use (another engine? see `sess engine status`, or pick "
+                "another --port; 0 takes a free one)"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise SystemExit(f"--host {host}: not an address of this machine") from None
+        raise SystemExit(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
-def check_options(device: str, dtype: str | None, memory_budget: str | None) -> str | None:
+def check_options(
+    device: str,
+    dtype: str | None,
+    memory_budget: str | None,
+    *,
+    port: int | None = None,
+    idle_timeout: float | None = None,
+    max_sessions: int | None = None,
+) -> str | None:
     """What is wrong with these engine options on this machine (None: nothing): a device it does
-    not have, a precision the device cannot compute in, a budget that is not a size."""
+    not have, a precision the device cannot compute in, a budget that is not a size, a port out of
+    range, a limit no session could live under. Options given as None are not checked."""
     import torch
 
     from sess.engine.runtime.catalog import Dtypes
     from sess.engine.runtime.memory_budget import parse_bytes
 
+    if port is not None and not 0 <= port <= 65535:
+        return f"--port: expected 1 to 65535 (or 0: any free port), got {port}"
+    if max_sessions is not None and max_sessions < 1:
+        return f"--max-sessions: expected at least 1 live session per key, got {max_sessions}"
+    # inf would mean never, but it is no JSON number: /healthz could not report it
+    if idle_timeout is not None and not (math.isfinite(idle_timeout) and idle_timeout > 0):
+        return (
+            f"--idle-timeout: expected a positive number of seconds, got {idle_timeout} "
+            "(for sessions that practically never time out, give a large one such as 1e9)"
+        )
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
@@ -97,7 +146,9 @@ def serve(
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 
-    problem = check_options(device, dtype, memory_budget)
+    problem = check_options(
+        device, dtype, memory_budget, port=port, idle_timeout=idle_timeout, max_sessions=max_sessions
+    )
     if problem:
         raise SystemExit(f"sess engine: {problem}")
     home = sess_home(home)
@@ -107,7 +158,10 @@ def serve(
             f"refusing to listen on {host} without API keys: add one first (sess engine keys add --home {home})"
         )
     keys.ensure_local_key()
-    tls = check_tls(tls_cert, tls_key)
+    try:
+        tls = check_tls(tls_cert, tls_key)
+    except SystemExit as exc:
+        raise SystemExit(f"sess engine: {exc}") from None
     if not is_loopback(host) and not tls:
         print(
             f"warning: serving plain http on {host}: API keys cross the network in clear text; "
@@ -115,7 +169,10 @@ def serve(
             file=sys.stderr,
             flush=True,
         )
-    sock = bind(host, port)
+    try:
+        sock = bind(host, port)
+    except SystemExit as exc:
+        raise SystemExit(f"sess engine: {exc}") from None
     port = sock.getsockname()[1]
     runtime = Runtime(
         home,
@@ -146,10 +203,20 @@ def serve(
         "port": port,
         "started": time.time(),
         **({"tls_cert": tls[0]} if tls else {}),
+        # what `sess engine up` compares its options with when it finds this engine running
+        "options": {
+            "device": device,
+            "idle_timeout": idle_timeout,
+            "max_sessions": max_sessions,
+            "dtype": dtype,
+            "memory_budget": memory_budget,
+            "nproc": 1 if ranks is None else ranks.world,
+        },
     }
     if ranks is not None:  # the agent's pid stops the engine; rank 0's answers /healthz
         info.update(pid=os.getppid(), serving_pid=os.getpid(), rank_pids=ranks.pids)
     atomic_write_bytes(home / ENGINE_FILE, json.dumps(info).encode())
+    release_start_lock()  # a start waiting on the lock now finds this engine (it answers once served)
     app = create_app(engine, keys, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(
         app,
@@ -185,6 +252,13 @@ def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
     for what, path in (("--tls-cert", cert), ("--tls-key", key)):
         if not Path(path).is_file():
             raise SystemExit(f"{what}: no file {path}")
+    try:  # as uvicorn will load them, but here, before any model loads, with the files named
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise SystemExit(
+            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate (chain) and its unencrypted "
+            f"private key ({getattr(exc, 'reason', None) or exc})"
+        ) from None
     return str(Path(cert).resolve()), str(Path(key).resolve())
 
 
@@ -216,7 +290,14 @@ def main(argv: list[str] | None = None) -> None:
         help="ranks (torch.distributed, FSDP2): one per CPU core or GPU at most",
     )
     args = parser.parse_args(argv)
-    problem = check_options(args.device, args.dtype, args.memory_budget)
+    problem = check_options(
+        args.device,
+        args.dtype,
+        args.memory_budget,
+        port=args.port,
+        idle_timeout=args.idle_timeout,
+        max_sessions=args.max_sessions,
+    )
     if problem:  # before any rank starts
         raise SystemExit(f"sess engine: {problem}")
     ranks = None
@@ -230,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         from sess.engine.server import serve_ranks
 
         if RANKS_ENV not in os.environ:  # the agent: start the ranks, each runs this command line
+            release_start_lock()  # rank 0 writes engine.json; the agent would hold the lock for good
             sys.exit(serve_ranks.run_agent(args.nproc, sys.argv[1:] if argv is None else argv, args.home))
         from sess.engine.runtime.distributed import Ranks
 
