@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 
+import httpx
 import numpy as np
 import pytest
 
@@ -16,6 +19,7 @@ from sess.engine import (
     SamplingParams,
     ServiceClient,
     SessError,
+    TensorData,
 )
 
 from helpers import ce_datum
@@ -130,6 +134,103 @@ def test_engine_side_checks_keep_session_alive(svc, tc):
     with pytest.raises(InvalidRequest, match="num_samples"):
         transport.wait(sample_op, 5)
     _still_works(tc, good)
+
+
+def _refused(transport, name: str, args: dict, pattern: str, session=None, seq=None) -> None:
+    """A raw submission (no SDK checks) is refused with an error matching ``pattern``."""
+    with pytest.raises(SessError, match=pattern) as refused:
+        op = transport.submit(name, args, session=session, seq=seq, client_token=uuid.uuid4().hex)
+        while not transport.wait(op, 5)[0]:
+            pass
+    assert refused.value.status == 400, refused.value
+
+
+POISON_ADAM = [
+    ({"eps": 0.0}, r"adam_params\.eps: expected a value in 1e-20\.\.inf"),
+    ({"eps": 1e-30}, r"adam_params\.eps"),
+    ({"learning_rate": 1e30}, r"adam_params\.learning_rate: expected a value in 0\.0\.\.1\.0"),
+    ({"weight_decay": 1e30}, r"adam_params\.weight_decay: expected a value in 0\.0\.\.1\.0"),
+    ({"beta2": 1.0}, r"adam_params\.beta2: must be below 1"),
+]
+
+
+def test_optimizer_settings_that_would_poison_the_weights_are_refused(svc, tc):
+    """eps 0 once put NaN into LoRA's A for good (its first gradient is zero: AdamW divides 0 by 0)."""
+    good = tc.get_tokenizer().encode("one two three")
+    tc.forward_backward([ce_datum(good)]).result()  # gradients for a poisoned step to apply
+    for settings, pattern in POISON_ADAM:
+        with pytest.raises(InvalidRequest, match=pattern):  # the SDK's check
+            tc.optim_step(AdamParams(**{"learning_rate": 1e-4, **settings}))
+        seq = tc._seq = tc._seq + 1  # the engine's, for clients without the SDK
+        _refused(svc.transport, "optim_step", {"adam_params": settings}, pattern, tc.name, seq)
+    _still_works(tc, good)
+    again = tc.forward_backward([ce_datum(good)]).result()
+    assert math.isfinite(again.metrics["loss:sum"])
+
+
+def test_values_torch_cannot_hold_and_silent_nonsense_are_4xx_naming_what_was_sent(svc, tc):
+    good = tc.get_tokenizer().encode("one two three")
+    n, vocab = len(good) - 1, len(tc.get_tokenizer())
+    ce = ce_datum(good).to_wire()
+    shape = json.loads(json.dumps(ce))
+    shape["loss_fn_inputs"]["weights"]["shape"] = [-n]  # numpy reads it as "all of them"
+    negative = Datum(
+        ModelInput.from_ints([-1, *good[1:-1]]), {"target_tokens": good[1:], "weights": [1.0] * n}
+    )
+    huge = ce_datum(good)
+    huge.loss_fn_inputs["target_tokens"] = TensorData.from_numpy(np.full(n, 1e30, np.float32))
+    rl = _rl(good).to_wire()
+    ordered = [
+        ({"data": [shape]}, r"data\[0\]: loss_fn_inputs\['weights'\]\.shape: \[-\d+\] does not hold"),
+        ({"data": [negative.to_wire()]}, r"data\[0\]\.model_input: token id -1 is negative"),
+        ({"data": [huge.to_wire()]}, r"'target_tokens'\]: token id 1e\+30 is outside the vocabulary"),
+        (
+            {
+                "data": [rl],
+                "loss_fn": "ppo",
+                "loss_fn_config": {"clip_low_threshold": 2, "clip_high_threshold": 0.5},
+            },
+            r"clip_low_threshold <= 1 <= clip_high_threshold.*got 2 and 0\.5",
+        ),
+        ({"data": [rl], "loss_fn": "dro", "loss_fn_config": {"beta": -1}}, r"loss_fn_config\.beta.*got -1"),
+    ]
+    for args, pattern in ordered:
+        seq = tc._seq = tc._seq + 1
+        _refused(svc.transport, "forward_backward", args, pattern, tc.name, seq)
+    target = {"session": tc.name}
+    for params, pattern in [
+        ({"top_k": 2**63}, r"sampling_params\.top_k: expected a value in -1\.\.2147483647"),
+        ({"top_k": 10**30}, r"sampling_params\.top_k"),
+        ({"stop": [2**63]}, r"sampling_params\.stop: token id 9223372036854775808 is outside"),
+        ({"stop": [vocab]}, rf"sampling_params\.stop: token id {vocab} is outside the vocabulary"),
+        ({"temperature": 1e39}, r"sampling_params\.temperature: expected a value in 0\.0\.\.10000\.0"),
+    ]:
+        args = {"target": target, "prompt": good, "sampling_params": {"max_tokens": 2, **params}}
+        _refused(svc.transport, "sample", args, pattern)
+    _still_works(tc, good)
+
+
+def test_a_loss_that_overflows_reads_back_as_inf_over_strict_json(svc, tc):
+    """JSON has no Infinity: an overflowing metric travels as a string and reads back as a float."""
+    good = tc.get_tokenizer().encode("one two three")
+    datum = ce_datum(good)
+    datum.loss_fn_inputs["weights"] = TensorData.from_numpy(np.full(len(good) - 1, 3e38, np.float32))
+    out = tc.forward([datum]).result()
+    assert math.isinf(out.metrics["loss:sum"]) and math.isinf(out.metrics["weights:sum"])
+    url = getattr(svc.transport, "url", None)
+    if url is None:  # in-process: no JSON on the way
+        return
+    headers = {"authorization": f"Bearer {svc.transport.api_key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        seq = tc._seq = tc._seq + 1
+        body = {"name": "forward", "args": {"data": [datum.to_wire()]}, "session": tc.name, "seq": seq}
+        op_id = http.post("/api/submit", json=body).json()["op_id"]
+        answer = http.post("/api/wait", json={"op_id": op_id, "timeout": 30})
+
+    def not_json(constant):
+        raise AssertionError(f"{constant} in a response: not JSON")
+
+    assert json.loads(answer.text, parse_constant=not_json)["result"]["metrics"]["loss:sum"] == "inf"
 
 
 def test_unknown_model_and_checkpoint_paths(svc, sess_home, tc):

@@ -42,7 +42,8 @@ ODD_VALUES = [
 
 
 def _nasty(session: str) -> list[tuple[str, str, str]]:
-    """Bodies that each once answered 500: deep nesting, lone surrogates and NULs in text."""
+    """Bodies that each once answered 500: deep nesting, lone surrogates and NULs in text, huge
+    integers."""
     deep = '{"a":' * 900 + "1" + "}" * 900
     return [
         (
@@ -64,6 +65,13 @@ def _nasty(session: str) -> list[tuple[str, str, str]]:
             json.dumps({"model": session, "messages": [{"role": "user", "content": "\udcff"}]}),
         ),
         ("POST", "/api/submit", "[" * 100_000 + "]" * 100_000),
+        ("POST", "/api/wait", '{"op_id": "x", "timeout": 1' + "0" * 400 + "}"),  # float() overflowed
+        (
+            "POST",
+            "/api/submit",
+            '{"name": "sample", "args": {"target": {"base_model": "tiny-llama"}, "prompt": [1, 2], '
+            '"sampling_params": {"top_p": 1' + "0" * 400 + "}}}",
+        ),
     ]
 
 

@@ -78,5 +78,20 @@ def test_openai_errors_are_4xx_with_messages(served):
         client.completions.create(model=tc.name, prompt="hi", max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=tc.name, messages=[], max_tokens=2)
+    # errors name the fields the client sent, not the engine's (num_samples, sampling_params.*)
+    for kwargs, message in [
+        ({"n": 0}, "400 - n: expected a value in 1..1024, got 0"),
+        ({"temperature": 1e39}, "400 - temperature: expected a value in 0.0..10000.0"),
+        ({"logprobs": 5}, "400 - logprobs: not supported"),
+        ({"echo": True}, "400 - echo: not supported"),
+        ({"best_of": 3}, "400 - best_of: not supported"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=tc.name, prompt="hi", max_tokens=2, **kwargs)
+        assert message in str(refused.value), refused.value
+    with pytest.raises(openai.BadRequestError, match="an integer of 401 digits"):
+        client.completions.create(
+            model=tc.name, prompt="hi", max_tokens=2, extra_body={"temperature": 10**400}
+        )
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()

@@ -262,6 +262,120 @@ def test_bad_input_gets_a_4xx_that_says_why_and_the_model_keeps_training(a, b, t
     assert "not supported" in a.post("/asample", image).json()["detail"]
 
 
+def _dtype_bfloat16(message) -> None:
+    message.data[0].loss_fn_inputs["weights"].dtype = 4
+
+
+def _text_option(message) -> None:
+    message.loss_fn_config_v2["clip_low_threshold"].text = "low"
+
+
+def _image_chunk(message) -> None:
+    message.data[0].model_input.add().image.data = b"png"
+
+
+def _empty_chunk(message) -> None:
+    message.data[0].model_input.add()
+
+
+def _token_bytes_not_int32(message) -> None:
+    message.data[0].model_input[0].encoded_text.tokens = b"\x01\x02\x03"
+
+
+def _shape(sizes):
+    def change(message) -> None:
+        weights = message.data[0].loss_fn_inputs["weights"]
+        n = weights.shape[0]
+        del weights.shape[:]
+        weights.shape.extend([size if size != "n" else n for size in sizes] if sizes else [-n])
+
+    return change
+
+
+def _sparse(message) -> None:
+    weights = message.data[0].loss_fn_inputs["weights"]
+    weights.sparse_csr.values = b"\x00" * 4
+    weights.sparse_csr.crow_indices = b"\x00" * 16
+    weights.sparse_csr.col_indices = b"\x00" * 8
+    del weights.shape[:]
+    weights.shape.extend([1, 3])
+
+
+def _no_data(message) -> None:
+    del message.data[:]
+
+
+BATCHES_REFUSED_WHILE_READ = {
+    "bfloat16": (_dtype_bfloat16, "dtype 4 is not float32"),
+    "text-option": (_text_option, "text values"),
+    "image-chunk": (_image_chunk, "image chunks are not supported"),
+    "empty-chunk": (_empty_chunk, "empty chunks are not supported"),
+    "odd-token-bytes": (_token_bytes_not_int32, "3 bytes is not a whole number of int32"),
+    "2-d": (_shape([1, "n"]), "1-D loss inputs"),
+    "negative-shape": (_shape(None), "does not hold"),  # [-n] for n values
+    "sparse": (_sparse, "inconsistent sparse CSR"),
+    "no-data": (_no_data, "at least one Datum"),
+}
+
+
+@pytest.mark.parametrize(
+    "change, words", BATCHES_REFUSED_WHILE_READ.values(), ids=BATCHES_REFUSED_WHILE_READ.keys()
+)
+def test_a_batch_refused_while_read_uses_up_its_seq_id(a, tokens, change, words):
+    """Refused before the model was looked at, a batch once left its seq_id unused: the model's
+    next op waited ~2 minutes for it and failed, and every later op after it."""
+    _, model = _model(a)
+    message = schema.ForwardBackwardRequest()
+    message.ParseFromString(fb_request(model, 1, tokens))
+    change(message)
+    refused = a.forward_backward(message.SerializeToString())
+    assert refused.status_code == 400 and words in refused.json()["detail"], refused.text[:300]
+    answer = a.result(a.forward_backward(fb_request(model, 2, tokens)).json()["request_id"], timeout=20)
+    assert read_fb_output(answer)[1]["loss:sum"] > 0
+
+
+def test_settings_that_would_poison_a_model_are_400s_and_it_trains_after(a, tokens):
+    """The Tinker routes apply the sess protocol's rules: optimizer settings (AdamParams), loss
+    options (check_loss_fn) and sampling parameters (SamplingParams)."""
+    session, model = _model(a)
+    a.result(a.forward_backward(fb_request(model, 1, tokens)).json()["request_id"])
+    seq = 2
+    for adam, words in [
+        ({"eps": 0.0}, "adam_params.eps: expected a value in 1e-20..inf"),
+        ({"learning_rate": 1e30}, "adam_params.learning_rate: expected a value in 0.0..1.0"),
+        ({"weight_decay": 1e30}, "adam_params.weight_decay"),
+    ]:
+        response = a.post("/optim_step", {"model_id": model, "seq_id": seq, "adam_params": adam})
+        assert response.status_code == 400 and words in response.json()["detail"], response.text[:300]
+        seq += 1
+    for loss, config, words in [
+        ("ppo", {"clip_low_threshold": 2.0, "clip_high_threshold": 0.5}, "clip_low_threshold <= 1 <="),
+        ("dro", {"beta": -1.0}, "loss_fn_config.beta"),
+    ]:
+        response = a.forward_backward(fb_request(model, seq, tokens, loss, config=config))
+        assert response.status_code == 400 and words in response.json()["detail"], response.text[:300]
+        seq += 1
+    step = a.ok("/optim_step", {"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 1e-2}})
+    assert a.result(step["request_id"], timeout=20)["metrics"]["step:max"] == 1
+    answer = a.result(a.forward_backward(fb_request(model, seq + 1, tokens)).json()["request_id"], timeout=20)
+    assert np.isfinite(read_fb_output(answer)[1]["loss:sum"])
+    saved = a.ok(
+        "/save_weights_for_sampler", {"model_id": model, "seq_id": seq + 2, "sampling_session_seq_id": 0}
+    )
+    sampler = a.result(saved["request_id"])["sampling_session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": tokens[0]}]}
+    for params, words in [
+        ({"temperature": 1e39}, "sampling_params.temperature"),
+        ({"top_k": 2**63}, "sampling_params.top_k"),
+        ({"stop": [2**63]}, "sampling_params.stop"),
+        ({"temperature": 10**400}, "body: an integer of 401 digits"),
+    ]:
+        body = {"sampling_session_id": sampler, "seq_id": seq, "prompt": prompt, "sampling_params": params}
+        response = a.post("/asample", body)
+        assert response.status_code == 400 and words in response.json()["detail"], response.text[:300]
+        seq += 1
+
+
 def test_both_protocols_share_sessions_per_key_and_hide_them_from_other_keys(a, b, keys, http_engine, tokens):
     url = http_engine["url"]
     session, model = _model(a)

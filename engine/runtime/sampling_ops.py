@@ -47,6 +47,8 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
     host, adapter, _ = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
+    stop_ids = [s for s in params.stop if isinstance(s, int)] if isinstance(params.stop, list) else []
+    check_prompt(stop_ids, host.vocab_size, "sampling_params.stop")
     if len(prompt) + params.max_tokens > host.max_context:
         raise InvalidRequest(
             f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
@@ -91,7 +93,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     return {"logprobs": logprobs}
 
 
-def check_prompt(prompt: list[int], vocab_size: int) -> None:
+def check_prompt(prompt: list[int], vocab_size: int, where: str = "prompt") -> None:
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")

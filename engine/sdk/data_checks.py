@@ -1,8 +1,10 @@
 """Checks of a training batch, shared by the SDK (before a request leaves) and the engine.
 
 A loss names the ``loss_fn_inputs`` it needs (:data:`REQUIRED_INPUTS`) and the options it takes with
-their defaults (:data:`DEFAULT_CONFIG`); every datum's inputs must be finite and as long as its
-``model_input``, and token ids must lie in the vocabulary. Errors name the datum index and the key.
+their defaults (:data:`DEFAULT_CONFIG`), whose values must keep it the loss it names (clip thresholds
+around the on-policy ratio 1, a penalty weight of 0 or more); every datum's inputs must be finite
+and as long as its ``model_input``, and token ids must lie in the vocabulary. Errors name the datum
+index and the key.
 The losses themselves are computed on the engine (:mod:`sess.engine.runtime.losses`).
 """
 
@@ -47,7 +49,26 @@ def check_loss_fn(loss_fn: str | LossFunction, loss_fn_config: dict | None) -> t
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise InvalidRequest(f"loss_fn_config.{key}: expected a finite number, got {value!r}")
         config[key] = float(value)
+    _check_config(name, config)
     return name, config
+
+
+def _check_config(name: str, config: dict[str, float]) -> None:
+    """Options that would run but compute something else than the loss they name."""
+    if "clip_low_threshold" in config:
+        low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+        # the thresholds bound the ratio p_new / p_sampler, which is 1 on-policy: a range without 1
+        # clips every on-policy token (ppo then has no gradient at all)
+        if not 0 <= low <= 1 <= high:
+            raise InvalidRequest(
+                f"loss_fn_config: {name} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold "
+                f"(bounds of the probability ratio, 1 on-policy), got {low:g} and {high:g}"
+            )
+    if config.get("beta", 0.0) < 0:
+        raise InvalidRequest(
+            f"loss_fn_config.beta: expected a value of 0 or more (the weight of {name}'s penalty on "
+            f"moving away from the sampler), got {config['beta']:g}"
+        )
 
 
 def check_data(
@@ -80,15 +101,20 @@ def check_data(
             targets = datum.loss_fn_inputs["target_tokens"].to_numpy()
             if targets.dtype.kind == "f" and not np.all(targets == np.round(targets)):
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be integers")
-            _check_tokens(
-                targets.astype(np.int64).tolist(), f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size
-            )
+            # checked as sent: float ids cast to int64 first would wrap (1e30 -> -2**63)
+            _check_tokens(targets.tolist(), f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size)
 
 
-def _check_tokens(tokens: Sequence[int], where: str, vocab_size: int | None) -> None:
+def _check_tokens(tokens: Sequence[int | float], where: str, vocab_size: int | None) -> None:
     low, high = min(tokens), max(tokens)
-    if low < 0 or (vocab_size is not None and high >= vocab_size):
-        bad = low if low < 0 else high
+    if low < 0:
+        raise InvalidRequest(f"{where}: token id {_shown(low)} is negative; token ids count from 0")
+    if vocab_size is not None and high >= vocab_size:
         raise InvalidRequest(
-            f"{where}: token id {bad} is outside the vocabulary (0..{(vocab_size or 0) - 1})"
+            f"{where}: token id {_shown(high)} is outside the vocabulary (0..{vocab_size - 1})"
         )
+
+
+def _shown(token: int | float) -> str:
+    """A token id as the client sent it: 7 for 7.0, 1e+30 for a float no integer type holds."""
+    return str(int(token)) if isinstance(token, int) or abs(token) < 2**53 else f"{token:g}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -115,9 +116,20 @@ class TensorData:
         return {"dtype": self.dtype, "shape": list(array.shape), "data": encode_array(array)}
 
     @classmethod
-    def from_wire(cls, wire: dict) -> TensorData:
-        array = decode_array(wire["data"], wire["dtype"]).reshape(wire["shape"])
-        return cls(data=array, dtype=wire["dtype"], shape=list(wire["shape"]))
+    def from_wire(cls, wire: dict, name: str = "TensorData") -> TensorData:
+        array = decode_array(wire["data"], wire["dtype"])
+        shape = wire["shape"]
+        # numpy would read any negative size as "the rest", so [-5] would pass for 5 values
+        if (
+            not isinstance(shape, list)
+            or not all(type(size) is int and size >= 0 for size in shape)
+            or math.prod(shape) != array.size
+        ):
+            raise InvalidRequest(
+                f"{name}.shape: {str(shape)[:80]} does not hold the {array.size} values sent "
+                "(sizes are integers from 0 whose product is the number of values)"
+            )
+        return cls(data=array.reshape(shape), dtype=wire["dtype"], shape=shape)
 
 
 def as_tensor_data(value: Any, key: str = "value") -> TensorData:
@@ -170,7 +182,10 @@ class Datum:
     def from_wire(cls, wire: dict) -> Datum:
         return cls(
             model_input=ModelInput.from_wire(wire["model_input"]),
-            loss_fn_inputs={k: TensorData.from_wire(v) for k, v in wire["loss_fn_inputs"].items()},
+            loss_fn_inputs={
+                k: TensorData.from_wire(v, f"loss_fn_inputs[{k!r}]")
+                for k, v in wire["loss_fn_inputs"].items()
+            },
         )
 
 
@@ -196,14 +211,21 @@ class WireParams:
         return asdict(self)
 
 
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids travel as int32 in the Tinker protocol; no vocabulary is larger
+# Beyond this the tempered distribution is uniform to within float32 rounding for any model's logits
+# (they span tens of nats), so nothing real is refused; an unbounded one overflows float32 in torch.
+MAX_TEMPERATURE = 1e4
+
+
 @dataclass
 class SamplingParams(WireParams):
     where: ClassVar[str] = "sampling_params"
     max_tokens: int = bounded(512, 1)  # the engine bounds it by the model's context
-    temperature: float = bounded(1.0, 0.0)
+    temperature: float = bounded(1.0, 0.0, MAX_TEMPERATURE)
     top_p: float = bounded(1.0, above=0.0, hi=1.0)
-    top_k: int = bounded(-1, -1)  # -1: off
+    top_k: int = bounded(-1, -1, MAX_TOKEN_ID)  # -1: off; a k of the vocabulary or more keeps every token
     seed: int | None = bounded(None, 0)
+    # token ids here are checked against the vocabulary by the engine
     stop: str | list[str] | list[int] | None = bounded(None, max_items=64)
 
     def check(self, where: str | None = None) -> None:
@@ -211,16 +233,30 @@ class SamplingParams(WireParams):
         super().check(where)
         if self.top_k == 0:
             raise InvalidRequest(f"{where}.top_k: must be -1 (off) or >= 1, got 0")
+        if isinstance(self.stop, list):
+            bad = next((s for s in self.stop if isinstance(s, int) and not 0 <= s <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise InvalidRequest(f"{where}.stop: token id {bad} is outside 0..{MAX_TOKEN_ID}")
+
+
+# AdamW's step is m / (sqrt(v) + eps): an eps of 0 divides 0 by 0 where a gradient is zero (LoRA's A
+# at the first step), and a tinier one than this explodes where the squared gradient v underflows
+# float32 or bfloat16 but m does not. Tinker's default is 1e-12, torch's 1e-8.
+MIN_EPS = 1e-20
 
 
 @dataclass
 class AdamParams(WireParams):
+    """The engine's one rule for optimizer settings (both protocols read them through this class).
+    The upper bounds are far beyond real use (LoRA learning rates are ~1e-5..1e-3) and keep
+    AdamW's decoupled decay factor ``1 - learning_rate * weight_decay`` within [0, 1]."""
+
     where: ClassVar[str] = "adam_params"
-    learning_rate: float = bounded(1e-4, 0.0)
-    beta1: float = bounded(0.9, 0.0)
+    learning_rate: float = bounded(1e-4, 0.0, 1.0)
+    beta1: float = bounded(0.9, 0.0)  # and below 1 (check)
     beta2: float = bounded(0.95, 0.0)
-    eps: float = bounded(1e-8, 0.0)
-    weight_decay: float = bounded(0.0, 0.0)
+    eps: float = bounded(1e-8, MIN_EPS)
+    weight_decay: float = bounded(0.0, 0.0, 1.0)
     grad_clip_norm: float = bounded(0.0, 0.0)  # 0: no clipping
 
     def check(self, where: str | None = None) -> None:
@@ -237,15 +273,17 @@ class ForwardBackwardOutput:
     metrics: dict[str, float]
 
     def to_wire(self) -> dict:
+        # a loss can overflow float32 (a huge weight, an importance ratio exp(100)); JSON has no
+        # inf or NaN, so those travel as the strings "inf", "-inf", "nan" and read back as floats
         return {
             "loss_fn_outputs": [{k: v.to_wire() for k, v in out.items()} for out in self.loss_fn_outputs],
-            "metrics": self.metrics,
+            "metrics": {k: v if math.isfinite(v) else str(float(v)) for k, v in self.metrics.items()},
         }
 
     @classmethod
     def from_wire(cls, wire: dict) -> ForwardBackwardOutput:
         outputs = [{k: TensorData.from_wire(v) for k, v in out.items()} for out in wire["loss_fn_outputs"]]
-        return cls(loss_fn_outputs=outputs, metrics=wire["metrics"])
+        return cls(loss_fn_outputs=outputs, metrics={k: float(v) for k, v in wire["metrics"].items()})
 
 
 @dataclass

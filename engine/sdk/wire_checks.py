@@ -112,7 +112,7 @@ def check_value(value: Any, kind: Any, where: str, meta: Any = None) -> Any:
             raise _error(where, "an integer", value)
         return _in_bounds(value, where, meta)
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
             raise _error(where, "a finite number", value)
         return _in_bounds(float(value), where, meta)
     if kind is str:
@@ -211,3 +211,11 @@ def _name(kind: Any) -> str:
     if kind is type(None):
         return "null"
     return f"a {getattr(kind, '__name__', kind)}"
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float64 (an int too big for one, such as 10**400, is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -52,6 +52,15 @@ def error_response(exc: SessError) -> Response:
     )
 
 
+def json_integer(text: str) -> int:
+    """An integer of a JSON body: JSON sets no size limit, but one of 309 digits or more is past
+    every field's bounds and overflows float() wherever it meets one, so it is refused here."""
+    digits = len(text.lstrip("-"))
+    if digits > 308:
+        raise InvalidRequest(f"body: an integer of {digits} digits is beyond any field's range")
+    return int(text)
+
+
 async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -62,7 +71,7 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
         if len(body) > max_bytes:
             raise HttpError(f"body: over the limit of {max_bytes} bytes", status=413)
     try:
-        data = json.loads(body or b"{}")
+        data = json.loads(body or b"{}", parse_int=json_integer)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body: malformed JSON ({exc})") from None
     except RecursionError:  # the decoder recurses per nesting level; no request of ours nests deeply
@@ -173,8 +182,10 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     async def wait(request: Request):
         owner = owner_of(request)
         body = await read_json(request, max_body_bytes)
-        timeout = min(float(field(body, "timeout", (int, float), required=False, default=30.0)), MAX_WAIT_S)
-        op = await engine.wait_async(owner, field(body, "op_id", str), max(0.0, timeout))
+        timeout = field(body, "timeout", (int, float), required=False, default=30.0)
+        # clamped before float(): an integer of 400 digits is valid JSON but overflows a float
+        timeout = float(max(0.0, min(timeout, MAX_WAIT_S)))
+        op = await engine.wait_async(owner, field(body, "op_id", str), timeout)
         if op is None:
             return json_response({"done": False})
         if op.error is not None:

@@ -3,7 +3,8 @@
 ``model`` is a live session's name (its current weights), a ``sess://`` sampler checkpoint, or a
 base model name. Requests become ordinary ``sample`` ops on the engine, so they are batched, bounded
 and accounted like any other; the ``usage`` block counts the same prompt and sampled tokens.
-``n``, ``max_tokens``, ``temperature``, ``top_p``, ``stop`` and ``seed`` are honoured; streaming is not.
+``n``, ``max_tokens``, ``temperature``, ``top_p``, ``stop`` and ``seed`` are honoured; streaming is not,
+nor are the options in :data:`UNSUPPORTED` (a 400 names them rather than an answer that ignores them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,23 @@ from sess.engine.sdk.types import SamplingParams, SessionStatus
 from sess.engine.sdk.wire_checks import check_text
 
 SAMPLE_TIMEOUT_S = 600.0
+# options that would change the answer, with the values that ask for nothing (those are accepted)
+UNSUPPORTED = {
+    "logprobs": (False,),  # completions' logprobs=0 asks for the sampled tokens' logprobs
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+LOGPROBS = ("logprobs", "top_logprobs", "echo")
+# the engine's names for what an OpenAI client sent, as its error messages start with them
+CLIENT_NAMES = {"num_samples:": "n:", "sampling_params.": ""}
 
 
 def _number(body: dict, name: str, default: float, kind=(int, float)) -> Any:
@@ -31,7 +49,7 @@ def _number(body: dict, name: str, default: float, kind=(int, float)) -> Any:
         return default
     if isinstance(value, bool) or not isinstance(value, kind):
         raise InvalidRequest(f"{name}: expected a number, got {value!r}")
-    return value
+    return value if kind is int else float(value)  # read_json refuses integers no float holds
 
 
 def _target(engine, owner: str, model: Any) -> dict:
@@ -78,6 +96,26 @@ def _check_messages(messages: Any) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _check_supported(body: dict) -> None:
+    for name, inert in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert):
+            continue
+        hint = " (sess's own sample op returns each sampled token's logprob)" if name in LOGPROBS else ""
+        raise InvalidRequest(
+            f"{name}: not supported by this engine, got {str(value)[:40]}; leave it out{hint}"
+        )
+
+
+def _as_sent(exc: SessError) -> SessError:
+    """``exc`` with the engine's field names replaced by the ones the OpenAI client sent."""
+    message = str(exc)
+    for ours, theirs in CLIENT_NAMES.items():
+        if message.startswith(ours):
+            return type(exc)(theirs + message[len(ours) :], status=exc.status)
+    return exc
+
+
 def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     cut = min((text.find(s) for s in stop if s and s in text), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
@@ -106,6 +144,7 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
         body = await read_json(request)
         if body.get("stream"):
             raise InvalidRequest("stream: streaming responses are not supported; send stream=false")
+        _check_supported(body)
         model = body.get("model")
         target = _target(engine, owner, model)
         messages = _check_messages(body.get("messages")) if chat else None
@@ -125,25 +164,28 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
             raise InvalidRequest("stop: expected a string or a list of strings")
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-        params = SamplingParams(
-            max_tokens=_number(body, "max_tokens", 16, int),
-            temperature=float(_number(body, "temperature", 1.0)),
-            top_p=float(_number(body, "top_p", 1.0)),
-            seed=_number(body, "seed", None, int),
-            stop=stops or None,
-        )
-        params.validate()
-        tokenizer, tokens = await run_in_threadpool(_prepare, engine, owner, target, messages, prompt)
-        op_id = engine.submit(
-            owner,
-            "sample",
-            {"target": target, "prompt": tokens, "num_samples": n, "sampling_params": params.to_wire()},
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=_number(body, "max_tokens", 16, int),
+                temperature=_number(body, "temperature", 1.0),
+                top_p=_number(body, "top_p", 1.0),
+                seed=_number(body, "seed", None, int),
+                stop=stops or None,
+            )
+            params.validate()
+            tokenizer, tokens = await run_in_threadpool(_prepare, engine, owner, target, messages, prompt)
+            op_id = engine.submit(
+                owner,
+                "sample",
+                {"target": target, "prompt": tokens, "num_samples": n, "sampling_params": params.to_wire()},
+            )
+        except SessError as exc:
+            raise _as_sent(exc) from None
         op = await engine.wait_async(owner, op_id, SAMPLE_TIMEOUT_S)
         if op is None:
             raise SessError("sample: timed out inside the engine", status=504)
         if op.error is not None:
-            raise op.error
+            raise _as_sent(op.error)
         choices, sampled = [], 0
         for index, seq in enumerate(op.result["sequences"]):
             sampled += len(seq["tokens"])

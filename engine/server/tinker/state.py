@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.server.app import json_integer
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
@@ -139,7 +140,7 @@ class Tinker:
     async def json(self, request: Request) -> dict:
         raw = await self.body(request)
         try:
-            data = json.loads(raw or b"{}")
+            data = json.loads(raw or b"{}", parse_int=json_integer)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"body: malformed JSON ({exc})") from None
         except RecursionError:

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data
-from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import ids, wire
 from sess.engine.server.tinker.futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
@@ -74,7 +74,7 @@ def add_routes(route, tinker: Tinker) -> None:
         async def make() -> dict:
             try:
                 op, args, convert = await prepare(owner, name)
-            except SessError:
+            except Exception:  # a refusal, or a bug of ours (a 500): either way later ops must not wait
                 await tinker.skip(owner, name, seq)  # does nothing for another key's model
                 raise
             op_id = await tinker.submit(owner, op, args, session=name, seq=seq)
@@ -172,9 +172,10 @@ def add_routes(route, tinker: Tinker) -> None:
             raise InvalidRequest(
                 "body: zstd-compressed; this engine's client config sets proto_compress_fwdbwd=false"
             )
-        batch = wire.read_training_batch(await tinker.body(request))
+        message = wire.parse_training_request(await tinker.body(request))
 
         async def prepare(owner: str, name: str):
+            batch = wire.read_training_batch(message)  # refused here, the seq_id is still used up
             if batch.loss_fn not in REQUIRED_INPUTS:
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
@@ -188,7 +189,7 @@ def add_routes(route, tinker: Tinker) -> None:
             }
             return ("forward" if batch.forward_only else "forward_backward"), args, _training_output
 
-        return await ordered(request, {"model_id": batch.model_id, "seq_id": batch.seq_id}, prepare)
+        return await ordered(request, {"model_id": message.model_id, "seq_id": message.seq_id}, prepare)
 
     @route("POST", "/optim_step")
     async def optim_step(request: Request) -> Response:

@@ -41,8 +41,9 @@ class TrainingBatch:
     data: list[Datum]
 
 
-def read_training_batch(body: bytes) -> TrainingBatch:
-    """A ``ForwardBackwardRequest`` body as sess datums (checked against the model later)."""
+def parse_training_request(body: bytes):
+    """A ``ForwardBackwardRequest`` body as its protobuf message: enough to know the model and the
+    ``seq_id``, so that a batch :func:`read_training_batch` then refuses still uses that seq_id up."""
     message = schema.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -50,6 +51,11 @@ def read_training_batch(body: bytes) -> TrainingBatch:
         raise InvalidRequest(f"body: not a tinker_public.ForwardBackwardRequest protobuf ({exc})") from None
     if not message.model_id:
         raise InvalidRequest("model_id: missing")
+    return message
+
+
+def read_training_batch(message) -> TrainingBatch:
+    """A parsed ``ForwardBackwardRequest`` as sess datums (checked against the model later)."""
     config: dict[str, float] = {k: float(v) for k, v in message.loss_fn_config.items()}
     for key, value in message.loss_fn_config_v2.items():  # the SDK writes numbers to both; v2 wins
         if value.WhichOneof("value") == "text":
