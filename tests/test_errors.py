@@ -158,6 +158,8 @@ def test_optimizer_settings_that_would_poison_the_weights_are_refused(svc, tc):
     """eps 0 once put NaN into LoRA's A for good (its first gradient is zero: AdamW divides 0 by 0)."""
     good = tc.get_tokenizer().encode("one two three")
     tc.forward_backward([ce_datum(good)]).result()  # gradients for a poisoned step to apply
+    with pytest.raises(InvalidRequest, match="learning_rate: expected a finite number"):
+        tc.optim_step(AdamParams(learning_rate=10**400))  # too big for a float: once an OverflowError
     for settings, pattern in POISON_ADAM:
         with pytest.raises(InvalidRequest, match=pattern):  # the SDK's check
             tc.optim_step(AdamParams(**{"learning_rate": 1e-4, **settings}))
