@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from sess.cli.main import app, fail, guard
+from sess.cli.main import app, err, fail, guard, report
 
 out = Console()
 
@@ -62,18 +62,25 @@ def run(
 
     Writes runs/<time>-<loop>-<model>/ (resolved config, metrics, checkpoints, usage); `sess runs`
     lists them and `sess runs show RUN` charts one. The local engine it uses (started if none runs)
-    keeps running afterwards unless engine.keep=false; the run ends by saying which."""
+    keeps running afterwards unless engine.keep=false; the run ends by saying which. Ctrl-C finishes
+    the current step, saves it and stops the session (again: at once); --resume RUN_DIR continues."""
     from sess.loops import config, runner
 
     overrides = list(overrides or [])
+    if print_config and dry_run:  # each prints instead of running; together one would hide the other
+        fail("--print-config and --dry-run: give one (the resolved config, or the plan)", code=2)
     if resume is not None:
-        if overrides:
-            fail("--resume replays the recorded config; drop the overrides (or start a new run)")
+        if overrides or session or print_config or dry_run:
+            fail(
+                "--resume replays the recorded config; drop the overrides and other options (or start a new run)"
+            )
         cfg = guard(config.load, resume / "config.yaml") if (resume / "config.yaml").is_file() else None
-        was_running = cfg is not None and runner.local_engine(cfg) is not None
-        path = guard(runner.resume, resume)
-        out.print(f"resumed and finished: {path}")
-        _engine_note(cfg, was_running)
+        try:
+            path = _run_and_note(cfg, runner.resume, resume)
+        except runner.AlreadyCompleted as done:  # exit 0: a retried resume of a finished run succeeded
+            out.print(str(done), highlight=False, markup=False, soft_wrap=True)
+            return
+        out.print(f"resumed and finished: {path}", highlight=False)
         return
     if session is not None:
         overrides.append(f"session={session}")
@@ -87,12 +94,35 @@ def run(
         for key, value in plan.items():
             out.print(f"{key:>7}: {value}", highlight=False, markup=False)
         return
-    was_running = runner.local_engine(cfg) is not None
+    path = _run_and_note(cfg, runner.start, overrides)
+    out.print(f"run finished: {path}", highlight=False)
+
+
+def _run_and_note(cfg, work, *args) -> Path:
+    """``work(*args)``, then what became of the engine; an error is one red line (before the note),
+    Ctrl-C the line that says how to resume (exit 130)."""
+    import os
+
+    from sess.engine.sdk.http_transport import EngineUnavailable
+    from sess.loops import runner
+
+    was_running = cfg is not None and runner.local_engine(cfg) is not None
     try:
-        path = guard(runner.start, overrides)
-        out.print(f"run finished: {path}")
-    finally:
+        path = work(*args)
+    except runner.Interrupted as stopped:
         _engine_note(cfg, was_running)
+        err.print(str(stopped), highlight=False, markup=False)
+        raise typer.Exit(130) from None
+    except (typer.Exit, KeyboardInterrupt, runner.AlreadyCompleted):
+        raise
+    except Exception as exc:
+        if os.environ.get("SESS_DEBUG"):
+            raise
+        report(str(exc) or type(exc).__name__)
+        _engine_note(cfg, was_running, reached=not isinstance(exc, EngineUnavailable))
+        raise typer.Exit(1) from None
+    _engine_note(cfg, was_running)
+    return path
 
 
 def _source(base_model: str) -> str:
@@ -106,11 +136,11 @@ def _source(base_model: str) -> str:
     return f" ({spec.source}{': ' + spec.repo if spec.repo else ''})"
 
 
-def _engine_note(cfg, was_running: bool) -> None:
+def _engine_note(cfg, was_running: bool, reached: bool = True) -> None:
     from sess.loops import runner
 
     try:
-        note = runner.engine_note(cfg, was_running) if cfg is not None else ""
+        note = runner.engine_note(cfg, was_running, reached) if cfg is not None else ""
     except Exception:  # a note about the engine must not hide the run's own outcome
         return
     if note:

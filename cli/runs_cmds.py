@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sess.cli.main import app, fail
+from sess.cli.main import app, err, fail
 from sess.cli.text_chart import line_chart
 
 out = Console()
@@ -47,9 +47,9 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
     rows = [
         (
             r["run"],
-            r["loop"],
-            r["model"],
-            r["status"],
+            r["loop"] or "",
+            r["model"] or "",
+            "damaged" if r["problem"] else r["status"],
             f"{r['step']}/{r['steps']}" if r["steps"] else str(r["step"]),
             "" if r["eval"] is None else f"{r['eval']:.3f}",
             r["session"] or "",
@@ -59,11 +59,15 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
     if not out.is_terminal:  # pipes and scripts get whole names, tab-separated
         for row in [header, *rows]:
             print("\t".join(map(str, row)))
-        return
-    table = Table(*header)
-    for row in rows:
-        table.add_row(*map(str, row))
-    out.print(table)
+    else:
+        table = Table(*header)
+        for row in rows:
+            table.add_row(*map(str, row))
+        out.print(table)
+    for r in found:  # why a run failed or cannot be read: one line each, on stderr (stdout stays a table)
+        if r["problem"] or r["error"]:
+            note = r["problem"] or f"{r['status']}: {r['error']}"
+            err.print(f"{r['run']}: {note}", highlight=False, markup=False)
 
 
 def _run_dir(run: str, runs_dir: Path) -> Path:
@@ -86,22 +90,42 @@ def _run_dir(run: str, runs_dir: Path) -> Path:
 
 
 def _summary(path: Path) -> dict:
-    """The run's meta, resolved config and metric rows."""
-    import json
+    """The run's meta, resolved config and metric rows; a file that cannot be read is one line
+    naming it."""
+    from sess.loops.records import DamagedRecord, read_json, read_jsonl
 
-    import yaml
-
-    from sess.loops.records import read_jsonl
-
-    meta = json.loads((path / "meta.json").read_text())
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    rows = read_jsonl(path / "metrics.jsonl")
+    try:
+        meta = read_json(path / "meta.json")
+        config = _read_yaml(path / "config.yaml")
+        rows = read_jsonl(path / "metrics.jsonl")
+    except DamagedRecord as exc:
+        fail(str(exc))
     return {
         "meta": meta,
         "config": config or {},
         "train": [r for r in rows if r.get("kind") == "train"],
         "eval": [r for r in rows if r.get("kind") == "eval"],
     }
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    from sess.loops.records import DamagedRecord
+
+    if not path.is_file():
+        return {}
+    try:
+        value = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise DamagedRecord(
+            f"{path}: not valid YAML ({getattr(exc, 'problem', None) or exc}{where})"
+        ) from None
+    if value is not None and not isinstance(value, dict):
+        raise DamagedRecord(f"{path}: expected a mapping of config keys, got {type(value).__name__}")
+    return value or {}
 
 
 @runs_app.command("show")
@@ -125,6 +149,8 @@ def show(
         f"session {meta.get('session')}",
         highlight=False,
     )
+    if meta.get("error"):
+        out.print(f"{meta.get('status')}: {meta['error']}", highlight=False, markup=False, soft_wrap=True)
     evals = {r["step"]: r for r in found["eval"]}
     headline = next((k for k in EVAL_KEYS if any(k in r for r in found["eval"])), None)
     columns = [(k, t) for k, t in STEP_COLUMNS if any(k in r for r in found["train"])]

@@ -17,6 +17,7 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -135,7 +136,44 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
     missing = re.search(r"Could not (?:find|load) '([\w-]+)/([^']+)'", message)
     if missing and missing.group(1) in GROUPS:
         return unknown_option(missing.group(1), missing.group(2))
+    if "override_grammar" in message:  # Hydra could not parse an override
+        return _unparsable(overrides) or message.split("; See https://hydra.cc")[0]
+    deleted = next((o for o in overrides if o.startswith("~")), None)
+    if deleted and ("not in struct" in message or "does not support deletion" in message):
+        return f"{deleted}: keys and groups cannot be removed; set a key with KEY=VALUE, a group with group=option"
+    merging = re.match(r"Error merging override (\S+); (.*)", message)
+    if merging:
+        override, problem = merging.groups()
+        expected = next((kind for pattern, kind in EXPECTED if re.search(pattern, problem)), None)
+        return f"override {override}: expected {expected}" if expected else f"override {override}: {problem}"
     return message.split("; Config search path")[0]
+
+
+# What a value that OmegaConf could not convert should have been, by its message.
+EXPECTED = (
+    ("converted to Integer", "an integer"),
+    ("converted to Float", "a number"),
+    ("not a valid bool", "true or false"),
+    ("not a ListConfig", "a list, such as [a,b]"),
+)
+
+
+def _unparsable(overrides: list[str]) -> str | None:
+    """The first override Hydra's grammar refuses, as a line naming it (Hydra's own message names
+    it only for some errors, and always adds a link to its grammar)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except HydraException as exc:
+            if "=" not in override.lstrip("~"):
+                return f"{override}: expected KEY=VALUE or group=option (see sess run --help)"
+            gist = _one_line(exc).split("; See https://hydra.cc")[0]
+            return f"override {override}: Hydra cannot parse it ({gist})"
+    return None
 
 
 def _unknown_key(key: str, other_overrides: list[str]) -> str:
@@ -261,6 +299,15 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
     if cfg.engine.kind == "remote" and not cfg.engine.url:
         raise ConfigError("engine.url: a remote engine needs its address; set engine.url=http://host:port")
+    if cfg.engine.url is not None and (problem := engine_url_problem(cfg.engine.url)):
+        raise ConfigError(f"engine.url: {problem}")
+    if cfg.session is not None:
+        from sess.engine.sdk.checkpoint_paths import check_name
+
+        try:
+            check_name(cfg.session, "session")
+        except Exception as exc:  # a name the engine would refuse only after the run directory exists
+            raise ConfigError(str(exc)) from None
     from .code_data import GRADERS
 
     if cfg.grader.name not in GRADERS:
@@ -282,6 +329,20 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"loop.learning_rate: expected a positive number, got {loop.learning_rate}")
     if cfg.model.lora.rank < 1:
         raise ConfigError(f"model.lora.rank: expected a positive integer, got {cfg.model.lora.rank}")
+
+
+def engine_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot address an engine (None when it can): it needs http(s), a host, a valid port."""
+    parts = urlsplit(str(url))
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # not a number, or over 65535
+        port_ok = False
+    if not port_ok:
+        return f"{url!r} has no valid port; expected http://host:port"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"expected http://host:port or https://host, got {url!r}"
+    return None
 
 
 def _one_line(exc: BaseException) -> str:

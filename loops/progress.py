@@ -68,6 +68,13 @@ class Progress:
             with self.console.status(message):
                 yield
 
+    def note(self, text: str) -> None:
+        """A line for the user (shown even with the bar off: it answers something they did)."""
+        if self.plain or not self.enabled:
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.console.print(text, highlight=False, markup=False)
+
     def update(self, done: int, row: dict) -> None:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now

@@ -46,16 +46,51 @@ def new_run_dir(runs_dir: str | Path, loop: str, model: str) -> Path:
     return path
 
 
-def _write_json(path: Path, value: Any) -> None:
+class DamagedRecord(ValueError):
+    """A run file that cannot be read (cut short, edited, overwritten); the message names the file."""
+
+
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+
+
+def _write_json(path: Path, value: Any) -> None:
+    _write_text(path, json.dumps(value, indent=1, default=str) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DamagedRecord(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise DamagedRecord(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines record. A last line cut short without its newline is what a killed
+    run leaves mid-write: it is skipped; any other unreadable line is damage, named by its number."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise DamagedRecord(f"{path}: not text ({exc})") from None
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise DamagedRecord(f"{path}: line {number} is not valid JSON ({exc})") from None
+    return rows
 
 
 def versions() -> dict[str, str]:
@@ -91,8 +126,8 @@ class RunRecord:
     @classmethod
     def create(cls, path: Path, config_yaml: str, overrides: list[str], meta: dict) -> RunRecord:
         record = cls(path)
-        (path / "config.yaml").write_text(config_yaml)
-        (path / "overrides.yaml").write_text(yaml.safe_dump(list(overrides), default_flow_style=False))
+        _write_text(path / "config.yaml", config_yaml)
+        _write_text(path / "overrides.yaml", yaml.safe_dump(list(overrides), default_flow_style=False))
         for name in ("metrics.jsonl", "checkpoints.jsonl"):
             (path / name).touch()
         _write_json(path / "usage.json", {})
@@ -111,7 +146,7 @@ class RunRecord:
 
     @property
     def meta(self) -> dict:
-        return json.loads((self.path / "meta.json").read_text())
+        return read_json(self.path / "meta.json")
 
     def write_meta(self, meta: dict) -> None:
         _write_json(self.path / "meta.json", meta)
@@ -138,38 +173,38 @@ class RunRecord:
         """Drop rows past ``step`` (work a killed run did after its last save; a resume redoes it)."""
         for name in ("metrics.jsonl", "checkpoints.jsonl"):
             rows = [r for r in read_jsonl(self.path / name) if r.get("step", 0) <= step]
-            (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            _write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in rows))
 
     def write_usage(self, usage: dict) -> None:
         _write_json(self.path / "usage.json", usage)
 
 
 def list_runs(runs_dir: str | Path) -> list[dict]:
-    """Summaries of the run directories under ``runs_dir``, oldest first."""
+    """Summaries of the run directories under ``runs_dir``, oldest first. A run whose files cannot
+    be read is listed with ``problem`` saying which file and why, so one damaged run hides no other."""
     root = Path(runs_dir)
     found = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        meta_path = path / "meta.json"
-        if not meta_path.is_file():
-            continue
-        meta = json.loads(meta_path.read_text())
-        rows = read_jsonl(path / "metrics.jsonl")
-        train = [r for r in rows if r.get("kind") == "train"]
-        evals = [r for r in rows if r.get("kind") == "eval"]
-        found.append(
-            {
-                "run": path.name,
-                "path": str(path),
-                "loop": meta.get("loop"),
-                "model": meta.get("model"),
-                "status": meta.get("status"),
-                "step": train[-1]["step"] if train else 0,
-                "steps": meta.get("steps"),
-                "eval": _headline(evals[-1]) if evals else None,
-                "session": meta.get("session"),
-            }
-        )
+        if (path / "meta.json").is_file():
+            found.append(_run_summary(path))
     return found
+
+
+def _run_summary(path: Path) -> dict:
+    from_meta = ("loop", "model", "status", "steps", "session", "error")
+    summary: dict[str, Any] = {"run": path.name, "path": str(path), "step": 0, "eval": None, "problem": None}
+    summary.update(dict.fromkeys(from_meta))
+    try:
+        meta = read_json(path / "meta.json")
+        summary.update({key: meta.get(key) for key in from_meta})
+        rows = read_jsonl(path / "metrics.jsonl")
+    except (DamagedRecord, OSError) as exc:
+        summary["problem"] = str(exc)
+        return summary
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    summary.update(step=train[-1]["step"] if train else 0, eval=_headline(evals[-1]) if evals else None)
+    return summary
 
 
 def _headline(row: dict) -> float | None:

@@ -6,7 +6,10 @@ hands the loop its config (the loop's ``Config`` dataclass), the training client
 :class:`RunHooks`. Through the hooks' ``step_done`` it records every step, evaluates on held-out data
 (:mod:`.evaluation`) at the start, every ``loop.eval_every`` steps and at the end, and saves state
 every ``loop.save_every`` steps and at the end. At the end it records usage and stops the session
-unless ``keep_session``. ``python -m sess.loops.<loop> [overrides]`` comes here too (:func:`main`).
+unless ``keep_session``; a failure is recorded as ``meta.json``'s ``error``. ``python -m
+sess.loops.<loop> [overrides]`` comes here too (:func:`main`).
+
+Ctrl-C mid-step finishes the step, saves it and stops the session (:mod:`.interrupts`).
 
 Seeds: the session's LoRA init uses ``seed``; item k of the data order is a function of (seed, k); the
 sampling seed of prompt i at step s is a hash of (seed, s, i). So a replay of a recorded config
@@ -31,6 +34,7 @@ from sess.engine import ServiceClient, TrainingClient
 
 from . import config as config_mod
 from . import datasets, evaluation
+from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
 from .registry import LOOPS, Loop
@@ -39,6 +43,10 @@ from .rollouts import derive_seed
 
 class RunInterrupted(Exception):
     """Raised by an ``on_step`` callback to stop a run as if it were killed (tests use it)."""
+
+
+class AlreadyCompleted(ValueError):
+    """``resume`` of a run that has finished: there is nothing to continue."""
 
 
 def service_client(engine_cfg) -> ServiceClient:
@@ -58,12 +66,15 @@ def local_engine(cfg: DictConfig) -> dict | None:
     return engine_info()
 
 
-def engine_note(cfg: DictConfig, was_running: bool) -> str:
+def engine_note(cfg: DictConfig, was_running: bool, reached: bool = True) -> str:
     """What a finished run says about the engine it used: still running (and its memory, and how to
-    stop it), or stopped because this run started it and ``engine.keep`` is false."""
+    stop it), or stopped because this run started it and ``engine.keep`` is false. Of a remote engine
+    the run could not reach (``reached`` false) it says nothing: it does not know."""
     if cfg.engine.kind == "inprocess":
         return ""
     if cfg.engine.kind == "remote" or os.environ.get("SESS_ENGINE_URL"):
+        if not reached:
+            return ""
         return f"the engine at {cfg.engine.url or os.environ.get('SESS_ENGINE_URL')} keeps running"
     from sess.engine.server.launcher import engine_info, stop_engine
 
@@ -110,10 +121,14 @@ class RunHooks:
     logger: Logger
     progress: Progress
     on_step: Callable[[int], None] | None = None
-    last_saved: int = -1
+    done: int = 0  # steps done (the step a run starts at, until its first step_done)
+    last_saved: int = 0  # the step of the newest saved state (the start step's state exists already)
+    mid_step: bool = False  # the loop is inside a step: its updates may be partly applied
+    stop_requested: bool = False  # Ctrl-C came mid-step: stop once this step is recorded and saved
 
     def step_done(self, step: int, metrics: dict) -> None:
-        done = step + 1
+        self.mid_step = False
+        done = self.done = step + 1
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         self.logger.log(row)
         self.progress.update(done, row)
@@ -124,6 +139,17 @@ class RunHooks:
             self.save(done)
         if self.on_step is not None:
             self.on_step(done)
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.mid_step = True
+
+    def on_ctrl_c(self, signum, frame) -> None:
+        """SIGINT while the loop trains: finish the step first; a second one (or one between steps)
+        is Python's own KeyboardInterrupt."""
+        if not self.mid_step or self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self.progress.note(f"stopping after step {self.done + 1} to save it; Ctrl-C again to stop without it")
 
     def evaluate(self, done: int) -> dict:
         with self.progress.status(f"evaluating at step {done}"):
@@ -202,6 +228,12 @@ def resume(
     record = RunRecord(Path(run_dir))
     if not (record.path / "config.yaml").is_file():
         raise ValueError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
+    meta = record.meta
+    if meta.get("status") == "completed":
+        done = max((r["step"] for r in record.metrics() if r.get("kind") == "train"), default=0)
+        raise AlreadyCompleted(
+            f"run {run_dir} already completed ({done}/{meta.get('steps')} steps); nothing to resume"
+        )
     cfg = config_mod.load(record.path / "config.yaml")
     data = _load_data(cfg)
     state = record.last_state()
@@ -210,8 +242,10 @@ def resume(
             f"--resume: {run_dir} has no saved state to resume from (checkpoints.jsonl is empty)"
         )
     record.truncate_after(state["step"])
-    resumes = record.meta.get("resumes", [])
-    record.update_meta(status="running", resumes=[*resumes, {"step": state["step"], "path": state["path"]}])
+    resumes = [*meta.get("resumes", []), {"step": state["step"], "path": state["path"]}]
+    record.write_meta(
+        {**{k: v for k, v in meta.items() if k != "error"}, "status": "running", "resumes": resumes}
+    )
     _execute(
         cfg,
         data,
@@ -240,9 +274,16 @@ def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume
     if resume_from is not None:
         name = f"{record.path.name}-r{len(record.meta.get('resumes', []))}-{tag}"
         return svc.create_training_client_from_state_with_optimizer(resume_from, training_session_name=name)
-    name = cfg.session or f"{record.path.name}-{tag}"
-    if cfg.session and any(s.name == name and s.status == "Running" for s in svc.list_sessions()):
-        return svc.get_training_client(name)
+    name = str(cfg.session or f"{record.path.name}-{tag}")
+    if cfg.session:
+        same = [s for s in svc.list_sessions(name_contains=name) if s.name == name]
+        if same and same[0].status.value == "Running":
+            return svc.get_training_client(name)
+        if same:
+            raise ValueError(
+                f"session {name!r} is {same[0].status.value}; a run needs a new name or a Running session "
+                f"(`sess resume {name}` continues it in a new one)"
+            )
     lora = cfg.model.lora
     return svc.create_lora_training_client(
         cfg.model.base_model,
@@ -265,24 +306,29 @@ def _load_data(cfg: DictConfig) -> datasets.Data:
 
 
 def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_from, on_step, show_progress):
-    loop = LOOPS[cfg.loop.name]
-    loop_cfg = loop.config(**OmegaConf.to_container(cfg.loop, resolve=True))  # the loop's own dataclass
-    logger = Logger(record, cfg.logger, OmegaConf.to_container(cfg, resolve=True))
-    svc = service_client(cfg.engine)
-    tc = None
-    status = "failed"
+    svc = tc = logger = hooks = None
+    status, error = "failed", None
     try:
+        loop = LOOPS[cfg.loop.name]
+        loop_cfg = loop.config(**OmegaConf.to_container(cfg.loop, resolve=True))  # the loop's own dataclass
+        logger = Logger(record, cfg.logger, OmegaConf.to_container(cfg, resolve=True))
+        svc = service_client(cfg.engine)
         with Progress(cfg, start_step, enabled=show_progress) as progress:
             # the first time, the engine fetches and converts the model here (about a minute for smollm2)
             with progress.status(f"starting a session on {cfg.model.base_model}"):
                 tc = _open_session(svc, cfg, record, resume_from)
             record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
-            hooks = RunHooks(cfg, loop, tc, data, record, logger, progress, on_step)
+            hooks = RunHooks(
+                cfg, loop, tc, data, record, logger, progress, on_step, done=start_step, last_saved=start_step
+            )
             if start_step == 0:
                 hooks.evaluate(0)
             if start_step < loop_cfg.steps:
                 dataset = data.need(loop.data, cfg.loop.name)
-                loop.train(loop_cfg, tc, dataset, hooks, seed=int(cfg.seed), start_step=start_step)
+                hooks.mid_step = True  # until the loop's first step_done, and in each step after
+                with ctrl_c_finishes_the_step(hooks):
+                    loop.train(loop_cfg, tc, dataset, hooks, seed=int(cfg.seed), start_step=start_step)
+                hooks.mid_step = False
             final = loop_cfg.steps
             hooks.evaluate(final)
             if hooks.last_saved != final:
@@ -290,23 +336,35 @@ def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_
         path = tc.save_weights_for_sampler(name="final").result().path
         record.append("checkpoints.jsonl", {"step": loop_cfg.steps, "kind": "sampler", "path": path})
         status = "completed"
-    except (KeyboardInterrupt, RunInterrupted):
+    except RunInterrupted:
         status = "interrupted"
         raise
+    except KeyboardInterrupt:
+        status = "interrupted"
+        undone = wind_down(svc, tc, hooks, record, keep_session=cfg.keep_session)
+        raise Interrupted(resume_hint(record, undone)) from None
+    except Exception as exc:
+        error = " ".join((str(exc) or type(exc).__name__).split())
+        raise
     finally:
-        logger.close(status)
-        if tc is not None:
+        if logger is not None:
+            logger.close(status)
+        if tc is not None and status != "interrupted":
             try:
                 record.write_usage(svc.get_usage(tc.name).to_wire())
             except Exception:  # usage is a record, not a reason to hide the run's own error
                 pass
-            if not cfg.keep_session and status != "interrupted":
+            if not cfg.keep_session:
                 try:
                     tc.stop()
                 except Exception:
                     pass
-        record.update_meta(status=status, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        if cfg.engine.kind != "inprocess":
+        meta = {k: v for k, v in record.meta.items() if k != "error"}
+        record.write_meta(
+            {**meta, "status": status, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            | ({"error": error} if error else {})
+        )
+        if svc is not None and cfg.engine.kind != "inprocess":
             svc.close()
 
 
@@ -324,6 +382,9 @@ def main(loop: str, argv: list[str] | None = None) -> None:
         cfg = config_mod.compose([f"loop={loop}", *argv])
         was_running = local_engine(cfg) is not None
         path = start([f"loop={loop}", *argv])
+    except Interrupted as stopped:
+        print(stopped, file=sys.stderr)
+        sys.exit(130)
     except Exception as exc:  # as `sess run` prints it; SESS_DEBUG=1 shows the traceback
         if os.environ.get("SESS_DEBUG"):
             raise

@@ -32,3 +32,10 @@ def test_attach_runs_forward_backward_on_the_live_session(svc):
 def test_attach_to_a_missing_session_is_one_line(svc):
     result = CliRunner().invoke(app, ["attach", "no-such-session", "--url", svc.url])
     assert result.exit_code == 1 and "no-such-session" in result.output
+
+
+def test_attach_to_a_malformed_url_names_the_option():
+    result = CliRunner().invoke(app, ["attach", "s1", "--url", "garbage"])
+    assert (
+        result.exit_code == 1 and result.output.startswith("error: --url:") and "'garbage'" in result.output
+    )

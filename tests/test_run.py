@@ -1,4 +1,5 @@
-"""`sess run` end to end on tiny models: every loop records a complete run; dry runs; replay; resume."""
+"""`sess run` end to end on tiny models: every loop records a complete run; dry runs; replay; resume;
+Ctrl-C; failures recorded; damaged records; one-line errors for bad options and overrides."""
 
 from __future__ import annotations
 
@@ -200,3 +201,158 @@ def test_loops_run_against_an_engine_process(sess_home, tmp_path, http_engine, l
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["engine"]["url"] == http_engine["url"]
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2]
+
+
+def test_resuming_a_completed_run_changes_nothing(sess_home, tmp_path):
+    run_dir = _run(tmp_path, "loop=sft", "loop.steps=1")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    result = cli.invoke(app, ["run", "--resume", str(run_dir)])
+    assert result.exit_code == 0, result.output  # a retried resume of a finished run is no failure
+    assert result.output.strip() == f"run {run_dir} already completed (1/1 steps); nothing to resume"
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def _recorded_run(runs_dir: Path, name: str, steps: int = 2) -> Path:
+    """A run directory as a finished run leaves it, without running anything."""
+    from sess.loops.records import RunRecord
+
+    path = runs_dir / name
+    path.mkdir(parents=True)
+    record = RunRecord.create(path, "loop:\n  name: sft\n  steps: 2\n", [], {"loop": "sft", "steps": steps})
+    for step in range(1, steps + 1):
+        record.append("metrics.jsonl", {"kind": "train", "step": step, "loss": 1.0 / step})
+    record.update_meta(status="completed")
+    return path
+
+
+def test_one_damaged_run_hides_no_other(tmp_path):
+    for name in ("a-good", "b-meta", "c-killed", "d-config", "e-metrics"):
+        _recorded_run(tmp_path, name)
+    (tmp_path / "b-meta" / "meta.json").write_text("")
+    with (tmp_path / "c-killed" / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')  # what a run killed mid-write leaves
+    (tmp_path / "d-config" / "config.yaml").write_text("loop: [unclosed\n")
+    (tmp_path / "e-metrics" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\nnot json\n{}\n')
+
+    listing = cli.invoke(app, ["runs", "--dir", str(tmp_path)])
+    assert listing.exit_code == 0, listing.output
+    rows = {line.split("\t")[0]: line.split("\t") for line in listing.stdout.splitlines()[1:]}
+    assert rows["a-good"][3:5] == ["completed", "2/2"] and rows["c-killed"][3:5] == ["completed", "2/2"]
+    assert rows["b-meta"][3] == "damaged" and rows["e-metrics"][3] == "damaged"
+    problems = listing.stderr.splitlines()
+    assert len(problems) == 2
+    assert "b-meta/meta.json: not valid JSON" in problems[0]
+    assert "e-metrics/metrics.jsonl: line 2 is not valid JSON" in problems[1]
+
+    shown = cli.invoke(app, ["runs", "show", "c-killed", "--dir", str(tmp_path)])
+    assert shown.exit_code == 0, shown.output
+    assert [line.split()[1] for line in shown.stdout.splitlines() if line.startswith("│ ")] == ["1", "2"]
+    for name, file in (("b-meta", "meta.json"), ("d-config", "config.yaml"), ("e-metrics", "metrics.jsonl")):
+        broken = cli.invoke(app, ["runs", "show", name, "--dir", str(tmp_path)])
+        assert broken.exit_code == 1 and len(broken.output.splitlines()) == 1, broken.output
+        assert broken.output.startswith("error:") and f"{name}/{file}" in broken.output
+
+
+def test_a_failed_run_records_why(sess_home, tmp_path):
+    result = cli.invoke(
+        app, ["run", *TINY, "engine=inprocess", f"runs_dir={tmp_path}", "model.base_model=no-such"]
+    )
+    assert result.exit_code == 1
+    (run_dir,) = tmp_path.iterdir()
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["status"] == "failed" and "no-such" in meta["error"] and "\n" not in meta["error"]
+    shown = cli.invoke(app, ["runs", "show", str(run_dir)], env={"COLUMNS": "300"})
+    assert f"failed: {meta['error']}" in shown.stdout
+    listing = cli.invoke(app, ["runs", "--dir", str(tmp_path)])
+    assert listing.stderr == f"{run_dir.name}: failed: {meta['error']}\n"
+
+
+def test_a_session_a_run_cannot_use_is_refused(sess_home, tmp_path):
+    from sess.engine import ServiceClient
+
+    refused = cli.invoke(
+        app, ["run", *TINY, "engine=inprocess", f"runs_dir={tmp_path}", "--session", "bad/name"]
+    )
+    assert refused.exit_code == 1 and "session: 'bad/name' is not a valid name" in refused.output
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before a run directory
+    svc = ServiceClient("inproc")
+    svc.create_lora_training_client("tiny-llama", rank=4, training_session_name="stopped-one").stop()
+    result = cli.invoke(
+        app, ["run", *TINY, "engine=inprocess", f"runs_dir={tmp_path}", "--session", "stopped-one"]
+    )
+    assert result.exit_code == 1 and "session 'stopped-one' is Stopped" in result.output
+    (run_dir,) = tmp_path.iterdir()
+    assert "is Stopped" in json.loads((run_dir / "meta.json").read_text())["error"]
+
+
+def test_a_bad_engine_url_is_named_and_no_engine_is_claimed(sess_home, tmp_path, monkeypatch):
+    junk = cli.invoke(app, ["run", "engine=remote", "engine.url=junk", f"runs_dir={tmp_path}", "--dry-run"])
+    assert junk.exit_code == 1 and junk.output.startswith("error: engine.url:") and "'junk'" in junk.output
+    monkeypatch.setattr("sess.engine.sdk.http_transport.RETRY_DEADLINE_S", 0.2)
+    closed = cli.invoke(
+        app, ["run", *TINY, "engine=remote", "engine.url=http://127.0.0.1:1", f"runs_dir={tmp_path}"]
+    )
+    assert closed.exit_code == 1 and "cannot reach the engine at http://127.0.0.1:1" in closed.output
+    assert "keeps running" not in closed.output
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("loop.steps=abc", "override loop.steps=abc: expected an integer"),
+        ("loop.learning_rate=fast", "override loop.learning_rate=fast: expected a number"),
+        ("notanoverride", "notanoverride: expected KEY=VALUE or group=option (see sess run --help)"),
+        ("~loop", "~loop: keys and groups cannot be removed"),
+    ],
+)
+def test_malformed_overrides_are_one_line_naming_them(override, message):
+    result = cli.invoke(app, ["run", override, "--dry-run"])
+    assert result.exit_code == 1 and result.output.startswith(f"error: {message}"), result.output
+    assert len(result.output.splitlines()) == 1
+
+
+def test_print_config_and_dry_run_together_are_refused():
+    result = cli.invoke(app, ["run", "--print-config", "--dry-run"])
+    assert result.exit_code == 2 and "--print-config and --dry-run" in result.output
+
+
+def test_ctrl_c_saves_stops_the_session_and_says_how_to_resume(sess_home, tmp_path, http_engine):
+    import signal
+    import subprocess
+    import sys
+
+    from sess.engine import ServiceClient
+
+    overrides = [
+        *TINY,
+        "loop=grpo",
+        "loop.group_size=2",
+        "loop.steps=8",
+        "loop.save_every=0",
+        "engine=remote",
+    ]
+    command = [sys.executable, "-c", "from sess.cli.main import main; main()", "run", *overrides]
+    run = subprocess.Popen(
+        [*command, f"engine.url={http_engine['url']}", f"runs_dir={tmp_path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # even under a shell that ignores it
+    )
+    for line in run.stderr:  # progress lines (stderr is no terminal)
+        if " step 2/8" in line:
+            run.send_signal(signal.SIGINT)
+            break
+    _, rest = run.communicate(timeout=120)
+    (run_dir,) = tmp_path.iterdir()
+    meta = json.loads((run_dir / "meta.json").read_text())
+    state = read_jsonl(run_dir / "checkpoints.jsonl")[-1]  # saved by the Ctrl-C: save_every is off
+    assert run.returncode == 130 and meta["status"] == "interrupted" and 2 <= state["step"] < 8
+    hint = f"interrupted at step {state['step']}; resume with: sess run --resume {run_dir}"
+    assert rest.splitlines()[-1] == hint, rest
+    (session,) = ServiceClient(http_engine["url"]).list_sessions(name_contains=meta["session"])
+    assert session.status.value != "Running"
+    resumed = cli.invoke(app, ["run", "--resume", str(run_dir)])
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["step"] for r in _train_rows(run_dir)] == list(range(1, 9))
+    assert json.loads((run_dir / "meta.json").read_text())["resumes"][0]["step"] == state["step"]

@@ -1,0 +1,82 @@
+"""What a run does on Ctrl-C (:mod:`.runner` routes SIGINT here while its loop trains).
+
+Mid-step, the run finishes that step (a state saved mid-step would not say which updates it holds),
+then saves it, records usage and stops the session, within :data:`WIND_DOWN_S`. A second Ctrl-C
+stops the session without finishing the step, a third quits at once. :class:`Interrupted` then says
+the step a ``sess run --resume`` starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import threading
+
+from .records import RunRecord
+
+WIND_DOWN_S = 60.0  # after Ctrl-C, the most that saving the state and stopping the session may take
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C ended the run after saving what it could; ``str()`` is the line telling how to resume."""
+
+
+@contextlib.contextmanager
+def ctrl_c_finishes_the_step(hooks):
+    """Route SIGINT to ``hooks.on_ctrl_c`` while the loop trains. Only where Python's own handler is
+    in place: another thread cannot, and a process told to ignore SIGINT keeps ignoring it."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, hooks.on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def wind_down(svc, tc, hooks, record: RunRecord, *, keep_session: bool) -> list[str]:
+    """After Ctrl-C: save what was trained since the last save (between steps only), record usage,
+    stop the session. In a thread given ``WIND_DOWN_S``, so a stuck engine cannot hold the terminal,
+    and a further Ctrl-C (a KeyboardInterrupt in this thread's join) quits at once. Returns what was
+    left undone."""
+    undone: list[str] = []
+
+    def work() -> None:
+        # mid-step, some of the step's updates may have been applied: no step number fits that state
+        if hooks is not None and not hooks.mid_step and hooks.done > hooks.last_saved:
+            try:
+                hooks.save(hooks.done)
+            except Exception as exc:
+                undone.append(f"saving step {hooks.done} failed ({exc})")
+        with contextlib.suppress(Exception):
+            record.write_usage(svc.get_usage(tc.name).to_wire())
+        if not keep_session:
+            try:
+                tc.stop()
+            except Exception as exc:
+                undone.append(
+                    f"stopping session {tc.name} failed ({exc}); stop it with `sess stop {tc.name}`"
+                )
+
+    if tc is None:  # no session yet: nothing trained, nothing to stop
+        return undone
+    worker = threading.Thread(target=work, name="sess-wind-down", daemon=True)
+    worker.start()
+    worker.join(WIND_DOWN_S)
+    if worker.is_alive():
+        undone.append(f"saving and stopping took over {WIND_DOWN_S:.0f} s; check `sess list` for {tc.name}")
+    return undone
+
+
+def resume_hint(record: RunRecord, undone: list[str]) -> str:
+    state = record.last_state()
+    if state is None:
+        line = "interrupted before its first step was saved; nothing to resume (run the command again)"
+    else:
+        line = f"interrupted at step {state['step']}; resume with: sess run --resume {shlex.quote(str(record.path))}"
+    return "; ".join([line, *undone])
