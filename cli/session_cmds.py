@@ -145,9 +145,10 @@ def list_(
 
 @app.command()
 def stop(name: str) -> None:
-    """Stop a session and free its memory; its checkpoints stay. If it trained since its last
-    save_state, the engine saves its state first (sess://NAME/state/stop-step...), so
-    sess resume NAME continues it from the step it stopped at."""
+    """Stop a session and free its memory; its checkpoints stay.
+
+    If it trained since its last save_state, the engine saves its state first
+    (sess://NAME/state/stop-step...), so sess resume NAME continues it from the step it stopped at."""
     summary = guard(reader().stop_session, name)
     out.print(
         f"session {summary.name} is {summary.status.value} at step {summary.step} (sess resume {name} continues it)"
