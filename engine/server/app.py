@@ -61,7 +61,8 @@ def json_integer(text: str) -> int:
     return int(text)
 
 
-async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """A request's body, refused (413) past ``max_bytes`` before it is all read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise HttpError(f"body: {int(declared)} bytes is over the limit of {max_bytes}", status=413)
@@ -70,8 +71,13 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
         body += chunk
         if len(body) > max_bytes:
             raise HttpError(f"body: over the limit of {max_bytes} bytes", status=413)
+    return bytes(body)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A JSON object body (empty: ``{}``); anything else is a 400 that says what it is."""
     try:
-        data = json.loads(body or b"{}", parse_int=json_integer)
+        data = json.loads(raw or b"{}", parse_int=json_integer)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body: malformed JSON ({exc})") from None
     except RecursionError:  # the decoder recurses per nesting level; no request of ours nests deeply
@@ -79,6 +85,10 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
     if not isinstance(data, dict):
         raise InvalidRequest(f"body: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    return parse_json(await read_body(request, max_bytes))
 
 
 def field(data: dict, name: str, types: type | tuple, *, required: bool = True, default: Any = None) -> Any:

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.server.app import json_integer
+from sess.engine.server.app import parse_json, read_body
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
@@ -127,27 +127,10 @@ class Tinker:
         return entry["owner"]
 
     async def body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise SessError(f"body: {declared} bytes is over the limit of {self.max_body_bytes}", status=413)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise SessError(f"body: over the limit of {self.max_body_bytes} bytes", status=413)
-        return bytes(body)
+        return await read_body(request, self.max_body_bytes)
 
     async def json(self, request: Request) -> dict:
-        raw = await self.body(request)
-        try:
-            data = json.loads(raw or b"{}", parse_int=json_integer)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidRequest(f"body: malformed JSON ({exc})") from None
-        except RecursionError:
-            raise InvalidRequest("body: JSON nested too deeply") from None
-        if not isinstance(data, dict):
-            raise InvalidRequest(f"body: expected a JSON object, got {type(data).__name__}")
-        return data
+        return parse_json(await self.body(request))
 
     # the engine ----------------------------------------------------------------------------------
     async def call(self, owner: str, name: str, args: dict) -> Any:

@@ -33,8 +33,8 @@ TOPK_EMPTY = (0, -99999.0)  # the SDK's marker of an empty top-k slot (and of pr
 
 @dataclass
 class TrainingBatch:
-    model_id: str
-    seq_id: int
+    """What a ``ForwardBackwardRequest`` asks to compute (its model and seq_id stay on the message)."""
+
     loss_fn: str
     loss_fn_config: dict[str, float]
     forward_only: bool
@@ -64,9 +64,7 @@ def read_training_batch(message) -> TrainingBatch:
     data = [_datum(d, i) for i, d in enumerate(message.data)]
     if not data:
         raise InvalidRequest("data: expected at least one Datum")
-    return TrainingBatch(
-        message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data
-    )
+    return TrainingBatch(message.loss_fn, config, message.forward_only, data)
 
 
 def _datum(message, i: int) -> Datum:
