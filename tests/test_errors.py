@@ -77,6 +77,10 @@ def test_client_side_checks_name_field_and_index(tc):
             tc.forward_backward(data, loss)
     with pytest.raises(InvalidRequest, match=r"loss_fn_config\.clip"):
         tc.forward_backward([_rl(good)], "ppo", loss_fn_config={"clip": 0.1})
+    with pytest.raises(
+        InvalidRequest, match=r"clip_low_threshold: expected a finite number"
+    ):  # not OverflowError
+        tc.forward_backward([_rl(good)], "ppo", loss_fn_config={"clip_low_threshold": 10**400})
     with pytest.raises(InvalidRequest, match="learning_rate"):
         tc.optim_step(AdamParams(learning_rate=float("nan")))
     sc = tc.create_sampling_client()

@@ -10,12 +10,12 @@ The losses themselves are computed on the engine (:mod:`sess.engine.runtime.loss
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from sess.engine.sdk.types import Datum, InvalidRequest, LossFunction
+from sess.engine.sdk.wire_checks import finite
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens", "weights"),
@@ -46,7 +46,7 @@ def check_loss_fn(loss_fn: str | LossFunction, loss_fn_config: dict | None) -> t
         if key not in config:
             known = ", ".join(config) or "none"
             raise InvalidRequest(f"loss_fn_config.{key}: not an option of {name} (options: {known})")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
             raise InvalidRequest(f"loss_fn_config.{key}: expected a finite number, got {value!r}")
         config[key] = float(value)
     _check_config(name, config)

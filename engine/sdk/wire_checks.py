@@ -112,7 +112,7 @@ def check_value(value: Any, kind: Any, where: str, meta: Any = None) -> Any:
             raise _error(where, "an integer", value)
         return _in_bounds(value, where, meta)
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
             raise _error(where, "a finite number", value)
         return _in_bounds(float(value), where, meta)
     if kind is str:
@@ -213,7 +213,7 @@ def _name(kind: Any) -> str:
     return f"a {getattr(kind, '__name__', kind)}"
 
 
-def _finite(value: int | float) -> bool:
+def finite(value: int | float) -> bool:
     """Whether ``value`` is a finite float64 (an int too big for one, such as 10**400, is not)."""
     try:
         return math.isfinite(value)
