@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from sess.engine.sdk.home import atomic_write_bytes
+
 RECORD_FILES = (
     "config.yaml",
     "overrides.yaml",
@@ -51,9 +53,7 @@ class DamagedRecord(ValueError):
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    atomic_write_bytes(path, text.encode())  # a reader sees the old file or the new one, never half
 
 
 def _write_json(path: Path, value: Any) -> None:
