@@ -236,6 +236,14 @@ def status(
             f"engine running at {info['url']} (pid {info['pid']}, home {sess_home(home)}{memory}; "
             f"sessions idle {info['idle_timeout']:.0f} s are saved and stopped)"
         )
+        invariance = info.get("batch_invariant")
+        if invariance:
+            out.print(
+                "sampling: batch-invariant on this CPU (a request's logprobs are the same bits in any batch)"
+                if invariance["exact"]
+                else "sampling: NOT batch-invariant on this CPU (logprobs may differ in their last bits with "
+                f"what shares a batch; replays stay exact): {'; '.join(invariance['inexact'])}"
+            )
 
 
 @engine_app.command("down")

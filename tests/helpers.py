@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import signal
 import socket
 import subprocess
@@ -171,3 +172,28 @@ def budget(runtime, value: int):
         yield
     finally:
         runtime.memory_budget = before
+
+
+def batch_invariance(svc) -> dict:
+    """What the engine behind ``svc`` reports of batch invariance on this machine (its calibration
+    of the sampling kernels): in-process from the runtime, over HTTP from ``/healthz``."""
+    engine = getattr(svc.transport, "engine", None)
+    if engine is not None:
+        return engine.runtime.batch_invariance()
+    with urllib.request.urlopen(f"{svc.transport.url}/healthz", timeout=10) as answer:
+        return json.loads(answer.read())["batch_invariant"]
+
+
+def assert_same_samples(svc, got, alone) -> None:
+    """``got`` (a request's sequences among others) equals ``alone`` (the same request alone) to
+    the bit where the engine reports batch invariance; where it reports kernels that are not
+    row-invariant, it names them and the logprobs agree to 1e-5."""
+    invariance = batch_invariance(svc)
+    if invariance["exact"]:
+        assert [s.tokens for s in got] == [s.tokens for s in alone]
+        assert [s.logprobs for s in got] == [s.logprobs for s in alone]
+        return
+    assert invariance["inexact"], invariance
+    for a, b in zip(got, alone):
+        same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+        assert max((abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])), default=0) < 1e-5

@@ -9,7 +9,15 @@ import pytest
 
 from sess.engine import SamplingParams
 
-from helpers import SENTENCES, budget, ce_datum, decode_plan, forward_logprobs, train_steps
+from helpers import (
+    SENTENCES,
+    assert_same_samples,
+    budget,
+    ce_datum,
+    decode_plan,
+    forward_logprobs,
+    train_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +154,7 @@ def test_string_prompt_and_base_model_sampler(svc, trained):
     )
 
 
-def test_sixteen_concurrent_samples(trained):
+def test_sixteen_concurrent_samples(svc, trained):
     tc, prompt = trained
     sc = tc.save_weights_and_get_sampling_client()
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in range(16)]
@@ -154,8 +162,7 @@ def test_sixteen_concurrent_samples(trained):
     concurrent = [f.result(timeout=120) for f in futures]
     for p, got in zip(params, concurrent):
         alone = sc.sample(prompt, num_samples=2, sampling_params=p).result()
-        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
-        assert [s.logprobs for s in got.sequences] == [s.logprobs for s in alone.sequences]
+        assert_same_samples(svc, got.sequences, alone.sequences)
 
 
 def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
@@ -236,8 +243,15 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         ]
         + [(2, "x", x, 8, adapters[0])],
     }
+    exact = runtime.batch_invariance()["exact"]  # else the engine names the kernels that are not
     for name, plan in compositions.items():
-        assert run(plan) == alone, name
+        got = run(plan)
+        if exact:
+            assert got == alone, name
+        else:
+            assert runtime.batch_invariance()["inexact"]
+            for (_, a), (_, b) in zip(got, alone):
+                assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, name
     if path == "lean step, no packed copies":
         assert not host.decoder.linear._packed
     runtime.memory_budget = budget

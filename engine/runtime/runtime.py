@@ -16,6 +16,7 @@ from sess.engine.runtime.memory import trim
 from sess.engine.runtime.memory_budget import default_budget
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.session import Session
+from sess.engine.sampling import row_invariant
 from sess.engine.sampling.decode_batch import DecodeBatch
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import sess_home
@@ -44,6 +45,12 @@ class Runtime:
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
         self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
+
+    def batch_invariance(self, *, check: bool = False) -> dict:
+        """Whether sampling gives each row the same bits in any batch on this machine: the
+        calibration of every matmul kernel met so far (:func:`.row_invariant.report`); ``check``
+        first calibrates the typical shapes (on the executor thread, as the engine does at start)."""
+        return row_invariant.self_check(self.device) if check else row_invariant.report()
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:

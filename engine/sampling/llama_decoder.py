@@ -35,11 +35,10 @@ from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.row_invariant import (
     RowInvariantLinears,
     decode_attention,
+    lora_linear,
     onednn_available,
     pack_weight,
     packed_linear,
-    pad_rows,
-    row_padding,
 )
 from sess.engine.sampling.rows import Groups, add_to_rows, groups_of, take_rows
 
@@ -319,16 +318,14 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
 def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
     part = take_rows(x, rows)
-    padded, count = pad_rows(part, row_padding(part.device.type))
     # LoRA weights stay fp32 under a bf16 base model: its terms run in fp32, as peft runs them
-    low = F.linear(padded.to(terms.a.dtype), terms.a)  # [padded rows, sum of ranks]
+    low = lora_linear(part.to(terms.a.dtype), terms.a)  # [rows, sum of ranks]
     for name, b, scaling, columns, packed in terms.parts:
-        out = outs[names.index(name)]
         if packed:
-            delta = packed_linear(low[:count, columns].contiguous(), b)
+            delta = packed_linear(low[:, columns], b)
         else:
-            delta = F.linear((low[:, columns] * scaling).contiguous(), b)[:count]
-        add_to_rows(out, rows, delta)
+            delta = lora_linear(low[:, columns] * scaling, b)
+        add_to_rows(outs[names.index(name)], rows, delta)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -12,15 +12,20 @@ function of the row alone with these pieces:
   batch's width nor its other rows change a row's sums (fused SDPA kernels pick block sizes from
   the batch's shapes, so they do). A prefill runs each prompt's attention on its own, shaped exactly
   as if the prompt were prefilled alone.
-* **Linear layers** (:class:`RowInvariantLinears`): BLAS libraries treat the last rows of a small
-  matrix (and strided rows) with other kernels, so inputs are dense rows padded with zero rows to a
-  count measured at start-up to give each row exactly its large-matrix result. Frozen base weights
-  run through oneDNN, which is exact at nearly every row count here and faster than the default
-  BLAS for decode-sized batches. With a prepacked copy of each weight it is faster still (a 64-row
-  decode step's base linear layers on smollm2: 82 ms against 101 ms on the weights as they are, the
-  same bits either way), but the copies are as large as the weights, so they are kept only where the
-  engine's memory budget holds them; LoRA weights, which change, go through ``F.linear`` (exact on
-  this CPU for multiples of 4 below 12 rows and for any count from 12).
+* **Linear layers** (:func:`rowwise`): BLAS libraries and oneDNN pick kernels by a matmul's
+  shape, and a small row count or the last rows of a matrix can go through code that sums each
+  dot product in another order. Which counts do differs between CPUs, library builds and thread
+  counts (on one CPU every count from 12 is exact; on another the BLAS treats most counts that
+  are not multiples of 4 differently at any size), so nothing is assumed: the first time the
+  engine meets a kernel at a shape it *calibrates* it on its own thread (:func:`calibrate`), and
+  from then on runs it in calls of 64 rows and one call of the rest, padded with zero rows to a
+  row count calibration found to give every row exactly its 64-row result. Frozen base weights
+  run through oneDNN, faster than the BLAS for decode-sized batches, and through a prepacked copy
+  of each weight where the engine's memory budget holds the copies (the same bits, less time; the
+  copies are as large as the weights). LoRA weights, which change, go through the BLAS, or
+  through oneDNN at a shape where only oneDNN is row-invariant (:func:`lora_linear`). A kernel
+  whose 64-row result depends on a row's place is reported (:func:`report`): the engine says so
+  at start and in ``sess engine status``.
 * Everything else in these models (norms, rotary embeddings, activations, log-softmax) works row by
   row already.
 
@@ -33,6 +38,8 @@ this is best effort, and the oneDNN copies are CPU-only.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -74,34 +81,97 @@ def decode_attention(query, key, value, bias):
 
 
 # linear layers ---------------------------------------------------------------------------------
-def _good_row_counts(linear, features: int, device: torch.device) -> list[int]:
-    """Row counts m <= 16 for which ``linear`` gives each of m rows exactly what it gives that row
-    in a 64-row matrix (BLAS libraries treat the last rows of small matrices with other kernels)."""
-    x = torch.randn(64, features, generator=torch.Generator().manual_seed(0)).to(device)
-    reference = linear(x)
-    return [m for m in range(1, 17) if torch.equal(linear(x[:m]), reference[:m])]
+CHUNK = 64  # the most rows one matmul call takes; more run as several calls
+# the row counts calibration tries: every count up to 16, then multiples of 4 up to CHUNK
+COUNTS = (*range(1, 17), *range(20, CHUNK + 1, 4))
 
 
-@cache
-def row_padding(device: str = "cpu") -> tuple[int, ...]:
-    """For m = 1..16 rows, the row count that ``F.linear`` inputs are padded to so every row's
-    result is the one it gets in a large matrix (measured on this machine's BLAS)."""
-    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)).to(device)
-    return _padding(_good_row_counts(lambda x: F.linear(x, weight), 64, torch.device(device)))
+@dataclass(frozen=True)
+class RowCounts:
+    """What calibration found for one kernel at one shape: for m = 1..CHUNK rows, the row count a
+    call of m rows is padded to (``padded[m - 1]``), and whether a row's result in a CHUNK-row
+    call was the same at every place in it (without that no padding helps)."""
+
+    padded: tuple[int, ...]
+    exact: bool
 
 
-def _padding(good: list[int]) -> tuple[int, ...]:
-    return tuple(next((g for g in good if g >= m), 16) for m in range(1, 17))
+# (kernel, in features, out features, dtype, device type, bias, threads) -> its RowCounts
+_calibrated: dict[tuple, RowCounts] = {}
 
 
-def pad_rows(x: torch.Tensor, padding: tuple[int, ...]) -> tuple[torch.Tensor, int]:
-    """``x`` as a dense [rows, features] matrix padded with zero rows per ``padding``, and its row count."""
+def calibrate(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype, device) -> RowCounts:
+    """Measure ``fn`` (a matmul over rows, on the engine's thread and thread count): which row
+    counts give each row exactly what it gets in a CHUNK-row call, first rows and last rows alike,
+    and whether rows shifted in a CHUNK-row call come out shifted and otherwise unchanged. The
+    kernels follow the shape, not the values, so one measurement serves every weight of a shape."""
+    x = torch.randn(CHUNK, in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(device=device, dtype=dtype)
+    reference = fn(x)
+    exact = all(torch.equal(fn(x.roll(s, 0)).roll(-s, 0), reference) for s in (1, 5, 27))
+    good = [
+        m
+        for m in COUNTS
+        if m == CHUNK
+        or (torch.equal(fn(x[:m].clone()), reference[:m]) and torch.equal(fn(x[-m:].clone()), reference[-m:]))
+    ]
+    return RowCounts(tuple(next(g for g in good if g >= m) for m in range(1, CHUNK + 1)), exact)
+
+
+def row_counts(
+    kernel: str, fn, in_features: int, out_features: int, x: torch.Tensor, bias: bool
+) -> RowCounts:
+    """The calibration of ``kernel`` at this shape, made on first use (``fn`` is the call itself)."""
+    key = (kernel, in_features, out_features, x.dtype, x.device.type, bias, torch.get_num_threads())
+    found = _calibrated.get(key)
+    if found is None:
+        found = _calibrated[key] = calibrate(fn, in_features, x.dtype, x.device)
+    return found
+
+
+def report() -> dict:
+    """Whether every kernel calibrated so far gives each row the same bits in any batch, for the
+    engine's status: ``exact``, ``kernels`` (how many shapes were measured) and ``inexact`` (those
+    that are not: sampled logprobs may then differ in their last bits between batch compositions,
+    while replays of the same requests stay exact)."""
+    inexact = [
+        f"{kernel} {k}->{n} {str(dtype).removeprefix('torch.')} on {device}"
+        for (kernel, k, n, dtype, device, _, _), counts in _calibrated.items()
+        if not counts.exact
+    ]
+    return {"exact": not inexact, "kernels": len(_calibrated), "inexact": inexact}
+
+
+def self_check(device: str = "cpu") -> dict:
+    """Calibrate the kernels the lean decoder uses at a few typical shapes (a hidden size and a
+    LoRA rank each way) and :func:`report`; the engine runs it at start, on its own thread."""
+    linears = RowInvariantLinears()
+    gen = torch.Generator().manual_seed(3)
+    for k, n in ((64, 24), (576, 96), (32, 576), (576, 1536)):
+        x = torch.randn(1, k, generator=gen).to(device)
+        weight = torch.randn(n, k, generator=gen).to(device)
+        linears(x, weight)
+        lora_linear(x, weight)
+    return report()
+
+
+def rowwise(fn, x: torch.Tensor, counts: RowCounts, out_features: int) -> torch.Tensor:
+    """``fn`` over the rows of ``x`` [..., in] in calls of CHUNK rows and one of the rest, padded
+    with zero rows to a calibrated count: each row gets its result in a CHUNK-row call."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    flat = x.reshape(rows, x.shape[-1]).contiguous()  # strided rows take other kernels too
-    target = padding[rows - 1] if 0 < rows <= 16 else rows
-    if target > rows:
-        flat = torch.cat([flat, flat.new_zeros(target - rows, x.shape[-1])])
-    return flat, rows
+    flat = x.reshape(rows, x.shape[-1])
+    if not flat.is_contiguous() or flat.data_ptr() % 64:  # as calibrated: dense, aligned rows
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    outs = []
+    for start in range(0, rows, CHUNK):
+        part = flat[start : start + CHUNK]
+        n = part.shape[0]
+        target = counts.padded[n - 1]
+        if target > n:
+            part = torch.cat([part, part.new_zeros(target - n, part.shape[1])])
+        outs.append(fn(part)[:n])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else x.new_zeros(0, out_features)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -109,33 +179,51 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
-def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True
-) -> torch.Tensor:
-    """``F.linear`` through oneDNN, each row computed as in any other batch; ``weight`` is a
-    :func:`pack_weight` copy, or with ``packed=False`` the [out, in] weight itself."""
-    out_features = weight.shape[0]
-    flat, rows = pad_rows(x, onednn_padding(x.shape[-1], out_features, bias is not None, packed))
-    out = _onednn_linear(flat, weight, bias)
-    return out[:rows].reshape(*x.shape[:-1], out_features)
-
-
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@cache
-def onednn_padding(in_features: int, out_features: int, bias: bool, packed: bool = True) -> tuple[int, ...]:
-    """:func:`row_padding` for oneDNN's linear of one shape, prepacked or not (its kernels follow
-    the shape, not the values, so one probe serves every layer of that shape)."""
-    gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    if packed:
-        weight = pack_weight(weight)
-    b = torch.randn(out_features, generator=gen) if bias else None
-    return _padding(
-        _good_row_counts(lambda m: _onednn_linear(m, weight, b), in_features, torch.device("cpu"))
-    )
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True
+) -> torch.Tensor:
+    """``F.linear`` through oneDNN, each row computed as in any other batch; ``weight`` is a
+    :func:`pack_weight` copy (its out features first), or with ``packed=False`` the [out, in]
+    weight itself."""
+    out_features = weight.shape[0]
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(rows, weight, bias)
+
+    kernel = "onednn packed" if packed else "onednn"
+    counts = row_counts(kernel, fn, x.shape[-1], out_features, x, bias is not None)
+    return rowwise(fn, x, counts, out_features)
+
+
+def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (the BLAS), each row computed as in any other batch."""
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight, bias)
+
+    counts = row_counts("blas", fn, x.shape[-1], weight.shape[0], x, bias is not None)
+    return rowwise(fn, x, counts, weight.shape[0])
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA matmul (weights that change, so never prepacked): through the BLAS where it is
+    row-invariant at this shape, else through oneDNN where that is."""
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available()
+    if cpu_fp32 and not _counts_of("blas", x, weight).exact:
+        if _counts_of("onednn", x, weight).exact:
+            return packed_linear(x, weight, packed=False)
+    return blas_linear(x, weight)
+
+
+def _counts_of(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> RowCounts:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight) if kernel == "blas" else _onednn_linear(rows, weight, None)
+
+    return row_counts(kernel, fn, x.shape[-1], weight.shape[0], x, False)
 
 
 @cache
@@ -156,8 +244,9 @@ class RowInvariantLinears:
 
     On CPU with oneDNN each weight goes through oneDNN: while :attr:`pack` is set, through a
     prepacked copy, made on first use and again if the weight ever changes (its tensor version),
-    else through the weight itself (the same bits, no copy); elsewhere inputs are padded to exact
-    row counts. The copies are held per weight tensor and go when the weight does."""
+    else through the weight itself (the same bits, no copy); elsewhere through the BLAS. Either
+    way in calibrated row counts (:func:`rowwise`). The copies are held per weight tensor and go
+    when the weight does."""
 
     def __init__(self):
         self.pack = True  # through prepacked copies (set by :meth:`packing`)
@@ -172,9 +261,7 @@ class RowInvariantLinears:
             if self.pack:
                 return packed_linear(x, self.packed(weight), bias)
             return packed_linear(x, weight, bias, packed=False)
-        flat, rows = pad_rows(x, row_padding(x.device.type))
-        out = F.linear(flat, weight, bias)
-        return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+        return blas_linear(x, weight, bias)
 
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""

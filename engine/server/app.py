@@ -160,7 +160,8 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     @app.get("/healthz")
     async def healthz():
         health = {"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout}
-        return json_response({**health, "rss_bytes": resident_bytes()})
+        invariance = engine.runtime.batch_invariance()
+        return json_response({**health, "rss_bytes": resident_bytes(), "batch_invariant": invariance})
 
     @app.post("/api/call")
     async def call(request: Request):

@@ -39,8 +39,8 @@ def _alive(pid: int) -> bool:
 
 
 def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) -> dict | None:
-    """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, ...}) if it answers
-    its health check."""
+    """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, batch_invariant,
+    ...}) if it answers its health check."""
     path = sess_home(home) / ENGINE_FILE
     try:
         info = json.loads(path.read_text())
@@ -54,7 +54,8 @@ def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) 
         return None
     if health.get("pid") != info.get("serving_pid", info["pid"]):  # serving_pid: rank 0 of several
         return None
-    return {**info, "idle_timeout": health.get("idle_timeout"), "rss_bytes": health.get("rss_bytes")}
+    wanted = ("idle_timeout", "rss_bytes", "batch_invariant")
+    return {**info, **{key: health.get(key) for key in wanted}}
 
 
 def _own_certificate(info: dict) -> ssl.SSLContext | bool:

@@ -195,6 +195,15 @@ def serve(
 
         engine.runtime.ranks = ranks
         engine.run(lambda runtime: ranks.send(session_snapshot(runtime)))
+    invariance = engine.run(lambda runtime: runtime.batch_invariance(check=True))
+    if not invariance["exact"]:
+        print(
+            "warning: on this CPU sampling is not batch-invariant: a request's logprobs may differ in "
+            f"their last bits with what shares its batch ({'; '.join(invariance['inexact'])}); "
+            "replaying a run still gives the same numbers",
+            file=sys.stderr,
+            flush=True,
+        )
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     info = {
         "url": f"{'https' if tls else 'http'}://{url_host}:{port}",
