@@ -54,7 +54,7 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
         )
         for r in found
     ]
-    print_table(header, rows, whole=(0, 6))
+    print_table(header, rows)
     for r in found:  # why a run failed or cannot be read: one line each, on stderr (stdout stays a table)
         if r["problem"] or r["error"]:
             note = r["problem"] or f"{r['status']}: {r['error']}"
@@ -155,7 +155,7 @@ def show(
             cells.append(_cell(evals.get(step, {}).get(headline)))
         rows.append((step, *cells))
     header = ("step", *[t for _, t in columns], *([f"eval {headline[5:]}"] if headline else []))
-    print_table(header, rows, whole=range(len(header)))  # numbers too: never cut
+    print_table(header, rows)
     series = {
         "train reward": [(r["step"], r["reward/mean"]) for r in found["train"] if "reward/mean" in r],
         "train loss": []
@@ -191,8 +191,8 @@ def compare(
         k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k) and k != "session"
     )
     rows = [(key, str(flat_a.get(key, "-")), str(flat_b.get(key, "-"))) for key in differ]
-    header, whole = ("config", a_path.name, b_path.name), (0, 1, 2)
-    print_table(header, rows or [("(same config)", "", "")], whole=whole, title="config differences")
+    header = ("config", a_path.name, b_path.name)
+    print_table(header, rows or [("(same config)", "", "")], title="config differences")
     final = [("status", str(a["meta"].get("status")), str(b["meta"].get("status")))]
     final.append(("steps done", *(str(s["train"][-1]["step"]) if s["train"] else "0" for s in (a, b))))
     keys = [k for k, _ in STEP_COLUMNS if any(k in s["train"][-1] for s in (a, b) if s["train"])]
@@ -200,7 +200,7 @@ def compare(
         final.append((key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b))))
     for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
         final.append((key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b))))
-    print_table(("final", a_path.name, b_path.name), final, whole=whole, title="final metrics")
+    print_table(("final", a_path.name, b_path.name), final, title="final metrics")
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:

@@ -154,7 +154,7 @@ def list_(
         (s.name, s.base_model, s.status.value, s.step, _tokens(s.usage), _when(s.last_active))
         for s in sessions
     ]
-    print_table(("name", "model", "status", "step", "tokens", "last active"), rows, whole=(0, 1))
+    print_table(("name", "model", "status", "step", "tokens", "last active"), rows)
 
 
 @app.command()

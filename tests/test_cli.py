@@ -57,7 +57,9 @@ def test_engine_up_status_down(tmp_path):
     assert "stopped" in sess({}, "engine", "down", "--home", home)
     assert engine_info(home) is None
     down_again = runner.invoke(app, ["engine", "down", "--home", home])  # what was asked holds: exit 0
-    assert down_again.exit_code == 0 and f"no engine is running for {home}; nothing to stop" in down_again.output
+    assert (
+        down_again.exit_code == 0 and f"no engine is running for {home}; nothing to stop" in down_again.output
+    )
     # a command that starts the local engine says so: it outlives the command
     unknown = subprocess.run(
         [*CLI, "delete", "no-such", "-y"],
@@ -189,7 +191,11 @@ def test_start_list_stop_resume_checkpoints(env):
     for name in ("cli-one-b", "cli-one-c"):
         svc.stop_session(name)
     declined = runner.invoke(app, ["delete", "cli-one-c"], env=env, input="y\n")  # no terminal: no question
-    assert declined.exit_code == 1 and "stdin is not a terminal" in declined.output and "--yes" in declined.output
+    assert (
+        declined.exit_code == 1
+        and "stdin is not a terminal" in declined.output
+        and "--yes" in declined.output
+    )
     assert "[y/N]" not in declined.output
     assert svc.list_sessions(name_contains="cli-one-c")
     # its stop above saved the step it was resumed at (a stop keeps the training: stop-step<N>-<k>)

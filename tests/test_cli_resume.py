@@ -57,7 +57,9 @@ def test_resume_continues_the_session_under_its_own_name(env, svc, sess_home):
     [row] = [s for s in svc.list_sessions() if s.name == "keep-me"]
     assert row.status.value == "Running" and row.step == 2
 
-    code = "print('LOSS', tc.forward_backward([tok.encode('one two three')]).result().metrics['loss:sum'] > 0)"
+    code = (
+        "print('LOSS', tc.forward_backward([tok.encode('one two three')]).result().metrics['loss:sum'] > 0)"
+    )
     attached = invoke(env, "attach", "keep-me", "-c", code)
     assert attached.exit_code == 0 and "LOSS True" in attached.output, attached.output
     assert svc.get_usage("keep-me").training_tokens > used  # its usage carries on
