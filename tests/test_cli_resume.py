@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.errors import SessError
+from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 
@@ -107,3 +108,41 @@ def test_an_unknown_name_gets_the_nearest_names_and_changes_nothing(env, svc, ar
     assert result.exit_code == 1, result.output
     assert "no session 'near-miss-oen'; did you mean near-miss-one?" in result.output
     assert [(s.name, s.status, s.step) for s in svc.list_sessions()] == before
+
+
+def test_after_a_restart_an_interrupted_session_continues_and_overwrites_nothing(tmp_path):
+    """An engine restart makes the session Interrupted; `sess resume` continues it from an earlier
+    state, and its next unnamed saves get names its first life did not use."""
+    home = tmp_path / "home"
+    env = {"SESS_HOME": str(home), "SESS_ENGINE_URL": ""}
+
+    def train(tc, steps: int) -> None:
+        for _ in range(steps):
+            tc.forward_backward([ce_datum(tc.get_tokenizer().encode(SENTENCES[2]))]).result()
+            tc.optim_step().result()
+
+    info = start_engine(home)
+    try:
+        svc = ServiceClient(info["url"], home=home)
+        tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="life")
+        first = tc.save_state().result().path  # step 0, the first save
+        train(tc, 2)
+        second = tc.save_state().result().path  # step 2, the second
+        svc.close()
+    finally:
+        stop_engine(home)
+    info = start_engine(home)
+    try:
+        resumed = invoke(env, "resume", "life", "--checkpoint", first)
+        assert resumed.exit_code == 0, resumed.output
+        assert "at step 0 (it was Interrupted at step 2)" in resumed.output
+        svc = ServiceClient(info["url"], home=home)
+        tc = svc.get_training_client("life")
+        again = tc.save_state().result().path
+        train(tc, 2)
+        later = tc.save_state().result().path
+        assert len({first, second, again, later}) == 4, (first, second, again, later)
+        assert len([c for c in svc.list_checkpoints("life") if c["kind"] == "state"]) == 4
+        svc.close()
+    finally:
+        stop_engine(home)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.catalog import CATALOG, list_models
-from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state
+from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk import requests as rq
@@ -155,6 +155,11 @@ def _continue(
         session.status, session.step = before
         raise
     session.step = int(meta["step"])  # the count goes on from the checkpoint's step, weights-only too
+    # unnamed saves end in a save counter: go on past the earlier lifetimes' so none is overwritten
+    counters = [
+        int(m[1]) for ref in saved(session.name, runtime.home) if (m := re.search(r"-(\d+)$", ref.name))
+    ]
+    session.saves = max([session.saves, *counters])
     session.saved_step = session.step if request.with_optimizer else None
     session.last_active = time.time()
     return session.summary()
