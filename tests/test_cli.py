@@ -282,12 +282,12 @@ def test_errors_are_one_red_line_and_debug_shows_traceback(env):
     code = "from sess.cli.main import main; main()"
     full_env = {**os.environ, **env}
     quiet = subprocess.run(
-        [sys.executable, "-c", code, "stop", "no-such-session"], env=full_env, capture_output=True, text=True
-    )
+        [sys.executable, "-c", code, "usage", "no-such-session"], env=full_env, capture_output=True, text=True
+    )  # the engine's own error
     assert quiet.returncode == 1 and "no-such-session" in quiet.stderr and "Traceback" not in quiet.stderr
     assert len(quiet.stderr.strip().splitlines()) == 1
     loud = subprocess.run(
-        [sys.executable, "-c", code, "--debug", "stop", "no-such-session"],
+        [sys.executable, "-c", code, "--debug", "usage", "no-such-session"],
         env=full_env,
         capture_output=True,
         text=True,
