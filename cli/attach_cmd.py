@@ -12,7 +12,7 @@ from __future__ import annotations
 import typer
 
 from sess.cli.main import app, fail, guard
-from sess.cli.session_cmds import reader
+from sess.cli.session_cmds import known_session, reader
 
 BANNER = """sess attach: session {name} on {base_model} ({url})
   tc   TrainingClient of the live session   tc.forward_backward(data), tc.optim_step(AdamParams(...))
@@ -42,6 +42,12 @@ def attach(
     if url not in (None, "inproc", "local") and (problem := engine_url_problem(url)):  # the SDK's own two
         fail(f"--url: {problem}")
     svc = reader(url, api_key)
+    summary = known_session(svc, name)
+    if summary.status.value != "Running":
+        fail(
+            f"session {name!r} is {summary.status.value} at step {summary.step}; `sess resume {name}` "
+            f"continues it under the same name, then `sess attach {name}` works"
+        )
     tc = guard(svc.get_training_client, name)
     namespace = {k: getattr(sdk, k) for k in sdk.__all__}
     namespace.update(svc=svc, tc=tc, sc=tc.create_sampling_client(), tok=tc.get_tokenizer())

@@ -10,13 +10,13 @@ import typer
 from rich.console import Console
 
 from sess.cli.main import app, fail
+from sess.cli.output import out
 from sess.engine.server import settings
 
 engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys of the engine home.", no_args_is_help=True)
 engine_app.add_typer(keys_app, name="keys")
 app.add_typer(engine_app, name="engine")
-out = Console()
 
 HOME = typer.Option(None, "--home", help="Engine home (default $SESS_HOME or ~/.sess).")
 
@@ -220,21 +220,22 @@ def status(
 ) -> None:
     """Show whether the engine of the home is running, and where."""
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info
+    from sess.engine.server.launcher import engine_info, memory_text
 
     info = engine_info(sess_home(home))
     if info is None:
         if as_json:
             print(json.dumps({"running": False}))
             raise typer.Exit(1)
-        fail(f"no engine running for home {sess_home(home)} (start one: sess engine up --detach)")
+        fail(f"no engine is running for {sess_home(home)} (start one: sess engine up --detach)")
     if as_json:
         print(json.dumps({"running": True, **info}))
     else:
-        memory = f", {info['rss_bytes'] / 1e9:.1f} GB resident" if info.get("rss_bytes") else ""
+        memory = f"; {memory_text(info)}" if info.get("rss_bytes") else ""
         out.print(
             f"engine running at {info['url']} (pid {info['pid']}, home {sess_home(home)}{memory}; "
-            f"sessions idle {info['idle_timeout']:.0f} s are saved and stopped)"
+            f"sessions idle {info['idle_timeout']:.0f} s are saved and stopped)",
+            highlight=False,
         )
         invariance = info.get("batch_invariant")
         if invariance:
@@ -257,8 +258,9 @@ def down(home: str = HOME) -> None:
     from sess.engine.server.launcher import stop_engine
 
     info = stop_engine(sess_home(home))
-    if info is None:
-        fail(f"no engine running for home {sess_home(home)}")
+    if info is None:  # the state asked for already holds: not an error
+        out.print(f"no engine is running for {sess_home(home)}; nothing to stop", highlight=False)
+        return
     if info.get("killed"):
         fail(
             f"engine at {info['url']} did not stop within {info['killed']:.0f} s and was killed: its live "
@@ -286,7 +288,9 @@ def keys_add(
     store = KeyStore(home)
     entry = store.add(owner, max_sessions=max_sessions)
     print(entry["key"])
-    Console(stderr=True).print(f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}")
+    Console(stderr=True, soft_wrap=True).print(
+        f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}"
+    )
 
 
 @keys_app.command("list")

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from sess.cli.main import app, err, fail, guard, report
-
-out = Console()
+from sess.cli.output import out
 
 
 def _help_with_options(ctx: typer.Context, value: bool) -> None:

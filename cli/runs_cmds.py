@@ -9,13 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from sess.cli.main import app, err, fail
+from sess.cli.output import out, print_table
 from sess.cli.text_chart import line_chart
 
-out = Console()
 runs_app = typer.Typer(help="Recorded runs: list them, show one, compare two.", invoke_without_command=True)
 app.add_typer(runs_app, name="runs")
 RUNS_DIR = typer.Option(Path("runs"), "--dir", help="Where run records live.")
@@ -56,14 +54,7 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
         )
         for r in found
     ]
-    if not out.is_terminal:  # pipes and scripts get whole names, tab-separated
-        for row in [header, *rows]:
-            print("\t".join(map(str, row)))
-    else:
-        table = Table(*header)
-        for row in rows:
-            table.add_row(*map(str, row))
-        out.print(table)
+    print_table(header, rows)
     for r in found:  # why a run failed or cannot be read: one line each, on stderr (stdout stays a table)
         if r["problem"] or r["error"]:
             note = r["problem"] or f"{r['status']}: {r['error']}"
@@ -154,16 +145,17 @@ def show(
     evals = {r["step"]: r for r in found["eval"]}
     headline = next((k for k in EVAL_KEYS if any(k in r for r in found["eval"])), None)
     columns = [(k, t) for k, t in STEP_COLUMNS if any(k in r for r in found["train"])]
-    table = Table("step", *[t for _, t in columns], *([f"eval {headline[5:]}"] if headline else []))
     steps = sorted({r["step"] for r in found["train"]} | set(evals))
     train = {r["step"]: r for r in found["train"]}
+    rows = []
     for step in steps:
         row = train.get(step, {})
         cells = [_cell(row.get(k)) for k, _ in columns]
         if headline:
             cells.append(_cell(evals.get(step, {}).get(headline)))
-        table.add_row(str(step), *cells)
-    out.print(table)
+        rows.append((step, *cells))
+    header = ("step", *[t for _, t in columns], *([f"eval {headline[5:]}"] if headline else []))
+    print_table(header, rows)
     series = {
         "train reward": [(r["step"], r["reward/mean"]) for r in found["train"] if "reward/mean" in r],
         "train loss": []
@@ -198,21 +190,17 @@ def compare(
     differ = sorted(
         k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k) and k != "session"
     )
-    table = Table("config", a_path.name, b_path.name, title="config differences")
-    for key in differ:
-        table.add_row(key, str(flat_a.get(key, "-")), str(flat_b.get(key, "-")))
-    if not differ:
-        table.add_row("(same config)", "", "")
-    out.print(table)
-    final = Table("final", a_path.name, b_path.name, title="final metrics")
-    final.add_row("status", str(a["meta"].get("status")), str(b["meta"].get("status")))
-    final.add_row("steps done", *(str(s["train"][-1]["step"]) if s["train"] else "0" for s in (a, b)))
+    rows = [(key, str(flat_a.get(key, "-")), str(flat_b.get(key, "-"))) for key in differ]
+    header = ("config", a_path.name, b_path.name)
+    print_table(header, rows or [("(same config)", "", "")], title="config differences")
+    final = [("status", str(a["meta"].get("status")), str(b["meta"].get("status")))]
+    final.append(("steps done", *(str(s["train"][-1]["step"]) if s["train"] else "0" for s in (a, b))))
     keys = [k for k, _ in STEP_COLUMNS if any(k in s["train"][-1] for s in (a, b) if s["train"])]
     for key in keys:
-        final.add_row(key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b)))
+        final.append((key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b))))
     for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
-        final.add_row(key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b)))
-    out.print(final)
+        final.append((key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b))))
+    print_table(("final", a_path.name, b_path.name), final, title="final metrics")
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:

@@ -9,16 +9,15 @@ engine running they say so and how to start one.
 
 from __future__ import annotations
 
+import difflib
 import json
+import sys
 import time
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from sess.cli.main import app, fail, guard
-
-out = Console()
+from sess.cli.output import out, print_table
 
 
 def _compose(overrides: list[str]):
@@ -77,6 +76,20 @@ def reader(url: str | None = None, api_key: str | None = None):
     return guard(ServiceClient, None, api_key)
 
 
+def known_session(svc, name: str):
+    """Session ``name``'s summary; an unknown name exits 1 with the nearest names, before anything
+    is changed."""
+    sessions = guard(svc.list_sessions)
+    for summary in sessions:
+        if summary.name == name:
+            return summary
+    names = [s.name for s in sessions]
+    nearest = difflib.get_close_matches(name, names, n=3)
+    hint = f"; did you mean {' or '.join(nearest)}?" if nearest else ""
+    listing = " (sess list shows them)" if names else " (this engine has no sessions of this key)"
+    fail(f"no session {name!r}{hint}{listing}")
+
+
 def _tokens(usage) -> int:
     return usage.prefill_tokens + usage.sampled_tokens + usage.training_tokens
 
@@ -108,7 +121,9 @@ def start(
         train_mlp=lora.train_mlp,
         train_unembed=lora.train_unembed,
     )
-    out.print(f"session [bold]{tc.name}[/bold] started on {tc.base_model} (rank {lora.rank})")
+    out.print(
+        f"session [bold]{tc.name}[/bold] started on {tc.base_model} (rank {lora.rank})", highlight=False
+    )
 
 
 @app.command("list")
@@ -135,12 +150,11 @@ def list_(
             )
         )
         return
-    table = Table("name", "model", "status", "step", "tokens", "last active")
-    for s in sessions:
-        table.add_row(
-            s.name, s.base_model, s.status.value, str(s.step), str(_tokens(s.usage)), _when(s.last_active)
-        )
-    out.print(table)
+    rows = [
+        (s.name, s.base_model, s.status.value, s.step, _tokens(s.usage), _when(s.last_active))
+        for s in sessions
+    ]
+    print_table(("name", "model", "status", "step", "tokens", "last active"), rows)
 
 
 @app.command()
@@ -149,9 +163,12 @@ def stop(name: str) -> None:
 
     If it trained since its last save_state, the engine saves its state first
     (sess://NAME/state/stop-step...), so sess resume NAME continues it from the step it stopped at."""
-    summary = guard(reader().stop_session, name)
+    svc = reader()
+    known_session(svc, name)
+    summary = guard(svc.stop_session, name)
     out.print(
-        f"session {summary.name} is {summary.status.value} at step {summary.step} (sess resume {name} continues it)"
+        f"session {summary.name} is {summary.status.value} at step {summary.step} (sess resume {name} continues it)",
+        highlight=False,
     )
 
 
@@ -163,12 +180,18 @@ def delete(
     """Delete a session and all its checkpoints, files included (a running one is stopped first).
 
     Download what you want to keep first: sess checkpoints NAME lists the paths."""
+    if not yes and not sys.stdin.isatty():  # no one to answer: refuse now, not after the question
+        fail(
+            f"sess delete asks before deleting and stdin is not a terminal; "
+            f"to delete {name} without asking: --yes"
+        )
     svc = _client()
-    found = svc.list_checkpoints(name)  # also: an unknown session fails here, before the question
+    known_session(svc, name)
+    found = guard(svc.list_checkpoints, name)
     if not yes and not typer.confirm(f"delete session {name} and its {len(found)} checkpoint(s)?"):
         fail("nothing deleted")
-    svc.delete_session(name, stop_if_active=True)
-    out.print(f"session {name} deleted with {len(found)} checkpoint(s)")
+    guard(svc.delete_session, name, stop_if_active=True)
+    out.print(f"session {name} deleted with {len(found)} checkpoint(s)", highlight=False)
 
 
 @app.command()
@@ -177,9 +200,12 @@ def resume(
     checkpoint: str = typer.Option(
         None, "--checkpoint", help="A sess:// state checkpoint (default: the last one)."
     ),
-    new_name: str = typer.Option(None, "--name", help="Name of the new session."),
+    new_name: str = typer.Option(
+        None, "--name", help="Continue in a new session of this name instead (NAME stays as it is)."
+    ),
 ) -> None:
-    """Continue session NAME in a new one from one of its state checkpoints, optimizer included.
+    """Continue stopped session NAME from one of its state checkpoints, optimizer included, under
+    the same name: its checkpoints and usage carry on, and the engine's registry records the resume.
 
     --checkpoint must be NAME's own; to branch from another session's checkpoint, name that session."""
     if checkpoint is not None:
@@ -192,14 +218,27 @@ def resume(
                 f"to continue {owner} from it: sess resume {owner} --checkpoint {checkpoint}"
             )
     svc = _client()
+    before = known_session(svc, name)
+    if before.status.value == "Running" and new_name is None:
+        fail(
+            f"session {name!r} is running: nothing to resume; attach to it (sess attach {name}), or "
+            f"continue its last state in a new session (sess resume {name} --name NEW)"
+        )
     if checkpoint is None:
-        states = [c for c in svc.list_checkpoints(name) if c["kind"] == "state"]
+        states = [c for c in guard(svc.list_checkpoints, name) if c["kind"] == "state"]
         if not states:
             fail(f"session {name!r} has no state checkpoint to resume from (save_state() saves one)")
         checkpoint = states[-1]["path"]
-    tc = svc.create_training_client_from_state_with_optimizer(checkpoint, training_session_name=new_name)
-    step = svc.list_sessions(name_contains=tc.name)[0].step
-    out.print(f"session [bold]{tc.name}[/bold] resumed from {checkpoint} at step {step}")
+    tc = guard(
+        svc.create_training_client_from_state_with_optimizer,
+        checkpoint,
+        training_session_name=new_name or name,
+    )
+    step = known_session(svc, tc.name).step
+    was = "" if new_name else f" (it was {before.status.value} at step {before.step})"
+    out.print(
+        f"session [bold]{tc.name}[/bold] resumed from {checkpoint} at step {step}{was}", highlight=False
+    )
 
 
 @app.command()
@@ -223,35 +262,22 @@ def usage(
     if as_json:
         print(json.dumps(report))
         return
-    table = Table("operation", "count", "prefill", "sampled", "training", "wall s")
-    for op, row in sorted(report["operations"].items()):
-        table.add_row(
-            op,
-            str(row["count"]),
-            str(row["prefill_tokens"]),
-            str(row["sampled_tokens"]),
-            str(row["training_tokens"]),
-            f"{row['wall_time_s']:.2f}",
-        )
+    keys = ("prefill_tokens", "sampled_tokens", "training_tokens")
+    rows = [
+        (op, row["count"], *(row[k] for k in keys), f"{row['wall_time_s']:.2f}")
+        for op, row in sorted(report["operations"].items())
+    ]
     total = report["usage"]
-    table.add_row(
-        "total",
-        str(total["operations"]),
-        str(total["prefill_tokens"]),
-        str(total["sampled_tokens"]),
-        str(total["training_tokens"]),
-        f"{total['wall_time_s']:.2f}",
-        style="bold",
-    )
-    out.print(table)
+    rows.append(("total", total["operations"], *(total[k] for k in keys), f"{total['wall_time_s']:.2f}"))
+    print_table(("operation", "count", "prefill", "sampled", "training", "wall s"), rows, bold_last=True)
 
 
 @app.command()
 def checkpoints(name: str) -> None:
     """List a session's checkpoints, with their size on disk."""
-    found = guard(reader().list_checkpoints, name)
-    table = Table("path", "kind", "created", "MB")
-    for c in found:
-        table.add_row(c["path"], c["kind"], _when(c["created"]), f"{c['bytes'] / 1e6:.1f}")
-    table.add_row("total", "", "", f"{sum(c['bytes'] for c in found) / 1e6:.1f}", style="bold")
-    out.print(table)
+    svc = reader()
+    known_session(svc, name)
+    found = guard(svc.list_checkpoints, name)
+    rows = [(c["path"], c["kind"], _when(c["created"]), f"{c['bytes'] / 1e6:.1f}") for c in found]
+    rows.append(("total", "", "", f"{sum(c['bytes'] for c in found) / 1e6:.1f}"))
+    print_table(("path", "kind", "created", "MB"), rows, bold_last=True)

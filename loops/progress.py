@@ -4,6 +4,11 @@ In a terminal it is a rich progress bar with a status spinner for the slow phase
 session, which the first time fetches and converts the model, and each evaluation). When stderr is
 not a terminal (a log file, CI, a pipe) every step, phase and evaluation is one plain line, written
 as it happens, so a log shows progress while the run goes on rather than at its end.
+
+Time left is the mean time of a training step times the steps left, plus the last evaluation's time
+times the evaluations left. A step's time leaves out the slow phases around it (starting the
+session, evaluating), and once a second step is measured the first one, which carries the warm-up,
+is left out too.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.progress import Progress as RichProgress
 
 SHOWN = (("loss", "loss"), ("reward/mean", "reward"), ("accuracy", "acc"), ("margin", "margin"))
@@ -34,17 +39,23 @@ class Progress:
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[stats]}"),
-            TimeRemainingColumn(),
+            TextColumn("[progress.remaining]{task.fields[left]}"),
             console=self.console,
             disable=not enabled or self.plain,
         )
         self._task = None
-        self._started = self._last = time.perf_counter()
+        self._last = time.perf_counter()
         self._eval = ""
+        self.eval_every = cfg.loop.get("eval_every") or 0
+        self._phases_s = 0.0  # seconds spent in slow phases since the last step ended
+        self._steps_s: list[float] = []  # each measured training step's own seconds
+        self._eval_s: float | None = None  # the last evaluation's seconds
 
     def __enter__(self) -> Progress:
         self._bar.__enter__()
-        self._task = self._bar.add_task(self.title, total=self.total, completed=self.start_step, stats="")
+        self._task = self._bar.add_task(
+            self.title, total=self.total, completed=self.start_step, stats="", left=""
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -58,15 +69,18 @@ class Progress:
     def status(self, message: str) -> Iterator[None]:
         """A slow phase: a spinner in a terminal, a line before and after otherwise."""
         started = time.perf_counter()
-        if not self.enabled:
-            yield
-        elif self.plain:
-            self._line(f"{self.title}: {message} ...")
-            yield
-            self._line(f"{self.title}: {message}: done in {time.perf_counter() - started:.1f} s")
-        else:
-            with self.console.status(message):
+        try:
+            if not self.enabled:
                 yield
+            elif self.plain:
+                self._line(f"{self.title}: {message} ...")
+                yield
+                self._line(f"{self.title}: {message}: done in {time.perf_counter() - started:.1f} s")
+            else:
+                with self.console.status(message):
+                    yield
+        finally:
+            self._phases_s += time.perf_counter() - started  # not a step's time
 
     def note(self, text: str) -> None:
         """A line for the user (shown even with the bar off: it answers something they did)."""
@@ -77,17 +91,30 @@ class Progress:
 
     def update(self, done: int, row: dict) -> None:
         now = time.perf_counter()
-        seconds, self._last = now - self._last, now
+        seconds = max(now - self._last - self._phases_s, 1e-9)
+        self._last, self._phases_s = now, 0.0
+        self._steps_s.append(seconds)
         parts = [f"{label} {row[key]:.3f}" for key, label in SHOWN if key in row]
         if row.get("tokens"):
-            parts.append(f"{row['tokens'] / max(seconds, 1e-9):.0f} tok/s")
+            parts.append(f"{row['tokens'] / seconds:.0f} tok/s")
+        left = self.seconds_left(done)
         if self.plain:
-            left = (now - self._started) / max(done - self.start_step, 1) * (self.total - done)
             self._line(f"{self.title} step {done}/{self.total}  {'  '.join(parts)}  ({left:.0f} s left)")
             return
-        self._bar.update(self._task, completed=done, stats="  ".join(parts) + self._eval)
+        self._bar.update(
+            self._task, completed=done, stats="  ".join(parts) + self._eval, left=f"{left:.0f} s left"
+        )
+
+    def seconds_left(self, done: int) -> float:
+        """The run's remaining seconds after ``done`` steps: steps and evaluations to come."""
+        measured = self._steps_s[1:] or self._steps_s  # the first step carries the warm-up
+        per_step = sum(measured) / len(measured) if measured else 0.0
+        # the runner evaluates after each multiple of eval_every below total (this one too), and at the end
+        evals = 1 + sum(1 for k in range(done, self.total) if self.eval_every and k % self.eval_every == 0)
+        return per_step * max(self.total - done, 0) + (self._eval_s or 0.0) * evals
 
     def note_eval(self, done: int, metrics: dict) -> None:
+        self._eval_s = metrics.get("eval/seconds", self._eval_s)
         key = next((k for k in EVAL_SHOWN if k in metrics), None)
         if key is not None:
             self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"

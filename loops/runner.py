@@ -76,7 +76,7 @@ def engine_note(cfg: DictConfig, was_running: bool, reached: bool = True) -> str
         if not reached:
             return ""
         return f"the engine at {cfg.engine.url or os.environ.get('SESS_ENGINE_URL')} keeps running"
-    from sess.engine.server.launcher import engine_info, stop_engine
+    from sess.engine.server.launcher import engine_info, memory_text, stop_engine
 
     info = engine_info()
     if info is None:
@@ -84,7 +84,7 @@ def engine_note(cfg: DictConfig, was_running: bool, reached: bool = True) -> str
     if not was_running and not cfg.engine.keep:
         stop_engine()
         return f"stopped the local engine this run started (pid {info['pid']}; engine.keep=false)"
-    memory = f", holding {info['rss_bytes'] / 1e9:.1f} GB" if info.get("rss_bytes") else ""
+    memory = f"; {memory_text(info)}" if info.get("rss_bytes") else ""
     return (
         f"the local engine {info['url']} (pid {info['pid']}) is still running{memory}; the next run "
         f"reuses it. It stops sessions idle for {info['idle_timeout']:.0f} s but keeps the process: "
@@ -282,7 +282,7 @@ def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume
         if same:
             raise ValueError(
                 f"session {name!r} is {same[0].status.value}; a run needs a new name or a Running session "
-                f"(`sess resume {name}` continues it in a new one)"
+                f"(`sess resume {name}` continues it)"
             )
     lora = cfg.model.lora
     return svc.create_lora_training_client(

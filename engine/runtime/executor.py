@@ -361,6 +361,8 @@ class Executor:
             result = {**result, "next_seq": self.next_seq(op.request.name)}
         elif op.name == "delete_session":
             self._forget_order(op.request.name)
+        elif op.name == "create_session_from_state":  # a stopped session continued: its client starts at 1
+            self._forget_order(result["name"])
         op.usage = usage_of(op.request, result, time.perf_counter() - started)
         self._finish(op, result=result)
 

@@ -209,6 +209,18 @@ def trim() -> bool:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def peak_resident_bytes() -> int | None:
+    """This process's highest resident memory so far (Linux ``/proc``: VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory (Linux ``/proc``: VmRSS), or None where that cannot be read."""
     try:

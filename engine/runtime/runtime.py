@@ -90,7 +90,8 @@ class Runtime:
             raise NotFound(f"session {name!r} not found")
         if live and not session.live:
             raise InvalidRequest(
-                f"session {name!r} is {session.status.value}; resume it to continue", status=409
+                f"session {name!r} is {session.status.value}; resume it to continue (sess resume {name})",
+                status=409,
             )
         return session
 

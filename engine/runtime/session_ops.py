@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from pathlib import Path
 
 from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.catalog import CATALOG, list_models
-from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state
+from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import check_name
+from sess.engine.sdk.checkpoint_paths import check_name, parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import SessionStatus, Usage
 
@@ -66,7 +67,6 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
     name = check_name(request.name or default_name(base_model), "training_session_name")
     if name in runtime.sessions:
         raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
-    host = runtime.host(base_model)
     seed = secrets.randbits(31) if request.seed is None else request.seed
     lora = {
         "rank": request.rank,
@@ -76,19 +76,25 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
         "train_attn": request.train_attn,
         "train_unembed": request.train_unembed,
     }
-    adapter = runtime.new_adapter_name()
-    config = host.lora_config(
-        request.rank, request.alpha, request.train_attn, request.train_mlp, request.train_unembed
-    )
-    host.add_adapter(adapter, config, seed)
-    session = Session(name, owner, base_model, lora, adapter=adapter, user_metadata=request.user_metadata)
-    session.params = host.adapter_params(adapter)
-    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
-        session.shard = runtime.ranks.adapters.add(adapter, session.params, host.peft)
-        session.params = dict(zip(session.params, session.shard.params))
-    session.new_optimizer()
+    session = Session(name, owner, base_model, lora, user_metadata=request.user_metadata)
+    _add_adapter(runtime, session)
     runtime.sessions[name] = session
     return session.summary()
+
+
+def _add_adapter(runtime: Runtime, session: Session) -> None:
+    """A new adapter for ``session`` (initialised from its LoRA seed) and a fresh AdamW over it."""
+    lora, host = session.lora, runtime.host(session.base_model)
+    session.adapter = runtime.new_adapter_name()
+    config = host.lora_config(
+        lora["rank"], lora["alpha"], lora["train_attn"], lora["train_mlp"], lora["train_unembed"]
+    )
+    host.add_adapter(session.adapter, config, lora["seed"])
+    session.params = host.adapter_params(session.adapter)
+    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
+        session.shard = runtime.ranks.adapters.add(session.adapter, session.params, host.peft)
+        session.params = dict(zip(session.params, session.shard.params))
+    session.new_optimizer()
 
 
 def default_name(base_model: str) -> str:
@@ -98,9 +104,14 @@ def default_name(base_model: str) -> str:
 
 
 def create_session_from_state(runtime: Runtime, owner: str, request: rq.CreateSessionFromState) -> dict:
-    """A new session whose adapter (and, ``with_optimizer``, AdamW state and step) come from a state
-    checkpoint of one of ``owner``'s sessions."""
+    """A session whose adapter (and, ``with_optimizer``, AdamW state and step) come from a state
+    checkpoint of one of ``owner``'s sessions. Named after the checkpoint's own session when that one
+    is stopped, it is that session continued: the same name, record, usage and checkpoints (the
+    registry keeps the resume as history); any other name makes a new session."""
     _, _, _, meta = read_state(checkpoint_ops.checkpoint_dir(runtime, owner, request.path))
+    stopped = runtime.find_session(owner, request.name) if request.name else None
+    if stopped is not None:
+        return _continue(runtime, owner, stopped, request, meta)
     lora = meta["lora"]
     summary = create_session(
         runtime, owner, rq.CreateSession(base_model=meta["base_model"], name=request.name, **lora)
@@ -112,6 +123,46 @@ def create_session_from_state(runtime: Runtime, owner: str, request: rq.CreateSe
         delete_session(runtime, owner, rq.DeleteSession(name=summary["name"], stop_if_active=True))
         raise
     return runtime.sessions[summary["name"]].summary()
+
+
+def _continue(
+    runtime: Runtime, owner: str, session: Session, request: rq.CreateSessionFromState, meta: dict
+) -> dict:
+    """Stopped ``session`` running again from one of its own state checkpoints, at that step."""
+    source = parse_path(request.path).session
+    if session.live:
+        raise InvalidRequest(
+            f"training_session_name: session {session.name!r} is running already; attach to it "
+            f"(get_training_client), or give another name for a new session from {request.path}",
+            status=409,
+        )
+    if source != session.name:
+        raise InvalidRequest(
+            f"training_session_name: session {session.name!r} exists ({session.status.value}) and "
+            f"continues only from its own checkpoints, not from {request.path}; give another name "
+            "for a new session from it",
+            status=409,
+        )
+    before = (session.status, session.step)
+    session.lora, session.base_model = meta["lora"], meta["base_model"]
+    _add_adapter(runtime, session)
+    session.status = SessionStatus.Running
+    load = rq.LoadState(session=session.name, path=request.path, with_optimizer=request.with_optimizer)
+    try:
+        checkpoint_ops.load_state(runtime, owner, load)
+    except BaseException:
+        stop_session(runtime, owner, rq.SessionName(name=session.name))
+        session.status, session.step = before
+        raise
+    session.step = int(meta["step"])  # the count goes on from the checkpoint's step, weights-only too
+    # unnamed saves end in a save counter: go on past the earlier lifetimes' so none is overwritten
+    counters = [
+        int(m[1]) for ref in saved(session.name, runtime.home) if (m := re.search(r"-(\d+)$", ref.name))
+    ]
+    session.saves = max([session.saves, *counters])
+    session.saved_step = session.step if request.with_optimizer else None
+    session.last_active = time.time()
+    return session.summary()
 
 
 def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:

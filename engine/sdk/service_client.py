@@ -86,13 +86,24 @@ class ServiceClient:
     def create_training_client_from_state(
         self, path: str, *, training_session_name: str | None = None
     ) -> TrainingClient:
-        """A new session whose adapter starts from the weights of a state checkpoint (fresh optimizer)."""
+        """A session whose adapter starts from the weights of a state checkpoint (fresh optimizer).
+
+        Args:
+            path: a ``sess://SESSION/state/NAME`` checkpoint of one of this key's sessions.
+            training_session_name: the session's name (default: a new one from the model's name).
+                SESSION's own name, while SESSION is stopped, continues SESSION itself."""
         return self._from_state(path, training_session_name, with_optimizer=False)
 
     def create_training_client_from_state_with_optimizer(
         self, path: str, *, training_session_name: str | None = None
     ) -> TrainingClient:
-        """A new session that continues a state checkpoint: weights, AdamW moments and step count."""
+        """A session that continues a state checkpoint: weights, AdamW moments and step count.
+
+        Args:
+            path: a ``sess://SESSION/state/NAME`` checkpoint of one of this key's sessions.
+            training_session_name: the session's name (default: a new one from the model's name).
+                SESSION's own name, while SESSION is stopped, continues SESSION itself: the same
+                name, usage and checkpoints (what ``sess resume SESSION`` does)."""
         return self._from_state(path, training_session_name, with_optimizer=True)
 
     def _from_state(self, path: str, name: str | None, *, with_optimizer: bool) -> TrainingClient:
@@ -118,7 +129,9 @@ class ServiceClient:
         info = self._call("session_info", rq.SessionName(name=training_session_name))
         if info["status"] != SessionStatus.Running.value:
             raise InvalidRequest(
-                f"session {training_session_name!r} is {info['status']}; resume it to continue"
+                f"session {training_session_name!r} is {info['status']}; resume it to continue "
+                f"(sess resume {training_session_name}, or create_training_client_from_state_with_optimizer"
+                f"(path, training_session_name={training_session_name!r}))"
             )
         return TrainingClient(self, info["name"], info["base_model"], next_seq=info["next_seq"])
 

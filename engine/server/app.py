@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from sess.engine.runtime.memory import resident_bytes
+from sess.engine.runtime.memory import peak_resident_bytes, resident_bytes
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.keys import KeyStore
@@ -160,8 +160,14 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     @app.get("/healthz")
     async def healthz():
         health = {"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout}
+        memory = {
+            "rss_bytes": resident_bytes(),
+            "peak_rss_bytes": peak_resident_bytes(),
+            "trimmed": bool(getattr(engine, "_idle_since_work", False)),  # idle(): free memory handed back
+            "trim_after_s": engine.idle_after_s,
+        }
         invariance = engine.runtime.batch_invariance()
-        return json_response({**health, "rss_bytes": resident_bytes(), "batch_invariant": invariance})
+        return json_response({**health, **memory, "batch_invariant": invariance})
 
     @app.post("/api/call")
     async def call(request: Request):

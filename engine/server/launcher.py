@@ -39,8 +39,8 @@ def _alive(pid: int) -> bool:
 
 
 def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) -> dict | None:
-    """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, batch_invariant,
-    ...}) if it answers its health check."""
+    """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, peak_rss_bytes,
+    trimmed, batch_invariant, ...}) if it answers its health check."""
     path = sess_home(home) / ENGINE_FILE
     try:
         info = json.loads(path.read_text())
@@ -54,8 +54,24 @@ def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) 
         return None
     if health.get("pid") != info.get("serving_pid", info["pid"]):  # serving_pid: rank 0 of several
         return None
-    wanted = ("idle_timeout", "rss_bytes", "batch_invariant")
+    wanted = ("idle_timeout", "rss_bytes", "peak_rss_bytes", "trimmed", "trim_after_s", "batch_invariant")
     return {**info, **{key: health.get(key) for key in wanted}}
+
+
+def memory_text(info: dict) -> str:
+    """What an engine's memory figures measure, as one phrase: resident now (and whether that is
+    after the idle trim, which hands free memory back a few seconds after the last op), and the
+    peak since it started; so two readings a minute apart do not seem to contradict each other."""
+    if not info.get("rss_bytes"):
+        return ""
+    text = f"{info['rss_bytes'] / 1e9:.1f} GB resident now"
+    if info.get("trimmed"):
+        text += " (idle: free memory handed back)"
+    if info.get("peak_rss_bytes"):
+        text += f", peak {info['peak_rss_bytes'] / 1e9:.1f} GB"
+    if not info.get("trimmed") and info.get("trim_after_s"):
+        text += f"; free memory goes back after {info['trim_after_s']:.0f} s idle, so a later reading may be lower"
+    return text
 
 
 def _own_certificate(info: dict) -> ssl.SSLContext | bool:

@@ -114,6 +114,9 @@ class ManagedEngine(Executor):
         if op.name == "delete_checkpoint" and op.error is None:
             self.registry.remove_checkpoint(op.result["path"])
         if session is not None:
+            before = self.registry.session(name) if op.name == "create_session_from_state" else None
+            if before is not None and op.error is None:  # a stopped session continued under its name
+                self.registry.add_resume(before, op.request.path, session.step)
             self.registry.save_session(session.summary(), session.owner)
             if op.saved:
                 self.registry.add_checkpoint(op.saved, name, op.owner, "state")

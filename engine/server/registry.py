@@ -1,8 +1,10 @@
 """The engine's registry: SQLite in the engine home (``registry.db``) that outlives the process.
 
 Tables: ``sessions`` (one row per session, its status, step and usage), ``checkpoints`` (every
-saved ``sess://`` path), ``operations`` (one row per op with its own token counts and wall time) and
-``usage`` (per session and op name, summed). When an engine starts, sessions the previous process
+saved ``sess://`` path), ``operations`` (one row per op with its own token counts and wall time),
+``usage`` (per session and op name, summed) and ``resumes`` (each time a stopped session was continued
+under its own name: from which checkpoint, and the status and step it had before, which its
+``sessions`` row no longer shows). When an engine starts, sessions the previous process
 left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
 """
 
@@ -35,6 +37,10 @@ CREATE TABLE IF NOT EXISTS usage (
     session TEXT NOT NULL, owner TEXT NOT NULL, operation TEXT NOT NULL, count INTEGER,
     prefill_tokens INTEGER, sampled_tokens INTEGER, training_tokens INTEGER, wall_time_s REAL,
     PRIMARY KEY (session, operation)
+);
+CREATE TABLE IF NOT EXISTS resumes (
+    session TEXT NOT NULL, owner TEXT NOT NULL, path TEXT NOT NULL, resumed REAL,
+    status_before TEXT, step_before INTEGER, step INTEGER
 );
 """
 LIVE = ("Starting", "Running", "Stopping")
@@ -92,9 +98,29 @@ class Registry:
             ),
         )
 
+    def session(self, name: str) -> dict | None:
+        """Session ``name``'s row as last saved (``status``, ``step``, ...), or None."""
+        rows = self._run("SELECT * FROM sessions WHERE name=?", (name,))
+        return dict(rows[0]) if rows else None
+
     def forget_session(self, name: str) -> None:
-        for table, column in (("sessions", "name"), ("checkpoints", "session"), ("usage", "session")):
+        for table, column in (
+            ("sessions", "name"),
+            ("checkpoints", "session"),
+            ("usage", "session"),
+            ("resumes", "session"),
+        ):
             self._run(f"DELETE FROM {table} WHERE {column}=?", (name,))
+
+    def add_resume(self, before: dict, path: str, step: int) -> None:
+        """Session ``before["name"]`` (its row before) continued from ``path`` at ``step``."""
+        self._run(
+            "INSERT INTO resumes VALUES (?,?,?,?,?,?,?)",
+            (before["name"], before["owner"], path, time.time(), before["status"], before["step"], step),
+        )
+
+    def resumes(self, name: str) -> list[dict]:
+        return [dict(r) for r in self._run("SELECT * FROM resumes WHERE session=? ORDER BY resumed", (name,))]
 
     # checkpoints and operations -------------------------------------------------------------------
     def add_checkpoint(self, path: str, session: str, owner: str, kind: str) -> None:
