@@ -77,7 +77,11 @@ def test_session_lists_are_whole_and_messages_one_line(http_engine, sess_home):
     status = subprocess.run(
         [*SESS, "engine", "status", "--home", str(sess_home)], capture_output=True, text=True, env=_env()
     )
-    assert status.returncode == 0 and len(status.stdout.strip().splitlines()) == 1, status.stdout
+    # one line per message: where the engine runs, and whether its sampling is batch-invariant
+    lines = status.stdout.strip().splitlines()
+    assert status.returncode == 0 and len(lines) == 2, status.stdout
+    assert lines[0].startswith("engine running at ") and lines[0].endswith("saved and stopped)"), lines
+    assert lines[1].startswith("sampling: "), lines
 
 
 def test_memory_figures_say_what_they_measure(http_engine, sess_home):
