@@ -1,0 +1,222 @@
+"""Prices, cost and budgets: a price table's checks, exact costs per op kind over HTTP, `sess usage`
+with costs, and a key's budget refusing new work (402) until it is raised, its session going on."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from sess.cli.main import app
+from sess.engine import SamplingParams, ServiceClient
+from sess.engine.sdk.errors import SessError
+from sess.engine.sdk.prices import PriceError, format_cost, load_prices
+from sess.engine.server.launcher import start_engine, stop_engine
+from sess.engine.server.serve import check_options, load_price_table
+
+from helpers import SENTENCES, ce_datum
+
+runner = CliRunner()
+PRICES = """
+currency: EUR
+models:
+  default: {prefill: 0.5, sampled: 0.5, trained: 0.5}
+  tiny-llama: {prefill: 1.25, sampled: 2.5, trained: 3.000001}
+"""
+
+
+def write(tmp_path, text: str, name: str = "prices.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("currency: USD\nmodels: {default: {prefill: 1, sampled: 1, trained: [1}", "not valid YAML"),
+        (
+            "currency: USD\nmodels:\n  default: {prefill: -1, sampled: 1, trained: 1}",
+            "models.default.prefill",
+        ),
+        (
+            "currency: USD\nmodels:\n  default: {prefill: .nan, sampled: 1, trained: 1}",
+            "models.default.prefill",
+        ),
+        (
+            "currency: USD\nmodels:\n  default: {prefill: 1, sampled: .inf, trained: 1}",
+            "models.default.sampled",
+        ),
+        ("currency: USD\nmodels:\n  default: {prefill: 1, sampled: 1}", "models.default.trained: missing"),
+        (
+            "currency: USD\nmodels:\n  default: {prefill: 1, sampled: 1, trained: 1, tax: 2}",
+            "models.default.tax",
+        ),
+        ("currency: USD\nmodels:\n  tiny-lama: {prefill: 1, sampled: 1, trained: 1}", "models.default"),
+        (
+            "currency: USD\nmodels:\n  default: {prefill: 1, sampled: 1, trained: 1}\n"
+            "  tiny-lama: {prefill: 1, sampled: 1, trained: 1}",
+            "models.tiny-lama: unknown model",
+        ),
+        ("currency: USD\nmodels:\n  default: {prefill: 0.0000001, sampled: 1, trained: 1}", "6 decimals"),
+        ("models:\n  default: {prefill: 1, sampled: 1, trained: 1}", "currency"),
+        ("[1, 2]", "expected a mapping"),
+    ],
+)
+def test_a_bad_price_table_is_refused_naming_the_entry(tmp_path, text, named):
+    path = write(tmp_path, text)
+    with pytest.raises(PriceError, match=named.replace(".", r"\.")):
+        load_price_table(path)
+    problem = check_options("cpu", None, None, prices=path)
+    assert problem.startswith("--prices: ") and named in problem
+
+
+def test_engine_up_refuses_a_bad_table_before_it_serves(tmp_path):
+    path = write(tmp_path, "currency: USD\nmodels:\n  default: {prefill: -2, sampled: 1, trained: 1}")
+    home = tmp_path / "home"
+    result = runner.invoke(app, ["engine", "up", "--home", str(home), "--prices", path])
+    assert result.exit_code == 1 and "models.default.prefill" in result.output
+    assert not (home / "engine.json").exists()
+
+
+def test_costs_are_exact_per_op_kind(tmp_path):
+    table = load_prices(write(tmp_path, PRICES))
+    usage = {"prefill_tokens": 3, "sampled_tokens": 7, "training_tokens": 1000}
+    # forward_backward trains its tokens; forward reads them at the prefill price
+    assert table.cost("tiny-llama", "forward_backward", {"training_tokens": 1000}) == 3_000_001 * 1000
+    assert format_cost(table.cost("tiny-llama", "forward", {"training_tokens": 1000})) == "0.00125"
+    expected = Decimal("3") * Decimal("1.25") + 7 * Decimal("2.5") + 1000 * Decimal("3.000001")
+    assert Decimal(format_cost(table.cost("tiny-llama", "sample", usage))) == expected / 10**6
+    assert table.cost("some/other", "sample", {"sampled_tokens": 2}) == 2 * 500_000
+    assert load_prices(
+        write(tmp_path, "currency: X\nmodels: {default: {prefill: 0, sampled: 0, trained: 0}}")
+    )
+
+
+@pytest.fixture(scope="module")
+def priced_engine(tmp_path_factory):
+    """An engine with a price table and a small queue limit, in a home of its own."""
+    tmp = tmp_path_factory.mktemp("priced")
+    home = tmp / "home"
+    info = start_engine(home, extra_args=["--prices", write(tmp, PRICES)])
+    yield {"home": home, "url": info["url"], "env": {"SESS_HOME": str(home), "SESS_ENGINE_URL": info["url"]}}
+    stop_engine(home)
+
+
+def _cli(env, *args):
+    result = runner.invoke(app, list(args), env=env)
+    assert result.exit_code == 0, (args, result.output, result.exception)
+    return result.output
+
+
+def test_usage_cost_per_op_kind_sums_to_the_total(priced_engine):
+    env = priced_engine["env"]
+    svc = ServiceClient(priced_engine["url"], home=priced_engine["home"])
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="priced")
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES[:2]]
+    tokens = sum(d.model_input.length for d in data)
+    tc.forward(data).result()
+    tc.forward_backward(data).result()
+    tc.optim_step().result()
+    sc = tc.create_sampling_client()
+    prompt = tok.encode("one two three")
+    sampled = sum(
+        len(s.tokens)
+        for s in sc.sample(prompt, num_samples=3, sampling_params=SamplingParams(max_tokens=5, seed=2))
+        .result()
+        .sequences
+    )
+    pico_per = {"prefill": 1_250_000, "sampled": 2_500_000, "trained": 3_000_001}
+    expected = {
+        "forward": tokens * pico_per["prefill"],
+        "forward_backward": tokens * pico_per["trained"],
+        "optim_step": 0,
+        "sample": len(prompt) * pico_per["prefill"] + sampled * pico_per["sampled"],
+    }
+    report = json.loads(_cli(env, "usage", "priced", "--json"))
+    assert report["currency"] == "EUR"
+    for op, pico in expected.items():
+        assert Decimal(report["operations"][op]["cost"]) == Decimal(pico) / 10**12, op
+    rows = sum(Decimal(r["cost"]) for r in report["operations"].values())
+    assert Decimal(report["usage"]["cost"]) == rows == Decimal(sum(expected.values())) / 10**12
+    usage = svc.get_usage("priced")  # the SDK's usage call carries the same cost
+    assert Decimal(usage.cost) == rows and usage.currency == "EUR"
+    by_session = json.loads(_cli(env, "usage", "--json", "--by", "session"))
+    assert Decimal(by_session["rows"]["priced"]["cost"]) == rows
+    by_key = json.loads(_cli(env, "usage", "--json", "--by", "key"))
+    assert sum(Decimal(r["cost"]) for r in by_key["rows"].values()) == Decimal(by_key["usage"]["cost"])
+    table = _cli({**env, "COLUMNS": "200"}, "usage", "priced")
+    assert "cost (EUR)" in table and report["usage"]["cost"] in table
+    tc.stop()
+    svc.close()
+
+
+def test_without_prices_no_cost_is_shown(http_engine, sess_home):
+    env = {"SESS_HOME": str(sess_home), "SESS_ENGINE_URL": http_engine["url"]}
+    report = json.loads(_cli(env, "usage", "--json"))
+    assert report["currency"] is None and report["usage"]["cost"] is None
+    assert all(row["cost"] is None for row in report["operations"].values())
+    assert "cost" not in _cli(env, "usage")
+
+
+def test_a_budget_refuses_new_work_and_raising_it_lets_the_session_go_on(priced_engine):
+    home, url = priced_engine["home"], priced_engine["url"]
+    added = runner.invoke(
+        app, ["engine", "keys", "add", "--owner", "dora", "--budget", "0.0001", "--home", str(home)]
+    )
+    assert added.exit_code == 0, added.output
+    key = added.stdout.strip()
+    key_id = key.split("-")[1]
+    svc = ServiceClient(url, api_key=key)
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0, training_session_name="dora-1")
+    tok = tc.get_tokenizer()
+    data = [ce_datum(tok.encode(s)) for s in SENTENCES[:3]]
+    steps = 0
+    with pytest.raises(SessError) as refused:
+        while steps < 50:  # each costs ~ tokens * 3e-6 EUR: the budget runs out in a few
+            tc.forward_backward(data).result()
+            tc.optim_step().result()
+            steps += 1
+    message = str(refused.value)
+    assert refused.value.status == 402 and steps >= 1
+    assert "budget of 0.0001 EUR" in message and f"sess engine keys budget {key_id}" in message
+    listed = json.loads(_cli({}, "engine", "keys", "list", "--home", str(home), "--json"))
+    [row] = [r for r in listed if r["id"] == key_id]
+    assert row["budget"] == "0.0001" and Decimal(row["spent"]) >= Decimal("0.0001")
+    # state is kept: a save goes through past the budget
+    saved = tc.save_state().result()
+    assert saved.path.startswith("sess://dora-1/")
+    # the raw HTTP answer is a 402 with the same message
+    raw = httpx.post(
+        f"{url}/api/submit",
+        headers={"authorization": f"Bearer {key}"},
+        json={"name": "compute_logprobs", "args": {"target": {"session": "dora-1"}, "prompt": [1, 2, 3]}},
+    )
+    assert raw.status_code == 402 and "budget" in raw.json()["error"]["message"]
+    _cli({}, "engine", "keys", "budget", key_id, "1", "--home", str(home))
+    out = tc.forward_backward(data).result()  # the same session, the same client, goes on
+    assert out.metrics["loss:sum"] > 0
+    tc.optim_step().result()
+    tc.stop()
+    svc.close()
+
+
+def test_budget_options_are_checked(tmp_path):
+    home = str(tmp_path)
+    for args, named in (
+        (["--budget", "-1"], "--budget"),
+        (["--budget", "nan"], "--budget"),
+        (["--token-budget", "-5"], "--token-budget"),
+    ):
+        result = runner.invoke(app, ["engine", "keys", "add", "--home", home, *args])
+        assert result.exit_code == 1 and named in result.output, result.output
+    key = runner.invoke(app, ["engine", "keys", "add", "--home", home, "--token-budget", "10"]).stdout.strip()
+    key_id = key.split("-")[1]
+    result = runner.invoke(app, ["engine", "keys", "budget", key_id, "inf", "--home", home])
+    assert result.exit_code == 1 and "finite" in result.output
+    listed = json.loads(_cli({}, "engine", "keys", "list", "--home", home, "--json"))
+    assert [r["token_budget"] for r in listed if r["id"] == key_id] == [10]
