@@ -82,10 +82,14 @@ def measure(policy: str, args) -> dict:
         stop, pending = threading.Event(), deque()
 
         def flood() -> None:
-            while not stop.is_set():
-                while len(pending) < args.flood:
-                    pending.append(heavy.forward_backward(heavy_data))
-                pending.popleft().result()
+            try:
+                while not stop.is_set():
+                    while len(pending) < args.flood:
+                        pending.append(heavy.forward_backward(heavy_data))
+                    pending.popleft().result()
+            except Exception:
+                if not stop.is_set():  # after stop, the engine is closing under the queued flood
+                    raise
 
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
