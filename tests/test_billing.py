@@ -220,3 +220,67 @@ def test_budget_options_are_checked(tmp_path):
     assert result.exit_code == 1 and "finite" in result.output
     listed = json.loads(_cli({}, "engine", "keys", "list", "--home", home, "--json"))
     assert [r["token_budget"] for r in listed if r["id"] == key_id] == [10]
+
+
+def test_a_home_from_before_costs_is_migrated(tmp_path):
+    import sqlite3
+
+    from sess.engine.server.registry import Registry
+
+    old = sqlite3.connect(tmp_path / "registry.db")
+    old.executescript(
+        "CREATE TABLE operations (id TEXT PRIMARY KEY, session TEXT, owner TEXT NOT NULL, name TEXT NOT NULL,"
+        " ok INTEGER, error TEXT, finished REAL, wall_time_s REAL, prefill_tokens INTEGER,"
+        " sampled_tokens INTEGER, training_tokens INTEGER);"
+        "CREATE TABLE usage (session TEXT NOT NULL, owner TEXT NOT NULL, operation TEXT NOT NULL, count INTEGER,"
+        " prefill_tokens INTEGER, sampled_tokens INTEGER, training_tokens INTEGER, wall_time_s REAL,"
+        " PRIMARY KEY (session, operation));"
+        "INSERT INTO operations VALUES ('a', 's', 'ann', 'forward_backward', 1, NULL, 1.0, 0.5, 0, 0, 40);"
+        "INSERT INTO operations VALUES ('b', 's', 'ann', 'sample', 1, NULL, 2.0, 0.5, 5, 7, 0);"
+    )
+    old.commit()
+    old.close()
+    registry = Registry(tmp_path)
+    spend = registry.spend("ann")
+    assert (
+        spend["operations"],
+        spend["prefill_tokens"],
+        spend["sampled_tokens"],
+        spend["training_tokens"],
+    ) == (
+        2,
+        5,
+        7,
+        40,
+    )
+    assert spend["cost_pu"] == 0  # no cost was recorded before prices: none is made up
+    registry.record_operation("c", "ann", "forward_backward", "s", None, {"training_tokens": 10}, cost_pu=123)
+    assert registry.spend("ann")["cost_pu"] == 123 and registry.spend("ann")["training_tokens"] == 50
+    registry.forget_session("s")  # a deleted session's spend stays with its owner
+    assert registry.spend("ann")["training_tokens"] == 50
+    registry.close()
+
+
+def test_runs_show_and_compare_show_cost(tmp_path):
+    for name, cost in (("run-a", "0.0125"), ("run-b", None)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "meta.json").write_text(json.dumps({"status": "completed", "created": "now", "session": name}))
+        (run / "config.yaml").write_text("loop: {name: sft, steps: 1}\nmodel: {name: tiny-llama}\n")
+        (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 1.0}) + "\n")
+        usage = {
+            "prefill_tokens": 3,
+            "sampled_tokens": 4,
+            "training_tokens": 5,
+            "wall_time_s": 1.0,
+            "operations": 2,
+        }
+        if cost:
+            usage |= {"cost": cost, "currency": "EUR"}
+        (run / "usage.json").write_text(json.dumps(usage))
+    env = {"COLUMNS": "200"}
+    shown = _cli(env, "runs", "show", "run-a", "--dir", str(tmp_path))
+    assert "usage 12 tokens" in shown and "cost 0.0125 EUR" in shown
+    assert "cost" not in _cli(env, "runs", "show", "run-b", "--dir", str(tmp_path))
+    compared = _cli(env, "runs", "compare", "run-a", "run-b", "--dir", str(tmp_path))
+    assert "total tokens" in compared and "0.0125 EUR" in compared
