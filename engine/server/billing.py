@@ -30,12 +30,14 @@ RETRY_AFTER_S = 1
 
 class OverBudget(SessError):
     status = 402
+    resend = True  # the same request may pass once the budget is raised
 
 
 class Busy(SessError):
     """A full queue: come back after ``retry_after`` seconds (the HTTP answer's Retry-After)."""
 
     status = 429
+    resend = True  # the same request passes once the queue has room
 
     def __init__(self, message: str, retry_after: int = RETRY_AFTER_S):
         super().__init__(message, status=429)

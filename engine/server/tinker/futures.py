@@ -96,7 +96,7 @@ class Futures:
         except BaseException as exc:
             answer.set_exception(exc)
             answer.exception()  # retrieved: no "never retrieved" warning when nobody re-sends
-            if getattr(exc, "status", None) in (402, 429):  # over budget, queue full: the re-send may pass
+            if getattr(exc, "resend", False):  # over budget or a full queue: a re-send may pass
                 del self._posts[key]
             raise
         answer.set_result(result)

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.app import parse_json, read_body
+from sess.engine.server.billing import Busy, OverBudget
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
@@ -37,7 +38,6 @@ _MISSING = object()
 # its budget (402: the SDK pauses and re-sends until it is raised) and a full queue (429 with
 # Retry-After: it waits and re-sends) are what those statuses mean, and pass through.
 PASS_THROUGH = {400, 401, 403, 404, 410, 413, 422}
-RETRIED = {402, 429}
 
 
 @dataclass
@@ -70,7 +70,7 @@ def json_response(data: Any, status: int = 200, headers: dict | None = None) -> 
 
 
 def error_response(exc: BaseException) -> Response:
-    if isinstance(exc, SessError) and exc.status in RETRIED:
+    if isinstance(exc, OverBudget | Busy):
         retry_after = getattr(exc, "retry_after", None)
         headers = {"retry-after": str(retry_after), "x-should-retry": "true"} if retry_after else None
         return json_response({"detail": str(exc)}, exc.status, headers)
