@@ -203,6 +203,10 @@ def _report(url, entries, tenants, prices, rss, wall, raised_at, sessions) -> di
     third = [b for when, b in rss if when > 2 * wall / 3]
     middle = [b for when, b in rss if wall / 3 < when <= 2 * wall / 3]
     ops = sum(k["ops"] for k in per_key)
+    by_op: dict[str, list[float]] = defaultdict(list)
+    for t in tenants:
+        for op, values in t.latency.items():
+            by_op[op] += values
     tokens = sum(sum(k["engine_tokens"].values()) for k in per_key)
     return {
         "seconds": wall,
@@ -211,22 +215,19 @@ def _report(url, entries, tenants, prices, rss, wall, raised_at, sessions) -> di
         "rss_middle_mb": max(middle) / 2**20 if middle else float("nan"),
         "rss_last_mb": max(third) / 2**20 if third else float("nan"),
         "keys": per_key,
+        "ops": {op: (len(v), percentile(v, 50), percentile(v, 95)) for op, v in sorted(by_op.items())},
         "currency": prices.currency,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=180.0)
-    parser.add_argument("--keys", type=int, default=4)
-    parser.add_argument("--sessions", type=int, default=4, help="per key")
-    args = parser.parse_args()
-    report = run(args.seconds, args.keys, args.sessions)
+def print_report(report: dict, keys: int, sessions: int) -> None:
     print(
-        f"{args.keys} keys x {args.sessions} sessions, {report['seconds']:.0f} s: {report['ops_per_s']:.1f} ops/s, "
+        f"{keys} keys x {sessions} sessions, {report['seconds']:.0f} s: {report['ops_per_s']:.1f} ops/s, "
         f"{report['tokens_per_s']:.0f} tokens/s; engine RSS max {report['rss_middle_mb']:.0f} MB (middle third) "
         f"-> {report['rss_last_mb']:.0f} MB (last third)"
     )
+    per_op = ", ".join(f"{op} {n} {a:.3f} {b:.3f}" for op, (n, a, b) in report["ops"].items())
+    print(f"per op (count, p50 s, p95 s): {per_op}")
     print(
         "key       ops   p50 s   p95 s   402s  5xx  tokens engine/client      cost engine/client    resumed"
     )
@@ -237,6 +238,16 @@ def main() -> None:
             f"  {engine:>8}/{client:<8}  {k['engine_cost']}/{k['client_cost']} {report['currency']}"
             f"  {'' if k['resumed'] is None else k['resumed']}"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=180.0)
+    parser.add_argument("--keys", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=4, help="per key")
+    args = parser.parse_args()
+    report = run(args.seconds, args.keys, args.sessions)
+    print_report(report, args.keys, args.sessions)
 
 
 if __name__ == "__main__":

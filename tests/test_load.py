@@ -18,6 +18,7 @@ def test_many_tenants_under_load_are_billed_exactly_and_a_raised_budget_resumes(
     load = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(load)
     report = load.run(150.0, keys=4, sessions=4, home=tmp_path / "home")
+    load.print_report(report, 4, 4)  # pytest -s shows the figures
     for key in report["keys"]:
         assert key["server_errors"] == 0 and not key["other_errors"], key  # every accepted op resolved
         assert key["ops"] > 0, key
