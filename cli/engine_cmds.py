@@ -317,32 +317,6 @@ def keys_add(
     Console(stderr=True).print(f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}")
 
 
-def _spend(home) -> tuple[dict, str | None]:
-    """(owner -> spend, currency) of the home: what keys list shows beside the budgets."""
-    from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info
-    from sess.engine.server.registry import Registry
-
-    home_path = sess_home(home)
-    spend = {}
-    if (home_path / "registry.db").exists():
-        registry = Registry(home_path)
-        try:
-            spend = {row["owner"]: row for row in registry.all_spend()}
-        finally:
-            registry.close()
-    currency = None
-    prices = ((engine_info(home_path) or {}).get("options") or {}).get("prices")
-    if prices:
-        from sess.engine.sdk.prices import PriceError, load_prices
-
-        try:
-            currency = load_prices(prices).currency
-        except PriceError:
-            pass
-    return spend, currency
-
-
 @keys_app.command("list")
 def keys_list(
     home: str = HOME,
@@ -357,12 +331,13 @@ def keys_list(
     budgets and what each owner has spent (of every op it ran, deleted sessions included)."""
     import time
 
+    from sess.cli.budget_cmds import spend_by_owner
     from sess.engine.sdk.prices import format_cost
     from sess.engine.server.billing import spent_tokens
     from sess.engine.server.keys import KeyStore
 
     store = KeyStore(home)
-    spend, currency = _spend(home)
+    spend, currency = spend_by_owner(home)
     entries = []
     for e in store.load().values():
         row = {
@@ -390,34 +365,6 @@ def keys_list(
         out.print(
             f"{e['id']}  owner={e['owner']}  created={created}  max_sessions={e['max_sessions']}{budget}{local}"
         )
-
-
-@keys_app.command("budget")
-def keys_budget(
-    key: str = typer.Argument(..., help="The key's id (sess engine keys list) or the key."),
-    amount: str = typer.Argument(
-        None, help="The new budget, in the currency of the engine's --prices table ('none': no budget)."
-    ),
-    tokens: int = typer.Option(None, "--tokens", help="A token budget instead (engine without prices)."),
-    home: str = HOME,
-) -> None:
-    """Set a key's budget; a running engine applies it from the key's next submit, so sessions that
-    were refused (402) go on where they stopped."""
-    from sess.engine.server.keys import KeyStore
-
-    if amount is None and tokens is None:
-        fail("give the new budget: sess engine keys budget ID AMOUNT (or --tokens N; AMOUNT none: no budget)")
-    budget = None if amount is None or amount.lower() == "none" else amount
-    store = KeyStore(home)
-    try:
-        entry = store.set_budget(key, budget, tokens)
-    except ValueError as exc:
-        fail(str(exc).replace("token_budget", "--tokens"))
-    if entry is None:
-        fail(f"no key {key[:16]!r} in {store.path} (see sess engine keys list)")
-    shown = entry["budget"] if entry["budget"] is not None else "none"
-    tokens_shown = entry["token_budget"] if entry["token_budget"] is not None else "none"
-    out.print(f"key {entry['id']} of owner {entry['owner']!r}: budget {shown}, token budget {tokens_shown}")
 
 
 @keys_app.command("revoke")
@@ -449,3 +396,6 @@ def keys_revoke(
             "warning: that was this home's own key: restart the engine (sess engine down, then up) "
             "for a new one"
         )
+
+
+from sess.cli import budget_cmds  # noqa: E402, F401  (registers `sess engine keys budget`)
