@@ -47,8 +47,10 @@ def keys_budget(
     tokens: int = typer.Option(None, "--tokens", help="A token budget instead (engine without prices)."),
     home: str = HOME,
 ) -> None:
-    """Set a key's budget; a running engine applies it from the key's next submit, so sessions that
-    were refused (402) go on where they stopped."""
+    """Set a key's budget (in the price table's currency, or --tokens).
+
+    A running engine applies it from the key's next submit, so sessions refused with 402 go on
+    where they stopped."""
     from sess.engine.server.keys import KeyStore
 
     if amount is None and tokens is None:

@@ -327,8 +327,10 @@ def keys_list(
         "spent_tokens}] (spent: a decimal string in the engine's currency).",
     ),
 ) -> None:
-    """List keys by id and owner (the keys themselves are not stored, only their hashes), with their
-    budgets and what each owner has spent (of every op it ran, deleted sessions included)."""
+    """List keys by id and owner, with their budgets and what each owner has spent.
+
+    The keys themselves are not stored, only their hashes. Spend counts every op the owner ran,
+    deleted sessions included."""
     import time
 
     from sess.cli.budget_cmds import spend_by_owner
