@@ -225,6 +225,9 @@ def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
             or parse_bytes(asked) == (recorded["memory_budget"] and parse_bytes(recorded["memory_budget"]))
         ),
         "nproc": lambda asked: asked == recorded.get("nproc", asked),
+        "prices": lambda asked: str(Path(asked).resolve()) == recorded.get("prices"),
+        "max_queued": lambda asked: asked == recorded.get("max_queued", asked),
+        "queue": lambda asked: asked == recorded.get("queue", asked),
     }
     differing = []
     for name, matches in same.items():

@@ -284,3 +284,18 @@ def test_runs_show_and_compare_show_cost(tmp_path):
     assert "cost" not in _cli(env, "runs", "show", "run-b", "--dir", str(tmp_path))
     compared = _cli(env, "runs", "compare", "run-a", "run-b", "--dir", str(tmp_path))
     assert "total tokens" in compared and "0.0125 EUR" in compared
+
+
+def test_the_tinker_billing_route_refuses_a_bad_window_naming_the_parameter(priced_engine):
+    key = (priced_engine["home"] / "api_key").read_text().strip()
+    route = f"{priced_engine['url']}/api/v1/billing/usage/events"
+    for params, named in (
+        ({"ending_before": "2026-01-01T00:00:00Z"}, "starting_on: missing"),
+        ({"starting_on": "yesterday", "ending_before": "2026-01-01T00:00:00Z"}, "starting_on: expected"),
+        ({"starting_on": "2026-01-01T00:30:00Z", "ending_before": "2026-01-02T00:00:00Z"}, "hour boundary"),
+        ({"starting_on": "2026-01-01T00:00:00Z", "ending_before": "2026-02-01T00:00:00Z"}, "14 days"),
+    ):
+        answer = httpx.get(route, params=params, headers={"x-api-key": key})
+        assert answer.status_code == 400 and named in answer.json()["detail"], answer.text
+    window = {"starting_on": "2020-01-01T00:00:00Z", "ending_before": "2020-01-02T00:00:00Z"}
+    assert httpx.get(route, params=window, headers={"x-api-key": key}).json()["data"] == []
