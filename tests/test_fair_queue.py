@@ -106,9 +106,9 @@ def test_a_light_keys_op_overtakes_a_flood_only_with_fair_queues(tmp_path, fair)
     try:
         for owner in ("heavy", "light"):
             executor.call(owner, "create_session", {"base_model": "tiny-llama", "name": owner, "rank": 4})
-        heavy, light = _batch(4, 256), _batch(1, 8)
+        heavy, light = _batch(4, 128), _batch(1, 8)
         flood = [
-            executor.submit("heavy", "forward_backward", heavy, session="heavy", seq=i + 1) for i in range(12)
+            executor.submit("heavy", "forward_backward", heavy, session="heavy", seq=i + 1) for i in range(8)
         ]
         time.sleep(0.05)  # the flood is queued before the light op arrives
         quick = executor.submit("light", "forward", light, session="light", seq=1)
@@ -122,4 +122,4 @@ def test_a_light_keys_op_overtakes_a_flood_only_with_fair_queues(tmp_path, fair)
     if fair:
         assert done_before <= 2, done_before  # the one running when it arrived (and maybe the next)
     else:
-        assert done_before == 12
+        assert done_before == 8
