@@ -59,6 +59,19 @@ def up(
         help="Ranks (torch.distributed: gloo on cpu, NCCL on cuda), one per CPU core or GPU at most: "
         "base models are sharded with FSDP2 and each rank trains on a share of every batch.",
     ),
+    prices: str = typer.Option(
+        None,
+        help="YAML price table (currency:, models: with prefill/sampled/trained per million tokens; "
+        "see conf/prices.example.yaml): usage then shows cost, and key budgets are in its currency.",
+    ),
+    max_queued: int = typer.Option(
+        settings.MAX_QUEUED,
+        help="Ops one API key may have queued or running; past it a submit gets 429 and Retry-After "
+        "(the SDKs wait and retry).",
+    ),
+    queue: str = typer.Option(
+        "fair", help="Order of ops across keys: fair (fair share of engine time) or arrival."
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -86,8 +99,17 @@ def up(
         fail(str(exc))
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"--device: expected cpu or cuda, got {device!r}")
+    if queue not in ("fair", "arrival"):
+        fail(f"--queue: expected fair or arrival, got {queue!r}")
     problem = check_options(
-        device, dtype, memory_budget, port=port, idle_timeout=idle_timeout, max_sessions=max_sessions
+        device,
+        dtype,
+        memory_budget,
+        port=port,
+        idle_timeout=idle_timeout,
+        max_sessions=max_sessions,
+        prices=prices,
+        max_queued=max_queued,
     )
     if problem:
         fail(problem)
@@ -123,6 +145,8 @@ def up(
         extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
         extra += ["--dtype", dtype] if dtype else []
         extra += ["--memory-budget", memory_budget] if memory_budget else []
+        extra += ["--prices", str(Path(prices).resolve())] if prices else []
+        extra += ["--max-queued", str(max_queued), "--queue", queue]
         if tls_cert:
             extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
         if nproc != 1:
@@ -160,6 +184,9 @@ def up(
             tls_key=tls_key,
             dtype=dtype,
             memory_budget=memory_budget,
+            prices=prices,
+            max_queued=max_queued,
+            fair=queue == "fair",
         )
     except SystemExit as exc:
         if not isinstance(exc.code, str):
@@ -198,6 +225,9 @@ def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
             or parse_bytes(asked) == (recorded["memory_budget"] and parse_bytes(recorded["memory_budget"]))
         ),
         "nproc": lambda asked: asked == recorded.get("nproc", asked),
+        "prices": lambda asked: str(Path(asked).resolve()) == recorded.get("prices"),
+        "max_queued": lambda asked: asked == recorded.get("max_queued", asked),
+        "queue": lambda asked: asked == recorded.get("queue", asked),
     }
     differing = []
     for name, matches in same.items():
@@ -275,6 +305,12 @@ def keys_add(
     max_sessions: int = typer.Option(
         None, help="Live sessions for this key, at least 1 (default: the engine's --max-sessions)."
     ),
+    budget: str = typer.Option(
+        None, help="What the key may spend, in the currency of the engine's --prices table."
+    ),
+    token_budget: int = typer.Option(
+        None, "--token-budget", help="Tokens the key may use (for an engine without prices)."
+    ),
     home: str = HOME,
 ) -> None:
     """Create an API key and print it: the one time it is shown (the home keeps only its hash).
@@ -286,7 +322,10 @@ def keys_add(
     if max_sessions is not None and max_sessions < 1:
         fail(f"--max-sessions: expected at least 1 live session for the key, got {max_sessions}")
     store = KeyStore(home)
-    entry = store.add(owner, max_sessions=max_sessions)
+    try:
+        entry = store.add(owner, max_sessions=max_sessions, budget=budget, token_budget=token_budget)
+    except ValueError as exc:
+        fail(f"--{str(exc).replace('_', '-')}")
     print(entry["key"])
     Console(stderr=True, soft_wrap=True).print(
         f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}"
@@ -297,19 +336,34 @@ def keys_add(
 def keys_list(
     home: str = HOME,
     as_json: bool = typer.Option(
-        False, "--json", help="As JSON: [{id, owner, created, max_sessions, local}]."
+        False,
+        "--json",
+        help="As JSON: [{id, owner, created, max_sessions, local, budget, token_budget, spent, "
+        "spent_tokens}] (spent: a decimal string in the engine's currency).",
     ),
 ) -> None:
-    """List keys by id and owner (the keys themselves are not stored, only their hashes)."""
+    """List keys by id and owner, with their budgets and what each owner has spent.
+
+    The keys themselves are not stored, only their hashes. Spend counts every op the owner ran,
+    deleted sessions included."""
     import time
 
+    from sess.cli.budget_cmds import spend_by_owner
+    from sess.engine.sdk.prices import format_cost
+    from sess.engine.server.billing import spent_tokens
     from sess.engine.server.keys import KeyStore
 
     store = KeyStore(home)
-    entries = [
-        {k: e.get(k) for k in ("id", "owner", "created", "max_sessions", "local")}
-        for e in store.load().values()
-    ]
+    spend, currency = spend_by_owner(home)
+    entries = []
+    for e in store.load().values():
+        row = {
+            k: e.get(k) for k in ("id", "owner", "created", "max_sessions", "local", "budget", "token_budget")
+        }
+        used = spend.get(e["owner"], {})
+        row["spent"] = format_cost(int(used.get("cost_pu") or 0))
+        row["spent_tokens"] = spent_tokens(used)
+        entries.append(row)
     if as_json:
         print(json.dumps(entries))
         return
@@ -321,8 +375,12 @@ def keys_list(
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"])) if e["created"] else "?"
         local = "  (this home's own key, in api_key)" if e["local"] else ""
+        money = f" {currency}" if currency else ""
+        budget = f"  budget={e['budget']}{money} spent={e['spent']}{money}" if e["budget"] is not None else ""
+        if e["token_budget"] is not None:
+            budget += f"  token_budget={e['token_budget']} spent_tokens={e['spent_tokens']}"
         out.print(
-            f"{e['id']}  owner={e['owner']}  created={created}  max_sessions={e['max_sessions']}{local}"
+            f"{e['id']}  owner={e['owner']}  created={created}  max_sessions={e['max_sessions']}{budget}{local}"
         )
 
 
@@ -355,3 +413,6 @@ def keys_revoke(
             "warning: that was this home's own key: restart the engine (sess engine down, then up) "
             "for a new one"
         )
+
+
+from sess.cli import budget_cmds  # noqa: E402, F401  (registers `sess engine keys budget`)

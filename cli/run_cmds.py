@@ -89,7 +89,9 @@ def run(
     if dry_run:
         plan = runner.plan(cfg)
         plan["model"] += _source(cfg.model.base_model)
-        for key, value in plan.items():
+        from sess.cli.forecast_lines import forecast_lines
+
+        for key, value in {**plan, **forecast_lines(cfg)}.items():
             out.print(f"{key:>7}: {value}", highlight=False, markup=False)
         return
     path = _run_and_note(cfg, runner.start, overrides)

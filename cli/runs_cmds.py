@@ -93,10 +93,31 @@ def _summary(path: Path) -> dict:
         fail(str(exc))
     return {
         "meta": meta,
+        "usage": _usage(path),
         "config": config or {},
         "train": [r for r in rows if r.get("kind") == "train"],
         "eval": [r for r in rows if r.get("kind") == "eval"],
     }
+
+
+def _usage(path: Path) -> dict:
+    """The run's ``usage.json`` (tokens, and cost where the engine had prices); {} if it has none."""
+    import json
+
+    try:
+        usage = json.loads((path / "usage.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return usage if isinstance(usage, dict) else {}
+
+
+def _usage_cells(usage: dict) -> tuple[str, str]:
+    """(tokens, cost) of a run's usage as table cells: cost only where the engine priced it."""
+    if not usage:
+        return "", ""
+    tokens = sum(int(usage.get(k) or 0) for k in ("prefill_tokens", "sampled_tokens", "training_tokens"))
+    cost = f"{usage['cost']} {usage.get('currency') or ''}".strip() if usage.get("cost") is not None else ""
+    return str(tokens), cost
 
 
 def _read_yaml(path: Path) -> dict:
@@ -140,6 +161,14 @@ def show(
         f"session {meta.get('session')}",
         highlight=False,
     )
+    tokens, cost = _usage_cells(found["usage"])
+    if tokens:
+        usage = found["usage"]
+        out.print(
+            f"usage {tokens} tokens (prefill {usage.get('prefill_tokens')}, sampled {usage.get('sampled_tokens')}, "
+            f"training {usage.get('training_tokens')}){', cost ' + cost if cost else ''}",
+            highlight=False,
+        )
     if meta.get("error"):
         out.print(f"{meta.get('status')}: {meta['error']}", highlight=False, markup=False, soft_wrap=True)
     evals = {r["step"]: r for r in found["eval"]}
@@ -200,6 +229,11 @@ def compare(
         final.append((key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b))))
     for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
         final.append((key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b))))
+    usage_a, usage_b = _usage_cells(a["usage"]), _usage_cells(b["usage"])
+    if usage_a[0] or usage_b[0]:
+        final.append(("total tokens", usage_a[0], usage_b[0]))
+    if usage_a[1] or usage_b[1]:
+        final.append(("cost", usage_a[1], usage_b[1]))
     print_table(("final", a_path.name, b_path.name), final, title="final metrics")
 
 

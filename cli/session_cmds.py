@@ -245,31 +245,54 @@ def resume(
 def usage(
     name: str = typer.Argument(None, help="A session (default: all of this key's sessions)."),
     as_json: bool = typer.Option(False, "--json", help="The same report as JSON."),
+    by: str = typer.Option(
+        "operation",
+        "--by",
+        help="Rows per operation, session or key (key: every key, with the home's own key).",
+    ),
 ) -> None:
-    """What sessions cost, per operation, with the total under it (the sum of the rows).
+    """What sessions cost, per operation (or per session or key), with the total under it (the sum
+    of the rows).
 
     Columns: count, how many ops of that kind ran (failed ones too); prefill, prompt tokens read
     (sample, compute_logprobs); sampled, tokens generated; training, tokens through forward and
-    forward_backward; wall s, the engine's own seconds on those ops. A sample request's seconds are
-    its share of each prefill and decode step it was part of, not the time it waited, so concurrent
-    requests do not count the same second twice."""
+    forward_backward; wall s, the engine's own seconds on those ops; cost, in the currency of the
+    engine's price table (sess engine up --prices), shown only when it has one. A sample request's
+    seconds are its share of each prefill and decode step it was part of, not the time it waited,
+    so concurrent requests do not count the same second twice. Billing: forward_backward's tokens
+    are trained, forward's and compute_logprobs' prefilled, a sample's prompt prefilled once and its
+    new tokens sampled."""
+    if by not in ("operation", "session", "key"):
+        fail(f"--by: expected operation, session or key, got {by!r}")
     svc = reader()
     transport = svc.transport
     if hasattr(transport, "usage"):
-        report = guard(transport.usage, name)
+        report = guard(transport.usage, name, by)
     else:
-        report = {"session": name, "usage": svc.get_usage(name).to_wire(), "operations": {}}
+        report = {"session": name, "usage": svc.get_usage(name).to_wire(), "operations": {}, "rows": {}}
     if as_json:
         print(json.dumps(report))
         return
+    rows = report.get("rows", report["operations"])
+    priced = report.get("currency") is not None
     keys = ("prefill_tokens", "sampled_tokens", "training_tokens")
-    rows = [
-        (op, row["count"], *(row[k] for k in keys), f"{row['wall_time_s']:.2f}")
-        for op, row in sorted(report["operations"].items())
+    table = [
+        (
+            name,
+            row["count"],
+            *(row[k] for k in keys),
+            f"{row['wall_time_s']:.2f}",
+            *([row["cost"]] if priced else []),
+        )
+        for name, row in sorted(rows.items())
     ]
     total = report["usage"]
-    rows.append(("total", total["operations"], *(total[k] for k in keys), f"{total['wall_time_s']:.2f}"))
-    print_table(("operation", "count", "prefill", "sampled", "training", "wall s"), rows, bold_last=True)
+    table.append(
+        ("total", total["operations"], *(total[k] for k in keys), f"{total['wall_time_s']:.2f}")
+        + ((total["cost"],) if priced else ())
+    )
+    headers = (by, "count", "prefill", "sampled", "training", "wall s")
+    print_table(headers + ((f"cost ({report['currency']})",) if priced else ()), table, bold_last=True)
 
 
 @app.command()

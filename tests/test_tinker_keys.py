@@ -76,6 +76,10 @@ def test_keys_add_list_revoke_from_the_cli(tmp_path):
             "created": pytest.approx(KeyStore(home).entry(key)["created"]),
             "max_sessions": None,
             "local": False,
+            "budget": None,
+            "token_budget": None,
+            "spent": "0",
+            "spent_tokens": 0,
         }
     ]
     assert key not in listed.stdout

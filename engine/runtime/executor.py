@@ -6,7 +6,8 @@ from the ops table (:mod:`.ops`) on the caller's thread, so bad input is refused
 queued. A session's ordered ops carry the sequence number its client stamped at call time and run
 strictly in that order (an early arrival waits for the ones before it); a resubmitted op with the
 same client token returns the first op instead of running twice. Sample requests join their base
-model's decode batch; the loop interleaves one other op with each decode step.
+model's decode batch; the loop interleaves one other op with each decode step. Which op runs next
+is the ready queue's choice (:mod:`.fair_queue`): fair share across keys, then sessions.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import threading
 import time
 import traceback
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sess.engine.runtime import checkpoint_ops
+from sess.engine.runtime.fair_queue import ReadyQueue
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.usage import session_of, usage_of
@@ -72,10 +74,17 @@ class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
 
-    def __init__(self, home: str | Path | None = None, device: str = "cpu", runtime: Runtime | None = None):
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        device: str = "cpu",
+        runtime: Runtime | None = None,
+        *,
+        fair: bool = True,
+    ):
         self.runtime = runtime or Runtime(home, device)
         self._cv = threading.Condition()
-        self._ready: deque[Operation] = deque()
+        self._ready = ReadyQueue(fair)  # fair=False: arrival order
         self._ops: OrderedDict[str, Operation] = OrderedDict()
         self._tokens: dict[tuple[str, str], str] = {}
         self._next_seq: dict[str, int] = {}
@@ -292,11 +301,7 @@ class Executor:
                 if self._closed:
                     return
                 idle = self._idle_due()
-                samples = [op for op in self._ready if op.name and OPS[op.name].kind is Kind.BATCHED]
-                if samples:
-                    self._ready = deque(
-                        op for op in self._ready if not op.name or OPS[op.name].kind is not Kind.BATCHED
-                    )
+                samples = self._ready.take(lambda op: op.name and OPS[op.name].kind is Kind.BATCHED)
                 op = self._ready.popleft() if self._ready else None
             if idle:
                 self._idle_since_work = True
@@ -308,7 +313,10 @@ class Executor:
             for sample in samples:
                 self._guarded(sample, self._start_sample)
             if op is not None:
+                started = time.perf_counter()
                 self._guarded(op, self._execute)
+                with self._cv:  # the owner's share of the engine: what its next op waits behind
+                    self._ready.charge(op.owner, time.perf_counter() - started)
             if self.runtime.decoding:
                 try:
                     self.runtime.decode_step()
@@ -391,6 +399,9 @@ class Executor:
         self._observe(op)
 
     def _observe(self, op: Operation) -> None:
+        if op.name and OPS[op.name].kind is Kind.BATCHED and op.usage is not None:
+            with self._cv:  # a sample's share of the decode steps it was part of
+                self._ready.charge(op.owner, op.usage.wall_time_s)
         if op.name and OPS[op.name].accounted and op.usage is not None:
             name = session_of(op.session, op.request, op.result)
             session = self.runtime.find_session(op.owner, name) if name else None

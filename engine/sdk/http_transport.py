@@ -3,7 +3,10 @@
 One pooled ``httpx`` client with TCP_NODELAY (a request's header and body go out as separate writes;
 Nagle plus delayed ACKs would add ~40 ms to each). Transient failures (connection refused or reset,
 503) are retried with exponential backoff; a 4xx never is. A submitted op always carries a client
-token, so a retry after a lost answer returns the first op instead of running it twice. Live
+token, so a retry after a lost answer returns the first op instead of running it twice. An engine
+whose queue for this key is full answers 429 with ``Retry-After``: the request is sent again after
+that wait (up to ``SESS_BUSY_DEADLINE_S``, 10 minutes by default), the same op with the same client
+token and sequence number, so nothing is lost or run twice. Live
 training sessions of this client are kept alive by a heartbeat thread, so the engine's idle timeout
 only stops sessions whose client went away. https certificates are verified, against
 ``SESS_CA_BUNDLE`` when set (an engine's own certificate, say); an untrusted one fails at once.
@@ -29,6 +32,7 @@ from sess.engine.sdk.home import read_local_key
 
 log = logging.getLogger("sess.engine")
 RETRY_DEADLINE_S = float(os.environ.get("SESS_RETRY_DEADLINE_S", 60.0))
+BUSY_DEADLINE_S = float(os.environ.get("SESS_BUSY_DEADLINE_S", 600.0))
 IDEMPOTENT_CALLS = {
     "list_sessions",
     "get_usage",
@@ -56,6 +60,16 @@ def error_from(response: httpx.Response) -> SessError:
     if 400 <= status < 500:
         return InvalidRequest(message, status=status)
     return SessError(message, status=status)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The wait a 429 with ``Retry-After`` (seconds) asks for; None for any other answer."""
+    if response.status_code != 429:
+        return None
+    try:
+        return min(max(float(response.headers.get("retry-after", "")), 0.05), 60.0)
+    except ValueError:
+        return None
 
 
 def tls_verification() -> ssl.SSLContext | bool:
@@ -114,11 +128,17 @@ class HttpTransport:
         """Send with retries on transient failures; raise the engine's error for any 4xx/5xx."""
         content = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         deadline, delay = time.monotonic() + RETRY_DEADLINE_S, 0.05
+        busy_until = time.monotonic() + BUSY_DEADLINE_S
         while True:
             try:
                 response = self._http.request(
                     method, path, content=content, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw
                 )
+                wait = _retry_after(response)
+                if wait is not None and time.monotonic() + wait <= busy_until:
+                    log.info("engine busy (%s): retrying in %.1f s", path, wait)
+                    time.sleep(wait)
+                    continue
                 if response.status_code != 503:
                     break
                 failure: Exception = error_from(response)
@@ -194,8 +214,8 @@ class HttpTransport:
                         f.write(chunk)
         return dest_dir
 
-    def usage(self, name: str | None = None) -> dict:
-        params = {"name": name} if name else {}
+    def usage(self, name: str | None = None, by: str = "operation") -> dict:
+        params = {"name": name, "by": by} if name else {"by": by}
         return self.request("GET", "/api/usage", idempotent=True, params=params).json()
 
     # heartbeats -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import base64
 import enum
 import math
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from typing import Any, ClassVar
 
 import numpy as np
@@ -354,12 +355,24 @@ class Usage:
     training_tokens: int = 0
     wall_time_s: float = 0.0
     operations: int = 0
+    cost: str | None = None  # exact decimal string in ``currency``; None where the engine has no prices
+    currency: str | None = None
 
     def add(self, other: Usage) -> Usage:
-        return Usage(**{k: getattr(self, k) + getattr(other, k) for k in asdict(self)})
+        counts = {
+            k: getattr(self, k) + getattr(other, k) for k in asdict(self) if k not in ("cost", "currency")
+        }
+        if self.cost is None or other.cost is None:
+            return Usage(**counts, cost=self.cost or other.cost, currency=self.currency or other.currency)
+        return Usage(**counts, cost=str(Decimal(self.cost) + Decimal(other.cost)), currency=self.currency)
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        wire = asdict(self)
+        return (
+            wire
+            if self.cost is not None
+            else {k: v for k, v in wire.items() if k not in ("cost", "currency")}
+        )
 
     @classmethod
     def from_wire(cls, wire: dict) -> Usage:

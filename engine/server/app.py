@@ -47,9 +47,13 @@ def json_response(content: Any, status: int = 200) -> Response:
 
 def error_response(exc: SessError) -> Response:
     status = exc.status or 400
-    return json_response(
+    response = json_response(
         {"error": {"message": str(exc), "status": status, "type": type(exc).__name__}}, status
     )
+    retry_after = getattr(exc, "retry_after", None)  # a full queue: when to come back
+    if retry_after is not None:
+        response.headers["retry-after"] = str(retry_after)
+    return response
 
 
 def json_integer(text: str) -> int:
@@ -232,11 +236,19 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         return FileResponse(files[file], media_type="application/octet-stream")
 
     @app.get("/api/usage")
-    async def usage(request: Request, name: str | None = None):
+    async def usage(request: Request, name: str | None = None, by: str = "operation"):
         owner = owner_of(request)
+        if by not in ("operation", "session", "key"):
+            raise InvalidRequest(f"by: expected operation, session or key, got {by[:32]!r}")
         total = await run_in_threadpool(engine.call, owner, "get_usage", {"name": name})
-        by_op = engine.registry.usage_by_operation(owner, name)
-        return json_response({"session": name, "usage": total, "operations": by_op})
+        report = await run_in_threadpool(engine.billing.report, owner, name, by, total)
+        return json_response(report)
+
+    @app.get("/api/prices")
+    async def prices(request: Request):
+        owner_of(request)
+        table = engine.billing.prices
+        return json_response({"prices": table.to_wire() if table else None})
 
     from sess.engine.server.openai_routes import add_openai_routes
 

@@ -7,7 +7,9 @@ so a leaked file lets no one in. The runtime scopes every session and checkpoint
 sees only what its owner made. The local engine creates one key for the user of the home (owner
 ``local``) and writes it to ``api_key`` (0600, the key itself), which the SDK reads when no key is
 given. A running engine rereads ``keys.json`` whenever it changes, so a revoked key is refused at
-its next request. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
+its next request and a changed budget holds from the next submit. A key may carry a ``budget``
+(an amount in the engine's price-table currency, kept as a decimal string) or a ``token_budget``
+(tokens, for an engine without prices), checked by :mod:`.billing`. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
 the first time it is read.
 """
 
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import LOCAL_KEY_FILE, atomic_write_bytes, sess_home
+from sess.engine.sdk.prices import parse_amount
 
 KEYS_FILE = "keys.json"
 LOCAL_OWNER = "local"
@@ -47,6 +50,20 @@ def _key_id(key: str) -> str | None:
     if key.startswith(PREFIX) and len(key) > 13 and key[12] == "-":
         return key[4:12]
     return None
+
+
+def budget_fields(budget, token_budget) -> dict:
+    """``budget``/``token_budget`` as a key stores them; ValueError naming the bad one."""
+    fields = {"budget": None, "token_budget": None}
+    if budget is not None:
+        fields["budget"] = str(parse_amount(budget, "budget"))
+    if token_budget is not None:
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 0:
+            raise ValueError(
+                f"token_budget: expected a whole number of tokens, 0 or more, got {token_budget!r}"
+            )
+        fields["token_budget"] = token_budget
+    return fields
 
 
 def new_key() -> tuple[str, str]:
@@ -94,12 +111,21 @@ class KeyStore:
         _write_private(self.path, json.dumps({"version": 2, "keys": list(entries)}, indent=1).encode())
         self._version = None
 
-    def add(self, owner: str | None = None, *, max_sessions: int | None = None, local: bool = False) -> dict:
+    def add(
+        self,
+        owner: str | None = None,
+        *,
+        max_sessions: int | None = None,
+        local: bool = False,
+        budget=None,
+        token_budget: int | None = None,
+    ) -> dict:
         """Create a key; the returned entry carries the key itself under ``key`` (shown once)."""
         if max_sessions is not None and max_sessions < 1:
             raise ValueError(
                 f"max_sessions: expected at least 1 live session for the key, got {max_sessions}"
             )
+        budgets = budget_fields(budget, token_budget)
         keys = dict(self.load())
         key_id, key = new_key()
         entry = _hashed(
@@ -109,6 +135,7 @@ class KeyStore:
             created=time.time(),
             max_sessions=max_sessions,
             local=local,
+            **budgets,
         )
         keys[key_id] = entry
         self._save(keys.values())
@@ -117,6 +144,17 @@ class KeyStore:
     def find(self, key_or_id: str) -> dict | None:
         """The entry of a key named by its id or by the key itself, or None."""
         return self.load().get(key_or_id) or self.entry(key_or_id)
+
+    def set_budget(self, key_or_id: str, budget=None, token_budget: int | None = None) -> dict | None:
+        """Give a key a new budget (both None: none); the updated entry, or None if no such key."""
+        fields = budget_fields(budget, token_budget)
+        entry = self.find(key_or_id)
+        if entry is None:
+            return None
+        keys = dict(self.load())
+        keys[entry["id"]] = {**entry, **fields}
+        self._save(keys.values())
+        return keys[entry["id"]]
 
     def revoke(self, key_or_id: str) -> dict | None:
         """Remove a key, named by its id or by the key itself; the removed entry, or None."""

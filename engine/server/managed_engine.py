@@ -3,7 +3,9 @@
 :class:`ManagedEngine` records every session, checkpoint and op (with its own token counts) in the
 SQLite registry, restores the sessions of a previous process as ``Interrupted`` (their checkpoints
 stay usable), refuses a key's session beyond its live-session limit, and stops sessions whose
-clients stopped heart-beating for ``idle_timeout`` seconds after saving their state.
+clients stopped heart-beating for ``idle_timeout`` seconds after saving their state. Its
+:class:`~sess.engine.server.billing.Billing` prices each op as it is recorded, and refuses a submit
+past the key's budget (402) or its queue limit (429) before the op takes a sequence number.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import SessionStatus, Usage
+from sess.engine.server.billing import COSTLY, Billing
 from sess.engine.server.registry import Registry
 from sess.engine.server.settings import IDLE_TIMEOUT_S, MAX_SESSIONS
 
@@ -44,11 +47,14 @@ class ManagedEngine(Executor):
         max_sessions: int = MAX_SESSIONS,
         session_limits: Callable[[str], int | None] | None = None,
         runtime: Runtime | None = None,
+        billing: Callable[[Registry], Billing] | None = None,
+        fair: bool = True,
     ):
         keep_freed_memory(device)  # a CPU engine process keeps freed memory for its next step: see memory.py
         log.info("malloc: %s", allocator())
         runtime = runtime or Runtime(home, device)
         self.registry = Registry(runtime.home)
+        self.billing = billing(self.registry) if billing else Billing(self.registry)
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
         self.session_limits = session_limits  # owner -> its limit, or None for the engine's
@@ -67,15 +73,61 @@ class ManagedEngine(Executor):
                 step=row["step"] or 0,
                 usage=Usage.from_wire(row["usage"]) if row["usage"] else Usage(),
             )
-        super().__init__(runtime=runtime)
+        super().__init__(runtime=runtime, fair=fair)
         self._idle_thread = threading.Thread(target=self._watch_idle, name="sess-idle", daemon=True)
         self._idle_thread.start()
 
-    def submit(self, owner: str, name: str, args, *, session=None, seq=None, client_token=None) -> str:
+    def submit(
+        self,
+        owner: str,
+        name: str,
+        args,
+        *,
+        session=None,
+        seq=None,
+        client_token=None,
+        hold_seq: bool = False,
+    ) -> str:
+        """Queue an op (see Executor.submit). Past the key's budget a costly op is refused (402) and
+        its sequence number used up, so the session's later ops run; ``hold_seq`` leaves the number
+        free instead, for a client that re-sends the same op until the budget is raised (tinker)."""
         # Another key's session must look absent, not busy: check before sequence ordering answers.
         if isinstance(session, str) and self.runtime.find_session(owner, session) is None:
             raise NotFound(f"session {session!r} not found")
-        return super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+        if name != "noop" and not (isinstance(session, str) and self._unblocks(session, seq)):
+            self.billing.check_queue(owner)
+        refusal = self.billing.over_budget(owner) if name in COSTLY else None
+        if refusal is not None:
+            if (
+                not hold_seq
+                and isinstance(session, str)
+                and isinstance(seq, int)
+                and not isinstance(seq, bool)
+            ):
+                try:  # its sequence number is used up, so the session's later ops still run
+                    super().submit(owner, "noop", {}, session=session, seq=seq)
+                except SessError:
+                    pass  # already used (a resubmission): nothing waits for it
+            raise refusal
+        op_id = super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+        self.billing.accepted(owner, self._owned(owner, op_id))
+        return op_id
+
+    def _unblocks(self, session, seq) -> bool:
+        """Whether an op is the one its session's parked ops wait for: never held back by the queue
+        limit, since those parked ops fill the queue until it arrives (as does a noop, which only
+        keeps a session's order moving)."""
+        with self._cv:
+            return bool(self._parked.get(session)) and seq == self._next_seq.get(session, 1)
+
+    def call(self, owner: str, name: str, args=None):
+        result = super().call(owner, name, args)
+        if name == "get_usage" and isinstance(result, dict) and self.billing.prices is not None:
+            session = (args or {}).get("name")
+            rows = self.registry.usage_by_operation(owner, session)
+            cost = sum(int(r.get("cost_pu") or 0) for r in rows.values())
+            result = {**result, "cost": self.billing.money(cost), "currency": self.billing.prices.currency}
+        return result
 
     def heartbeat(self, owner: str, sessions: list[str]) -> None:
         now = time.time()
@@ -96,6 +148,7 @@ class ManagedEngine(Executor):
                 )
 
     def finished(self, op: Operation) -> None:
+        self.billing.done(op.owner, op.id)
         if OPS[op.name].accounted:
             self._record(op)
 
@@ -127,7 +180,12 @@ class ManagedEngine(Executor):
                     self.registry.remove_checkpoint(released)
         usage = (op.usage or Usage(operations=1)).to_wire()
         error = str(op.error) if op.error is not None else None
-        self.registry.record_operation(op.id, op.owner, op.name, name if session else None, error, usage)
+        target = getattr(op.request, "target", None)
+        model = session.base_model if session is not None else getattr(target, "base_model", None)
+        cost = self.billing.cost(model, op.name, usage)
+        self.registry.record_operation(
+            op.id, op.owner, op.name, name if session else None, error, usage, cost
+        )
 
     def idle(self) -> None:
         """No work for a while: drop sampling's packed weight copies and hand free memory back (the

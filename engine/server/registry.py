@@ -2,9 +2,13 @@
 
 Tables: ``sessions`` (one row per session, its status, step and usage), ``checkpoints`` (every
 saved ``sess://`` path), ``operations`` (one row per op with its own token counts and wall time),
-``usage`` (per session and op name, summed) and ``resumes`` (each time a stopped session was continued
-under its own name: from which checkpoint, and the status and step it had before, which its
-``sessions`` row no longer shows). When an engine starts, sessions the previous process
+``usage`` (per session and op name, summed), ``spend`` (per owner, summed over every op it ever
+ran: what its budget is checked against, kept when a session is deleted) and ``resumes`` (each time
+a stopped session was continued under its own name: from which checkpoint, and the status and step
+it had before, which its ``sessions`` row no longer shows). Costs are integers of pico-units
+(:mod:`sess.engine.sdk.prices`), 0 where the engine has no prices. A home from before costs gains
+the columns and the ``spend`` table (filled from its operations) when opened. When an engine starts,
+sessions the previous process
 left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
 """
 
@@ -30,18 +34,27 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS operations (
     id TEXT PRIMARY KEY, session TEXT, owner TEXT NOT NULL, name TEXT NOT NULL, ok INTEGER,
     error TEXT, finished REAL, wall_time_s REAL, prefill_tokens INTEGER, sampled_tokens INTEGER,
-    training_tokens INTEGER
+    training_tokens INTEGER, cost_pu INTEGER DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS operations_session ON operations(session);
 CREATE TABLE IF NOT EXISTS usage (
     session TEXT NOT NULL, owner TEXT NOT NULL, operation TEXT NOT NULL, count INTEGER,
     prefill_tokens INTEGER, sampled_tokens INTEGER, training_tokens INTEGER, wall_time_s REAL,
-    PRIMARY KEY (session, operation)
+    cost_pu INTEGER DEFAULT 0, PRIMARY KEY (session, operation)
 );
 CREATE TABLE IF NOT EXISTS resumes (
     session TEXT NOT NULL, owner TEXT NOT NULL, path TEXT NOT NULL, resumed REAL,
     status_before TEXT, step_before INTEGER, step INTEGER
 );
+"""
+SPEND = """
+CREATE TABLE spend (
+    owner TEXT PRIMARY KEY, operations INTEGER, prefill_tokens INTEGER, sampled_tokens INTEGER,
+    training_tokens INTEGER, cost_pu INTEGER
+);
+INSERT INTO spend SELECT owner, COUNT(*), SUM(COALESCE(prefill_tokens, 0)),
+    SUM(COALESCE(sampled_tokens, 0)), SUM(COALESCE(training_tokens, 0)), SUM(COALESCE(cost_pu, 0))
+    FROM operations GROUP BY owner;
 """
 LIVE = ("Starting", "Running", "Stopping")
 COUNTS = ("prefill_tokens", "sampled_tokens", "training_tokens", "wall_time_s")
@@ -56,6 +69,18 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a home from before costs up to this schema: cost columns, then the spend table."""
+        with self._lock:
+            for table in ("operations", "usage"):
+                columns = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if "cost_pu" not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN cost_pu INTEGER DEFAULT 0")
+            found = self._db.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='spend'")
+            if found.fetchone() is None:
+                self._db.executescript(f"BEGIN; {SPEND} COMMIT;")
 
     def _run(self, sql: str, params=()) -> list[sqlite3.Row]:
         with self._lock:
@@ -138,24 +163,50 @@ class Registry:
         ]
 
     def record_operation(
-        self, op_id: str, owner: str, name: str, session: str | None, error: str | None, counts: dict
+        self,
+        op_id: str,
+        owner: str,
+        name: str,
+        session: str | None,
+        error: str | None,
+        counts: dict,
+        cost_pu: int = 0,
     ) -> None:
+        """One op's row, added to its session's usage row and its owner's spend, in one transaction."""
         values = [counts.get(k, 0) for k in COUNTS]
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    (op_id, session, owner, name, error is None, error, time.time(), values[3], *values[:3]),
+                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        op_id,
+                        session,
+                        owner,
+                        name,
+                        error is None,
+                        error,
+                        time.time(),
+                        values[3],
+                        *values[:3],
+                        cost_pu,
+                    ),
+                )
+                self._db.execute(
+                    "INSERT INTO spend VALUES (?,1,?,?,?,?) ON CONFLICT(owner) DO UPDATE "
+                    "SET operations=operations+1, prefill_tokens=prefill_tokens+excluded.prefill_tokens, "
+                    "sampled_tokens=sampled_tokens+excluded.sampled_tokens, "
+                    "training_tokens=training_tokens+excluded.training_tokens, cost_pu=cost_pu+excluded.cost_pu",
+                    (owner, *values[:3], cost_pu),
                 )
                 if session is not None:
                     self._db.execute(
-                        "INSERT INTO usage VALUES (?,?,?,1,?,?,?,?) ON CONFLICT(session, operation) DO UPDATE "
+                        "INSERT INTO usage VALUES (?,?,?,1,?,?,?,?,?) ON CONFLICT(session, operation) DO UPDATE "
                         "SET count=count+1, prefill_tokens=prefill_tokens+excluded.prefill_tokens, "
                         "sampled_tokens=sampled_tokens+excluded.sampled_tokens, "
                         "training_tokens=training_tokens+excluded.training_tokens, "
-                        "wall_time_s=wall_time_s+excluded.wall_time_s",
-                        (session, owner, name, *values),
+                        "wall_time_s=wall_time_s+excluded.wall_time_s, cost_pu=cost_pu+excluded.cost_pu",
+                        (session, owner, name, *values, cost_pu),
                     )
                 self._db.execute("COMMIT")
             except BaseException:
@@ -163,15 +214,54 @@ class Registry:
                 raise
 
     def usage_by_operation(self, owner: str, session: str | None = None) -> dict[str, dict]:
-        """{operation name: {count, prefill_tokens, sampled_tokens, training_tokens, wall_time_s}}."""
+        """{operation name: {count, prefill_tokens, sampled_tokens, training_tokens, wall_time_s, cost_pu}}."""
         where, params = ("owner=? AND session=?", (owner, session)) if session else ("owner=?", (owner,))
         rows = self._run(
             "SELECT operation, SUM(count) AS count, SUM(prefill_tokens) AS prefill_tokens, "
             "SUM(sampled_tokens) AS sampled_tokens, SUM(training_tokens) AS training_tokens, "
-            f"SUM(wall_time_s) AS wall_time_s FROM usage WHERE {where} GROUP BY operation",
+            "SUM(wall_time_s) AS wall_time_s, SUM(cost_pu) AS cost_pu "
+            f"FROM usage WHERE {where} GROUP BY operation",
             params,
         )
         return {r["operation"]: {k: r[k] for k in r.keys() if k != "operation"} for r in rows}
+
+    def usage_rows(self, by: str, owner: str | None = None) -> dict[str, dict]:
+        """Usage summed per ``session`` or per ``owner`` (of one owner, or all): {name: counts}."""
+        column = {"session": "session", "owner": "owner"}[by]
+        where, params = ("WHERE owner=?", (owner,)) if owner is not None else ("", ())
+        rows = self._run(
+            f"SELECT {column} AS name, SUM(count) AS count, SUM(prefill_tokens) AS prefill_tokens, "
+            "SUM(sampled_tokens) AS sampled_tokens, SUM(training_tokens) AS training_tokens, "
+            "SUM(wall_time_s) AS wall_time_s, SUM(cost_pu) AS cost_pu "
+            f"FROM usage {where} GROUP BY {column}",
+            params,
+        )
+        return {r["name"]: {k: r[k] for k in r.keys() if k != "name"} for r in rows}
+
+    def spend(self, owner: str) -> dict:
+        """What ``owner`` has spent over every op it ran (deleted sessions included)."""
+        rows = self._run("SELECT * FROM spend WHERE owner=?", (owner,))
+        if not rows:
+            return {
+                "operations": 0,
+                "prefill_tokens": 0,
+                "sampled_tokens": 0,
+                "training_tokens": 0,
+                "cost_pu": 0,
+            }
+        return {k: rows[0][k] for k in rows[0].keys() if k != "owner"}
+
+    def operation_rows(self, owner: str, start: float, end: float) -> list[dict]:
+        """``owner``'s ops that finished in [start, end), with their session's base model."""
+        rows = self._run(
+            "SELECT o.*, s.base_model AS base_model FROM operations o LEFT JOIN sessions s ON s.name=o.session "
+            "WHERE o.owner=? AND o.finished>=? AND o.finished<? ORDER BY o.finished",
+            (owner, start, end),
+        )
+        return [dict(r) for r in rows]
+
+    def all_spend(self) -> list[dict]:
+        return [dict(r) for r in self._run("SELECT * FROM spend ORDER BY owner")]
 
     def operations(self, session: str) -> list[dict]:
         return [

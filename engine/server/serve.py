@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
-from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_SESSIONS
+from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_QUEUED, MAX_SESSIONS
 
 
 def is_loopback(host: str) -> bool:
@@ -83,17 +83,28 @@ def check_options(
     port: int | None = None,
     idle_timeout: float | None = None,
     max_sessions: int | None = None,
+    prices: str | None = None,
+    max_queued: int | None = None,
 ) -> str | None:
     """What is wrong with these engine options on this machine (None: nothing): a device it does
     not have, a precision the device cannot compute in, a budget that is not a size, a port out of
-    range, a limit no session could live under. Options given as None are not checked."""
+    range, a limit no session could live under, a price table that cannot be used. Options given as
+    None are not checked."""
     import torch
 
     from sess.engine.runtime.catalog import Dtypes
     from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.sdk.prices import PriceError
 
     if port is not None and not 0 <= port <= 65535:
         return f"--port: expected 1 to 65535 (or 0: any free port), got {port}"
+    if max_queued is not None and max_queued < 1:
+        return f"--max-queued: expected at least 1 queued op per key, got {max_queued}"
+    if prices is not None:
+        try:
+            load_price_table(prices)
+        except PriceError as exc:
+            return f"--prices: {exc}"
     if max_sessions is not None and max_sessions < 1:
         return f"--max-sessions: expected at least 1 live session per key, got {max_sessions}"
     # inf would mean never, but it is no JSON number: /healthz could not report it
@@ -120,6 +131,21 @@ def check_options(
     return None
 
 
+def load_price_table(path: str):
+    """The price table of ``--prices``, every model in it checked against the catalog."""
+    from sess.engine.runtime.catalog import ModelNotAvailable, resolve
+    from sess.engine.sdk.prices import load_prices
+
+    def known_model(name: str) -> str | None:
+        try:
+            resolve(name)
+        except ModelNotAvailable as exc:
+            return str(exc)
+        return None
+
+    return load_prices(path, known_model)
+
+
 def serve(
     home: str | Path | None = None,
     host: str = "127.0.0.1",
@@ -133,6 +159,9 @@ def serve(
     dtype: str | None = None,
     memory_budget: str | None = None,
     ranks=None,
+    prices: str | None = None,
+    max_queued: int | None = MAX_QUEUED,
+    fair: bool = True,
 ) -> None:
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
 
@@ -143,14 +172,25 @@ def serve(
     from sess.engine.runtime.memory_budget import parse_bytes
     from sess.engine.runtime.runtime import Runtime
     from sess.engine.server.app import create_app
+    from sess.engine.server.billing import Billing
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 
     problem = check_options(
-        device, dtype, memory_budget, port=port, idle_timeout=idle_timeout, max_sessions=max_sessions
+        device,
+        dtype,
+        memory_budget,
+        port=port,
+        idle_timeout=idle_timeout,
+        max_sessions=max_sessions,
+        max_queued=max_queued,
     )
     if problem:
         raise SystemExit(f"sess engine: {problem}")
+    try:
+        price_table = load_price_table(prices) if prices else None
+    except ValueError as exc:
+        raise SystemExit(f"sess engine: --prices: {exc}") from None
     home = sess_home(home)
     keys = KeyStore(home)
     if not is_loopback(host) and not keys.load():
@@ -189,6 +229,8 @@ def serve(
         session_limits=lambda owner: next(
             (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
         ),
+        billing=lambda registry: Billing(registry, keys, price_table, max_queued),
+        fair=fair,
     )
     if ranks is not None:
         from sess.engine.runtime.distributed_follow import session_snapshot
@@ -220,6 +262,9 @@ def serve(
             "dtype": dtype,
             "memory_budget": memory_budget,
             "nproc": 1 if ranks is None else ranks.world,
+            "prices": str(Path(prices).resolve()) if prices else None,
+            "max_queued": max_queued,
+            "queue": "fair" if fair else "arrival",
         },
     }
     if ranks is not None:  # the agent's pid stops the engine; rank 0's answers /healthz
@@ -298,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="ranks (torch.distributed, FSDP2): one per CPU core or GPU at most",
     )
+    parser.add_argument("--prices", default=None, help="YAML price table (per million tokens)")
+    parser.add_argument("--max-queued", type=int, default=MAX_QUEUED, help="queued ops per key")
+    parser.add_argument("--queue", choices=("fair", "arrival"), default="fair", help="order across keys")
     args = parser.parse_args(argv)
     problem = check_options(
         args.device,
@@ -306,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         idle_timeout=args.idle_timeout,
         max_sessions=args.max_sessions,
+        prices=args.prices,
+        max_queued=args.max_queued,
     )
     if problem:  # before any rank starts
         raise SystemExit(f"sess engine: {problem}")
@@ -346,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
             args.dtype,
             args.memory_budget,
             ranks,
+            args.prices,
+            args.max_queued,
+            args.queue == "fair",
         )
     except KeyboardInterrupt:
         pass

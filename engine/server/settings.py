@@ -9,4 +9,5 @@ LOG_FILE = "engine.log"  # a background engine's output, in its home
 START_TIMEOUT_S = float(os.environ.get("SESS_ENGINE_START_TIMEOUT_S", 120.0))
 IDLE_TIMEOUT_S = 600.0  # a session whose client sent no op or heartbeat this long is saved and stopped
 MAX_SESSIONS = 8  # live sessions per API key
+MAX_QUEUED = 256  # a key's ops queued or running at once; past it a submit gets 429 + Retry-After
 MAX_BODY_BYTES = int(os.environ.get("SESS_MAX_BODY_BYTES", 256 << 20))

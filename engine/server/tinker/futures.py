@@ -96,6 +96,8 @@ class Futures:
         except BaseException as exc:
             answer.set_exception(exc)
             answer.exception()  # retrieved: no "never retrieved" warning when nobody re-sends
+            if getattr(exc, "resend", False):  # over budget or a full queue: a re-send may pass
+                del self._posts[key]
             raise
         answer.set_result(result)
         return result

@@ -78,7 +78,7 @@ def sdk_version_error(version: object) -> str | None:
 
 def add_tinker_routes(app: FastAPI, engine: ManagedEngine, keys: KeyStore, max_body_bytes: int) -> Tinker:
     """Mount the Tinker protocol on ``app`` under ``/api/v1``, over the same engine as sess's routes."""
-    from sess.engine.server.tinker import rest_routes, sampling_routes, training_routes
+    from sess.engine.server.tinker import billing_routes, rest_routes, sampling_routes, training_routes
 
     tinker = Tinker(engine, keys, max_body_bytes)
 
@@ -92,6 +92,7 @@ def add_tinker_routes(app: FastAPI, engine: ManagedEngine, keys: KeyStore, max_b
     add_core_routes(route, tinker)
     training_routes.add_routes(route, tinker)
     sampling_routes.add_routes(route, tinker)
+    billing_routes.add_routes(route, tinker)
     rest_routes.add_routes(route, tinker)  # last: it ends with the catch-all for unknown routes
     return tinker
 

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.app import parse_json, read_body
+from sess.engine.server.billing import Busy, OverBudget
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
@@ -33,7 +34,9 @@ from sess.engine.server.tinker.futures import Answer, Futures
 log = logging.getLogger("sess.engine")
 _MISSING = object()
 # statuses the SDK retries for minutes (408, 409, 429, 5xx) or treats as a billing pause (402) are
-# never used for a client's mistake: those answer 400 (see the protocol notes in routes.py)
+# never used for a client's mistake: those answer 400 (see the protocol notes in routes.py). A key over
+# its budget (402: the SDK pauses and re-sends until it is raised) and a full queue (429 with
+# Retry-After: it waits and re-sends) are what those statuses mean, and pass through.
 PASS_THROUGH = {400, 401, 403, 404, 410, 413, 422}
 
 
@@ -67,6 +70,10 @@ def json_response(data: Any, status: int = 200, headers: dict | None = None) -> 
 
 
 def error_response(exc: BaseException) -> Response:
+    if isinstance(exc, OverBudget | Busy):
+        retry_after = getattr(exc, "retry_after", None)
+        headers = {"retry-after": str(retry_after), "x-should-retry": "true"} if retry_after else None
+        return json_response({"detail": str(exc)}, exc.status, headers)
     if isinstance(exc, SessError):
         status = exc.status or 400
         status = status if status in PASS_THROUGH else 500 if status >= 500 else 400
@@ -141,7 +148,9 @@ class Tinker:
     ) -> str:
         """Queue an op; a request the engine refuses on reading it is raised here (a 400 at once),
         its sequence number still used up so the session's later ops run."""
-        op_id = await run_in_threadpool(self.engine.submit, owner, name, args, session=session, seq=seq)
+        op_id = await run_in_threadpool(  # refused for budget or a full queue: the SDK re-sends this seq
+            self.engine.submit, owner, name, args, session=session, seq=seq, hold_seq=True
+        )
         op = self.engine.wait(owner, op_id, 0)
         # only a refusal on reading: an op that already ran and failed answers through its future
         if op is not None and op.refused and op.error is not None and (op.error.status or 400) < 500:

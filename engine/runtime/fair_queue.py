@@ -1,0 +1,108 @@
+"""The executor's ready queue: ops served by fair share across keys, then sessions, not by arrival.
+
+Each owner (API key) has a virtual time: the engine seconds its ops have taken. The next op comes
+from the owner with the least virtual time that has one ready (ties: the earliest arrival), and
+within that owner from its sessions in turn; inside a session ops keep the order they were queued
+in (the executor queues a session's ordered ops in sequence-number order). An owner that was idle
+starts from the virtual time of the last served owner, so idleness banks no credit, and a light
+key's op waits for at most the op running now, whatever another key has queued. The engine's own
+work (owner ``""``) goes first. Sample requests are taken out together (:meth:`ReadyQueue.take`)
+to join the decode batch; their share of decode time is charged to their owners as they finish.
+``fair=False`` serves in arrival order, as a baseline to measure against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+ENGINE = ""  # the owner of the engine's own work
+
+
+class ReadyQueue:
+    def __init__(self, fair: bool = True):
+        self.fair = fair
+        self._arrivals: deque = deque()  # arrival order (fair=False)
+        self._owners: dict[str, OrderedDict[Any, deque]] = {}  # owner -> session -> ops (fair)
+        self._vtime: dict[str, float] = {}
+        self._clock = 0.0  # virtual time of the owner served last
+        self._count = 0
+        self._order = itertools.count()  # arrival stamps for ties
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self) -> Iterator:
+        if not self.fair:
+            return iter(list(self._arrivals))
+        return iter([op for sessions in self._owners.values() for ops in sessions.values() for op in ops])
+
+    def append(self, op) -> None:
+        self._count += 1
+        op._arrival = next(self._order)
+        if not self.fair:
+            self._arrivals.append(op)
+            return
+        owner = op.owner
+        if owner not in self._owners:  # an owner (re)joining starts from now, not from its idle past
+            self._owners[owner] = OrderedDict()
+            self._vtime[owner] = max(self._vtime.get(owner, 0.0), self._clock)
+        self._owners[owner].setdefault(op.session, deque()).append(op)
+
+    def popleft(self):
+        if not self._count:
+            raise IndexError("pop from an empty queue")
+        self._count -= 1
+        if not self.fair:
+            return self._arrivals.popleft()
+        if ENGINE in self._owners:
+            owner = ENGINE
+        else:
+            owner = min(
+                self._owners,
+                key=lambda o: (self._vtime[o], next(iter(self._owners[o].values()))[0]._arrival),
+            )
+        self._clock = max(self._clock, self._vtime.get(owner, 0.0))
+        sessions = self._owners[owner]
+        session, ops = next(iter(sessions.items()))
+        op = ops.popleft()
+        if ops:
+            sessions.move_to_end(session)  # the owner's next op comes from its next session
+        else:
+            del sessions[session]
+        if not sessions:
+            del self._owners[owner]
+        return op
+
+    def take(self, wanted: Callable[[Any], bool]) -> list:
+        """Remove and return every queued op ``wanted`` accepts, in arrival order."""
+        taken = [op for op in self if wanted(op)]
+        if not taken:
+            return []
+        if not self.fair:
+            self._arrivals = deque(op for op in self._arrivals if not wanted(op))
+        for owner, sessions in list(self._owners.items()):
+            for session, ops in list(sessions.items()):
+                kept = deque(op for op in ops if not wanted(op))
+                if kept:
+                    sessions[session] = kept
+                else:
+                    del sessions[session]
+            if not sessions:
+                del self._owners[owner]
+        self._count -= len(taken)
+        return sorted(taken, key=lambda op: op._arrival)
+
+    def charge(self, owner: str, seconds: float) -> None:
+        """Add ``seconds`` of the engine's time to ``owner``'s share."""
+        if owner != ENGINE and seconds > 0:
+            self._vtime[owner] = self._vtime.get(owner, self._clock) + seconds
+
+    def shares(self) -> dict[str, float]:
+        """Engine seconds charged per owner so far (for reports and tests)."""
+        return dict(self._vtime)
