@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from sess.cli.main import app, fail
+from sess.cli.app import app, fail
 from sess.engine.server import settings
 
 engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
@@ -51,8 +51,8 @@ def up(
         "(default: 384M on cpu, half the free device memory on cuda); the logits, in chunks, take a "
         "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
         "activation checkpointing, and one too long even then is refused. On cpu the sampler keeps "
-        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights: "
-        "538 MB for smollm2-135m) only where they fit in it.",
+        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights) "
+        "only where they fit in it.",
     ),
     nproc: int = typer.Option(
         1,
@@ -75,8 +75,8 @@ def up(
     SESS_MALLOC=system on glibc's defaults."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
+    from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.keys import KeyStore
-    from sess.engine.server.launcher import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.serve import START_LOCK_FD_ENV, bind, check_options, check_tls, is_loopback
 
     home_path = sess_home(home)
@@ -220,7 +220,7 @@ def status(
 ) -> None:
     """Show whether the engine of the home is running, and where."""
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info
+    from sess.engine.sdk.local_engine import engine_info
 
     info = engine_info(sess_home(home))
     if info is None:
@@ -246,7 +246,7 @@ def down(home: str = HOME) -> None:
     save_state (sess://NAME/state/shutdown-step...), so nothing is lost. The ranks of an engine
     started with --nproc N stop together, so their sessions resume from the states saved before."""
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import stop_engine
+    from sess.engine.sdk.local_engine import stop_engine
 
     info = stop_engine(sess_home(home))
     if info is None:

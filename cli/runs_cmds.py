@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sess.cli.main import app, err, fail
+from sess.cli.app import app, err, fail
 from sess.cli.text_chart import line_chart
 
 out = Console()
@@ -37,7 +37,7 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
     """List recorded runs (with no subcommand)."""
     if ctx.invoked_subcommand is not None:
         return
-    from sess.loops.records import list_runs
+    from sess.harness.records import list_runs
 
     found = list_runs(runs_dir)
     if not found:
@@ -92,7 +92,7 @@ def _run_dir(run: str, runs_dir: Path) -> Path:
 def _summary(path: Path) -> dict:
     """The run's meta, resolved config and metric rows; a file that cannot be read is one line
     naming it."""
-    from sess.loops.records import DamagedRecord, read_json, read_jsonl
+    from sess.harness.records import DamagedRecord, read_json, read_jsonl
 
     try:
         meta = read_json(path / "meta.json")
@@ -111,7 +111,7 @@ def _summary(path: Path) -> dict:
 def _read_yaml(path: Path) -> dict:
     import yaml
 
-    from sess.loops.records import DamagedRecord
+    from sess.harness.records import DamagedRecord
 
     if not path.is_file():
         return {}

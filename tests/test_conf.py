@@ -8,10 +8,11 @@ from importlib import resources
 import pytest
 import yaml
 
-from sess.loops import config, grpo
-from sess.loops.arithmetic import ArithmeticData
-from sess.loops.config import ConfigError, LoraConfig
-from sess.loops.registry import LOOPS
+from sess.harness import config
+from sess.harness.config import ConfigError, LoraConfig
+from sess.harness.registry import LOOPS
+from sess.loops import grpo
+from sess.tasks.arithmetic.problems import ArithmeticData
 
 
 def _options(group: str) -> list[str]:
@@ -103,7 +104,7 @@ def test_defaults_are_the_ones_sess_run_has_been_running():
         8,
         8,
     )
-    assert (cfg.loop.loss, cfg.loop.steps, cfg.loop.eval_every, cfg.loop.save_every) == ("ppo", 20, 10, 10)
+    assert (cfg.loop.loss, cfg.loop.steps, cfg.eval_every, cfg.save_every) == ("ppo", 20, 10, 10)
     assert (cfg.data.max_value, cfg.data.word_problems, cfg.data.eval_size, list(cfg.data.ops)) == (
         20,
         False,

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from sess.engine.server.launcher import engine_info, start_engine, stop_engine
+from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 

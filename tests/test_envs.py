@@ -9,11 +9,11 @@ import pytest
 from test_run import TINY, _run
 
 from sess.engine import AdamParams, SampledSequence, SampleResponse, SamplingParams, ServiceClient
-from sess.loops import rendering, rollouts
-from sess.loops.arithmetic import Problem
-from sess.loops.env import Env, StepResult, ToolSpec, parse_tool_call
-from sess.loops.problem_env import ProblemEnv
-from sess.loops.records import read_jsonl
+from sess.harness.records import read_jsonl
+from sess.rl import rendering, rollouts
+from sess.rl.env import Env, StepResult, ToolSpec, parse_tool_call
+from sess.tasks.arithmetic.problem_env import ProblemEnv
+from sess.tasks.arithmetic.problems import Problem
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from test_run import TINY, _run
 
-from sess.loops import data_files, rewards
-from sess.loops.arithmetic import ArithmeticData, ArithmeticProblems
-from sess.loops.records import RECORD_FILES, read_jsonl
+from sess.harness.records import RECORD_FILES, read_jsonl
+from sess.tasks import files as data_files
+from sess.tasks.arithmetic import rewards
+from sess.tasks.arithmetic.problems import ArithmeticData, ArithmeticProblems
 
 
 def test_arithmetic_splits_never_overlap_and_are_seeded():
@@ -62,7 +63,7 @@ def test_file_orders_are_seeded_and_epoch_shuffled():
 
 
 def test_sft_weights_only_assistant_tokens(svc):
-    from sess.loops import rendering
+    from sess.rl import rendering
 
     tok = svc.get_tokenizer("tiny-llama")
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Answer: 4"}]

@@ -14,7 +14,7 @@ from test_run import TINY
 from typer.testing import CliRunner
 
 from sess.cli.main import app
-from sess.engine.server.launcher import engine_info, stop_engine
+from sess.engine.sdk.local_engine import engine_info, stop_engine
 
 cli = CliRunner()
 SESS = [sys.executable, "-c", "from sess.cli.main import main; main()"]
@@ -86,7 +86,7 @@ def test_run_help_lists_the_config_groups_and_their_options():
 
 def test_runs_show_and_compare(sess_home, tmp_path):
     runs = tmp_path / "runs"
-    base = ["run", *TINY, "engine=inprocess", f"runs_dir={runs}", "loop.steps=2", "loop.eval_every=1"]
+    base = ["run", *TINY, "engine=inprocess", f"runs_dir={runs}", "loop.steps=2", "eval_every=1"]
     for extra in (["loop.learning_rate=1e-3"], ["loop.learning_rate=1e-2"]):
         assert cli.invoke(app, [*base, *extra]).exit_code == 0
     first, second = sorted(p.name for p in runs.iterdir())

@@ -11,8 +11,8 @@ import yaml
 from typer.testing import CliRunner
 
 from sess.cli.main import app
-from sess.loops import runner
-from sess.loops.records import RECORD_FILES, read_jsonl
+from sess.harness import runner
+from sess.harness.records import RECORD_FILES, read_jsonl
 
 cli = CliRunner()
 
@@ -114,7 +114,7 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(sess_home, tmp_path):
         "engine=inprocess",
         "loop=grpo",
         "loop.steps=4",
-        "loop.save_every=2",
+        "save_every=2",
         "loop.group_size=4",
         "seed=3",
     ]
@@ -214,7 +214,7 @@ def test_resuming_a_completed_run_changes_nothing(sess_home, tmp_path):
 
 def _recorded_run(runs_dir: Path, name: str, steps: int = 2) -> Path:
     """A run directory as a finished run leaves it, without running anything."""
-    from sess.loops.records import RunRecord
+    from sess.harness.records import RunRecord
 
     path = runs_dir / name
     path.mkdir(parents=True)
@@ -328,7 +328,7 @@ def test_ctrl_c_saves_stops_the_session_and_says_how_to_resume(sess_home, tmp_pa
         "loop=grpo",
         "loop.group_size=2",
         "loop.steps=8",
-        "loop.save_every=0",
+        "save_every=0",
         "engine=remote",
     ]
     command = [sys.executable, "-c", "from sess.cli.main import main; main()", "run", *overrides]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sess.loops import runner
-from sess.loops.records import read_jsonl
+from sess.harness import runner
+from sess.harness.records import read_jsonl
 
 
 @pytest.mark.slow

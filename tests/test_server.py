@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from sess.engine import AdamParams, InvalidRequest, NotFound, ServiceClient, SessError
+from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
-from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 
@@ -311,8 +311,8 @@ def test_engine_unreachable_is_a_clear_error(monkeypatch):
 def test_run_runs_on_the_executor_thread_and_no_client_can_reach_it(sess_home):
     import threading
 
+    from sess.engine.runtime.inprocess import shared_engine
     from sess.engine.sdk.errors import InvalidRequest
-    from sess.engine.sdk.transport import shared_engine
 
     engine = shared_engine(sess_home)
     assert engine.run(lambda runtime: threading.current_thread().name) == "sess-executor"

@@ -16,8 +16,8 @@ from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.home import read_local_key
+from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
-from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 from tinker_helpers import TinkerHttp, self_signed_certificate

@@ -19,9 +19,11 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import Submitter
+from sess.engine.sdk.http_transport import HttpTransport
+from sess.engine.sdk.local_engine import ensure_local_engine
 from sess.engine.sdk.sampling_client import SamplingClient
 from sess.engine.sdk.training_client import TrainingClient
-from sess.engine.sdk.transport import InProcessTransport, Transport, shared_engine
+from sess.engine.sdk.transport import Transport, in_process_transport
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
 
@@ -34,15 +36,11 @@ class ServiceClient:
         url = url or os.environ.get("SESS_ENGINE_URL") or "local"
         api_key = api_key or os.environ.get("SESS_API_KEY")
         if url == "local":  # the engine of SESS_HOME, started in the background if none runs
-            from sess.engine.server.launcher import ensure_local_engine
-
             url = ensure_local_engine(home)
         self.url = url
         if url == "inproc":
-            self.transport: Transport = InProcessTransport(shared_engine(home), owner=api_key or "local")
+            self.transport: Transport = in_process_transport(home, owner=api_key or "local")
         else:
-            from sess.engine.sdk.http_transport import HttpTransport
-
             self.transport = HttpTransport(url, api_key=api_key, home=home)
         self._submitter = Submitter(self.transport)
         self._tokenizers: dict[str, Any] = {}

@@ -1,9 +1,11 @@
-"""Finding, starting and stopping the local engine of an engine home.
+"""Finding, starting and stopping the local engine of an engine home, from the client's side.
 
 A running engine writes ``engine.json`` (url, pid, port) into its home. :func:`ensure_local_engine`
 returns that engine's URL when it answers, and otherwise starts one in the background (a new session
 leader, logging to ``engine.log``) under a file lock, so two clients starting at once share one engine;
 ``sess engine up`` takes the same lock. Starting one says so on stderr, since it outlives the command.
+The engine is started by its module path (``python -m sess.engine.server``, which sets up its own
+process environment), so this module, part of the SDK, imports nothing of the engine's.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from pathlib import Path
 
 import httpx
 
-from sess.engine.runtime.memory import engine_env
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.home import sess_home
-from sess.engine.server.settings import ENGINE_FILE, LOG_FILE, START_TIMEOUT_S
+
+ENGINE_FILE = "engine.json"  # written by a running engine into its home: url, pid, port
+LOG_FILE = "engine.log"  # a background engine's output, in its home
+START_TIMEOUT_S = float(os.environ.get("SESS_ENGINE_START_TIMEOUT_S", 120.0))
 
 
 def _alive(pid: int) -> bool:
@@ -130,8 +134,7 @@ def start_engine(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
-            start_new_session=True,
-            env=engine_env(device=device),  # malloc keeps freed memory for the next step: see memory.py
+            start_new_session=True,  # the server's __main__ re-executes it under the engine's malloc settings
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

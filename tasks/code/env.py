@@ -10,7 +10,7 @@ held-out set that mixes generated tasks and HumanEval reports each), ``has_code`
 
 With more than one turn (``loop.max_turns=2``) the env offers the ``check_solution`` tool on every
 turn but the last: a reply that calls it (``<tool_call>{"name": "check_solution", "arguments":
-{"code": "..."}}</tool_call>``, rendered natively or by the fallback of :mod:`.rendering`) gets the
+{"code": "..."}}</tool_call>``, rendered natively or by the fallback of :mod:`sess.rl.rendering`) gets the
 test verdict back as a tool message and another turn; the episode's reward is the final answer's.
 A tool call whose arguments are malformed (not JSON, another tool, no ``code`` string) ends the
 episode with ``-format_penalty`` and the reason; a solution that outruns the sandbox's limits ends it
@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from .code_tasks import CodeProblem
-from .env import Env, Messages, StepResult, ToolSpec, parse_tool_call
+from sess.rl.env import Env, Messages, StepResult, ToolSpec, parse_tool_call
+
+from .tasks import CodeProblem
 
 CHECK_SOLUTION = ToolSpec(
     "check_solution",

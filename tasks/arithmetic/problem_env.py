@@ -8,9 +8,10 @@ at all, so a policy is pushed first to answer, then to answer right. The episode
 
 from __future__ import annotations
 
+from sess.rl.env import Env, Messages, StepResult
+
 from . import rewards
-from .arithmetic import Problem
-from .env import Env, Messages, StepResult
+from .problems import Problem
 
 
 def problem_prompt(problem: Problem, instruction: str) -> Messages:

@@ -215,6 +215,31 @@ def policy_datum(episode: Episode, advantage) -> Datum:
     return rendering.shifted_datum(episode.tokens_T, logprobs=episode.logprobs_T, advantages=advantages_T)
 
 
+def batch_datums(groups_P: list[Group], scale_by_std: bool = False) -> list[Datum]:
+    """One datum per episode of the groups with signal: its group-relative advantage divided by the
+    batch's sampled tokens (token-mean over the batch) on its sampled tokens. A group whose rewards
+    are all equal has no signal and gives none."""
+    advantages_P_G = [group_advantages(g.rewards_G, scale_by_std) for g in groups_P]
+    kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
+    n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
+    return [policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)]
+
+
+def group_datums(group: Group, batch_size: int, scale_by_std: bool = False) -> list[Datum]:
+    """One group's datums as a sub-batch of ``batch_size`` groups: advantage / (the group's sampled
+    tokens * batch_size) on sampled tokens, so each group weighs the same and the sub-batches'
+    gradients add up to the batch's. Episodes that erred or sampled nothing give none."""
+    advantages_G = group_advantages(group.rewards_G, scale_by_std) if group.episodes_G else []
+    if not any(abs(a) > 1e-9 for a in advantages_G):
+        return []
+    n_tokens = sum(e.n_sampled for e in group.episodes_G) * batch_size
+    return [
+        policy_datum(e, a / n_tokens)
+        for e, a in zip(group.episodes_G, advantages_G)
+        if e.n_sampled and not e.error
+    ]
+
+
 def batch_metrics(groups_P: list[Group]) -> dict:
     """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode; the
     count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines)."""

@@ -3,9 +3,10 @@
 The runner owns everything a loop should not have to think about: it connects to the engine the
 config names, creates (or reuses, or restores) the training session, writes the run directory, and
 hands the loop its config (the loop's ``Config`` dataclass), the training client, its data and
-:class:`RunHooks`. Through the hooks' ``step_done`` it records every step, evaluates on held-out data
-(:mod:`.evaluation`) at the start, every ``loop.eval_every`` steps and at the end, and saves state
-every ``loop.save_every`` steps and at the end. At the end it records usage and stops the session
+:class:`RunHooks`. It owns the schedule: through the hooks' ``step_done`` it records every step,
+evaluates on held-out data (:mod:`sess.rl.evaluation`) at the start, every ``eval_every`` steps and at
+the end, and saves state every ``save_every`` steps and at the end, where the end is the step the
+loop's ``train`` says it reached (SFT's ``epochs`` can end it before ``loop.steps``). At the end it records usage and stops the session
 unless ``keep_session``; a failure is recorded as ``meta.json``'s ``error``. ``python -m
 sess.loops.<loop> [overrides]`` comes here too (:func:`main`).
 
@@ -31,14 +32,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sess.engine import ServiceClient, TrainingClient
+from sess.engine.sdk.local_engine import engine_info, stop_engine
+from sess.rl import evaluation
+from sess.rl.data import Data
+from sess.rl.rollouts import derive_seed
+from sess.tasks import sources
 
 from . import config as config_mod
-from . import datasets, evaluation
 from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
 from .registry import LOOPS, Loop
-from .rollouts import derive_seed
 
 
 class RunInterrupted(Exception):
@@ -61,8 +65,6 @@ def local_engine(cfg: DictConfig) -> dict | None:
     """The running local engine a run with ``cfg`` uses ({url, pid, rss_bytes, ...}), if any."""
     if cfg.engine.kind != "local" or os.environ.get("SESS_ENGINE_URL"):
         return None
-    from sess.engine.server.launcher import engine_info
-
     return engine_info()
 
 
@@ -76,8 +78,6 @@ def engine_note(cfg: DictConfig, was_running: bool, reached: bool = True) -> str
         if not reached:
             return ""
         return f"the engine at {cfg.engine.url or os.environ.get('SESS_ENGINE_URL')} keeps running"
-    from sess.engine.server.launcher import engine_info, stop_engine
-
     info = engine_info()
     if info is None:
         return "the local engine is not running"
@@ -102,8 +102,8 @@ def plan(cfg: DictConfig) -> dict:
         "engine": cfg.engine.kind + (f" {cfg.engine.url}" if cfg.engine.url else ""),
         "loop": f"{cfg.loop.name}: {cfg.loop.steps} steps, batch {cfg.loop.batch_size}, lr {cfg.loop.learning_rate}",
         "data": cfg.data.name,
-        "eval": f"every {cfg.loop.eval_every or '-'} steps and at start/end",
-        "save": f"state every {cfg.loop.save_every or '-'} steps and at the end",
+        "eval": f"every {cfg.eval_every or '-'} steps and at start/end",
+        "save": f"state every {cfg.save_every or '-'} steps and at the end",
         "logger": cfg.logger.name,
         "seed": cfg.seed,
     }
@@ -111,18 +111,20 @@ def plan(cfg: DictConfig) -> dict:
 
 @dataclass
 class RunHooks:
-    """The runner's :class:`~.hooks.Hooks`: a step is logged, then evaluated and saved when due."""
+    """The runner's :class:`~sess.rl.hooks.Hooks`: a step is logged, then evaluated and saved when due."""
 
     cfg: DictConfig
     loop: Loop
+    loop_cfg: Any  # the loop's own Config dataclass
     tc: TrainingClient
-    data: datasets.Data
+    data: Data
     record: RunRecord
     logger: Logger
     progress: Progress
     on_step: Callable[[int], None] | None = None
     done: int = 0  # steps done (the step a run starts at, until its first step_done)
     last_saved: int = 0  # the step of the newest saved state (the start step's state exists already)
+    last_evaluated: int = -1  # the step of the newest evaluation
     mid_step: bool = False  # the loop is inside a step: its updates may be partly applied
     stop_requested: bool = False  # Ctrl-C came mid-step: stop once this step is recorded and saved
 
@@ -132,10 +134,10 @@ class RunHooks:
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         self.logger.log(row)
         self.progress.update(done, row)
-        schedule = self.cfg.loop
-        if schedule.eval_every and done % schedule.eval_every == 0 and done < schedule.steps:
+        cfg = self.cfg
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.loop.steps:
             self.evaluate(done)
-        if schedule.save_every and done % schedule.save_every == 0:
+        if cfg.save_every and done % cfg.save_every == 0:
             self.save(done)
         if self.on_step is not None:
             self.on_step(done)
@@ -156,13 +158,17 @@ class RunHooks:
             metrics = self._evaluate(done)
         self.logger.log({"kind": "eval", "step": done, **metrics})
         self.progress.note_eval(done, metrics)
+        self.last_evaluated = done
         return metrics
 
     def _evaluate(self, done: int) -> dict:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.data.envs is not None:
-            metrics.update(env_evaluation(self.cfg, self.tc, self.data.envs.held_out, done))
+            turns = (
+                self.loop_cfg.max_turns if self.loop.data == "envs" else None
+            )  # the loop's cap, if an RL loop
+            metrics.update(env_evaluation(self.cfg, self.tc, self.data.envs.held_out, done, turns))
         elif self.data.chats is not None:
             metrics.update(evaluation.chat_loss(self.tc, self.data.chats.held_out))
         if self.loop.evaluate is not None:
@@ -177,14 +183,14 @@ class RunHooks:
         return path
 
 
-def env_evaluation(cfg: DictConfig, tc: TrainingClient, envs: list, done: int) -> dict:
-    """The held-out episodes of a run of ``cfg`` after ``done`` steps: greedy, and sampled where the
-    loop asks for ``eval_samples`` (:mod:`.evaluation`)."""
+def env_evaluation(cfg: DictConfig, tc: TrainingClient, envs: list, done: int, turns: int | None) -> dict:
+    """The held-out episodes of a run of ``cfg`` after ``done`` steps, at most ``turns`` replies each:
+    greedy, and ``eval_samples`` sampled answers a problem at the loop's temperature when set
+    (:mod:`sess.rl.evaluation`)."""
     loop = cfg.loop
-    turns = loop.get("max_turns")  # loops that cap turns evaluate under the same cap
     seeds = [derive_seed(cfg.seed, "sample", done, i) for i in range(len(envs))]
     metrics = evaluation.greedy_episodes(tc, envs, loop.max_tokens, seeds, turns)
-    if samples := loop.get("eval_samples"):
+    if samples := cfg.eval_samples:
         seeds = [derive_seed(cfg.seed, "eval-sampled", i) for i in range(len(envs))]
         metrics.update(
             evaluation.sampled_episodes(tc, envs, loop.max_tokens, loop.temperature, samples, seeds, turns)
@@ -298,14 +304,14 @@ def _open_session(svc: ServiceClient, cfg: DictConfig, record: RunRecord, resume
     )
 
 
-def _load_data(cfg: DictConfig) -> datasets.Data:
+def _load_data(cfg: DictConfig) -> Data:
     """The run's data; fails early when it lacks what the loop trains on."""
-    data = datasets.load(cfg.data, int(cfg.seed), cfg.grader)
+    data = sources.load(cfg.data, int(cfg.seed), cfg.grader)
     data.need(LOOPS[cfg.loop.name].data, cfg.loop.name)
     return data
 
 
-def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_from, on_step, show_progress):
+def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_step, show_progress):
     svc = tc = logger = hooks = None
     status, error = "failed", None
     try:
@@ -319,22 +325,36 @@ def _execute(cfg, data: datasets.Data, record: RunRecord, *, start_step, resume_
                 tc = _open_session(svc, cfg, record, resume_from)
             record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
             hooks = RunHooks(
-                cfg, loop, tc, data, record, logger, progress, on_step, done=start_step, last_saved=start_step
+                cfg,
+                loop,
+                loop_cfg,
+                tc,
+                data,
+                record,
+                logger,
+                progress,
+                on_step,
+                done=start_step,
+                last_saved=start_step,
             )
             if start_step == 0:
                 hooks.evaluate(0)
+            final = start_step
             if start_step < loop_cfg.steps:
                 dataset = data.need(loop.data, cfg.loop.name)
                 hooks.mid_step = True  # until the loop's first step_done, and in each step after
                 with ctrl_c_finishes_the_step(hooks):
-                    loop.train(loop_cfg, tc, dataset, hooks, seed=int(cfg.seed), start_step=start_step)
+                    final = loop.train(
+                        loop_cfg, tc, dataset, hooks, seed=int(cfg.seed), start_step=start_step
+                    )
                 hooks.mid_step = False
-            final = loop_cfg.steps
-            hooks.evaluate(final)
+            # the end is the step the loop reached: SFT's epochs can stop it before loop.steps
+            if hooks.last_evaluated != final:
+                hooks.evaluate(final)
             if hooks.last_saved != final:
                 hooks.save(final)
         path = tc.save_weights_for_sampler(name="final").result().path
-        record.append("checkpoints.jsonl", {"step": loop_cfg.steps, "kind": "sampler", "path": path})
+        record.append("checkpoints.jsonl", {"step": final, "kind": "sampler", "path": path})
         status = "completed"
     except RunInterrupted:
         status = "interrupted"

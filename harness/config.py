@@ -1,7 +1,7 @@
 """Run configuration: Hydra composes ``sess.conf``, then every group is checked against a dataclass schema.
 
 Every default is written once. The ``loop`` and ``data`` options are dataclasses (each loop's
-``Config``, each data source's config in :mod:`.datasets`), registered in Hydra's ConfigStore under
+``Config``, each data source's config in :mod:`sess.tasks.sources`), registered in Hydra's ConfigStore under
 their names, so ``loop=sft`` composes :class:`sess.loops.sft.Config` with its defaults. The
 ``model``, ``engine`` and ``logger`` options are YAML files in ``conf/`` that hold what differs per
 option; the schemas below hold what they share (a model's LoRA defaults, a logger's project, ...).
@@ -9,6 +9,7 @@ Hydra's compose API builds the config from ``config.yaml`` plus the command line
 result is merged into the schema of each group, so an unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key (``loop.stpes``), whether the typo is on the command line or
 in a YAML file. ``sess run``, ``sess start`` and ``python -m sess.loops.<loop>`` all compose here.
+The runner's schedule (``eval_every``, ``save_every``, ``eval_samples``) is top-level keys, not a loop's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from urllib.parse import urlsplit
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from sess.engine.sdk.checkpoint_paths import check_name
+from sess.tasks.code.grader import GRADERS, GraderConfig
+from sess.tasks.sources import DATA_SOURCES
+
+from .registry import LOOPS
 
 
 class ConfigError(Exception):
@@ -69,18 +76,22 @@ LOGGERS = ("local", "wandb", "mlflow")
 
 
 GROUPS = ("engine", "model", "loop", "data", "logger", "grader")
-# Keys that moved to another group (the reward is the env's, the visiting order the data's).
-MOVED = {"loop.format_penalty": "data.format_penalty", "loop.shuffle": "data.shuffle"}
+# Keys that moved (the reward is the env's, the visiting order the data's, the schedule the runner's).
+MOVED = {
+    "loop.format_penalty": "data.format_penalty",
+    "loop.shuffle": "data.shuffle",
+    "loop.eval_every": "eval_every",
+    "loop.save_every": "save_every",
+    "loop.eval_samples": "eval_samples",
+}
+SCHEDULE = ("eval_every", "save_every", "eval_samples")  # the runner's keys, at the top level
+RUN_KEYS = ("seed", "runs_dir", "session", "keep_session", *SCHEDULE)
 
 
 def register_options() -> None:
     """Put every loop's and data source's config dataclass into Hydra's ConfigStore as an option, and
     the engine, model and logger schemas where their YAML options extend them (``/schema/<group>``)."""
     from hydra.core.config_store import ConfigStore
-
-    from .code_data import GRADERS, GraderConfig
-    from .datasets import DATA_SOURCES
-    from .registry import LOOPS
 
     store = ConfigStore.instance()
     for group, schema in (("engine", EngineConfig), ("model", ModelConfig), ("logger", LoggerConfig)):
@@ -100,26 +111,21 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
     try:
         with _hydra():
-            cfg = hydra_compose("config", overrides=list(overrides))
-            default_data = _loop_default_data(cfg, overrides)
-            if default_data is not None:  # e.g. loop=code_rl trains on code_tasks unless told otherwise
-                cfg = hydra_compose("config", overrides=[f"data={default_data}", *overrides])
+            # a recipe's presets first (loop=code_rl trains on code_tasks unless told otherwise)
+            cfg = hydra_compose("config", overrides=[*_loop_presets(overrides), *overrides])
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc, list(overrides))) from exc
     return validate(cfg)
 
 
-def _loop_default_data(cfg: DictConfig, overrides) -> str | None:
-    from .registry import LOOPS
-
-    loop = LOOPS.get(cfg.loop.get("name"))
-    if (
-        loop is None
-        or loop.default_data is None
-        or any(o.lstrip("+~").startswith("data=") for o in overrides)
-    ):
-        return None
-    return loop.default_data
+def _loop_presets(overrides) -> list[str]:
+    """The presets of the loop the overrides choose that they do not set themselves (a key or a group)."""
+    chosen = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("loop=")]
+    loop = LOOPS.get(chosen[-1]) if chosen else None
+    if loop is None:
+        return []
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    return [p for p in loop.presets if p.partition("=")[0] not in given]
 
 
 def _explain(exc: BaseException, overrides: list[str]) -> str:
@@ -229,14 +235,10 @@ def _hydra():
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Merge each group into its schema; returns a resolved, read-only config."""
-    from .code_data import GraderConfig
-    from .datasets import DATA_SOURCES
-    from .registry import LOOPS
-
     checked = {}
     try:
         top = dict(cfg)
-        known = {*GROUPS, "seed", "runs_dir", "session", "keep_session"}
+        known = {*GROUPS, *RUN_KEYS}
         for key in top:
             if key not in known:
                 raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(known))}")
@@ -258,7 +260,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         }
         for group, schema in schemas.items():
             checked[group] = _merge(group, schema, cfg[group])
-        for key in ("seed", "runs_dir", "session", "keep_session"):
+        for key in RUN_KEYS:
             checked[key] = cfg.get(key)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from exc
@@ -302,14 +304,10 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.engine.url is not None and (problem := engine_url_problem(cfg.engine.url)):
         raise ConfigError(f"engine.url: {problem}")
     if cfg.session is not None:
-        from sess.engine.sdk.checkpoint_paths import check_name
-
         try:
             check_name(cfg.session, "session")
         except Exception as exc:  # a name the engine would refuse only after the run directory exists
             raise ConfigError(str(exc)) from None
-    from .code_data import GRADERS
-
     if cfg.grader.name not in GRADERS:
         raise ConfigError(f"grader.name: expected one of {', '.join(GRADERS)}, got {cfg.grader.name!r}")
     if cfg.grader.name == "sandbox_fusion" and not cfg.grader.url:
@@ -322,9 +320,14 @@ def _check_values(cfg: DictConfig) -> None:
     for key in ("steps", "batch_size", "max_tokens"):
         if loop[key] < 1:
             raise ConfigError(f"loop.{key}: expected a positive integer, got {loop[key]}")
-    for key in ("eval_every", "save_every"):
-        if loop[key] < 0:
-            raise ConfigError(f"loop.{key}: expected 0 (off) or a positive integer, got {loop[key]}")
+    for key in SCHEDULE:
+        if not isinstance(cfg[key], int) or cfg[key] < 0:
+            raise ConfigError(f"{key}: expected 0 (off) or a positive integer, got {cfg[key]!r}")
+    if cfg.eval_samples and LOOPS[loop.name].data != "envs":
+        raise ConfigError(
+            f"eval_samples: loop {loop.name} trains on no envs; sampled evaluation needs an RL loop "
+            "(grpo, ppo, importance_sampling, code_rl)"
+        )
     if loop.learning_rate <= 0:
         raise ConfigError(f"loop.learning_rate: expected a positive number, got {loop.learning_rate}")
     if cfg.model.lora.rank < 1:
@@ -368,9 +371,10 @@ def load(path) -> DictConfig:
 
 
 def _upgrade(recorded: DictConfig) -> DictConfig:
-    """Records written before the environment interface kept two data settings under ``loop``; they
-    moved to ``data`` (the reward belongs to the env, the visiting order to the data), and SFT and KTO
-    dropped an unused ``temperature``. Moving them keeps such runs resumable with the same behaviour."""
+    """Older records kept two data settings under ``loop``; they moved to ``data`` (the reward
+    belongs to the env, the visiting order to the data), SFT and KTO dropped an unused
+    ``temperature``, and the schedule (``eval_every``, ``save_every``, ``eval_samples``) moved to the
+    top level, the runner's. Moving them keeps such runs resumable with the same behaviour."""
     plain = OmegaConf.to_container(recorded)
     plain.setdefault("grader", {"name": "local"})  # runs from before the grader group graded nothing
     loop, data = plain.get("loop", {}), plain.get("data", {})
@@ -382,4 +386,6 @@ def _upgrade(recorded: DictConfig) -> DictConfig:
                 data.setdefault(key, value)
     if loop.get("name") in ("sft", "kto"):
         loop.pop("temperature", None)
+    for key, default in zip(SCHEDULE, (10, 10, 0)):  # the runner's schedule was a loop's keys once
+        plain.setdefault(key, loop.pop(key, default))
     return OmegaConf.create(plain)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from sess.engine import SamplingParams
 
 from . import rollouts
-from .datasets import Dataset
+from .data import Dataset
 from .env import EnvFactory
 from .rollouts import Group, derive_seed
 

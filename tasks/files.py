@@ -1,4 +1,4 @@
-"""Reading data files: JSONL lines into problems, chats and feedback, and the seeded order they are visited in.
+"""Reading a task's JSONL files and the seeded order their items are visited in.
 
 Every reader names the file and line of a bad record and the key it lacks. A training set is walked
 endlessly, each epoch in a fresh permutation seeded by (seed, epoch), so item k is a pure function of
@@ -9,65 +9,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-
-from .arithmetic import Problem
-
-Messages = list[dict]
-
-
-@dataclass(frozen=True)
-class Feedback:
-    """A completion of a prompt and whether it is desirable (KTO's binary feedback)."""
-
-    prompt: Messages
-    completion: str
-    desirable: bool
-
-
-_HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
-
-
-def read_gsm8k(line: dict, where: str) -> Problem:
-    try:
-        question, answer = line["question"], line["answer"]
-    except KeyError as exc:
-        raise ValueError(
-            f"{where}: missing key {exc.args[0]!r} (gsm8k lines have question and answer)"
-        ) from None
-    match = _HASH_ANSWER.search(answer)
-    if not match:
-        raise ValueError(f"{where}: answer has no '#### <number>' final answer")
-    final = match.group(1).replace(",", "").strip()
-    reasoning = answer[: match.start()].strip()
-    reasoning = re.sub(r"<<[^>]*>>", "", reasoning)  # GSM8K's calculator annotations
-    return Problem(question.strip(), final, reasoning)
-
-
-def read_chat(line: dict, where: str) -> Messages:
-    messages = line.get("messages")
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
-    ):
-        raise ValueError(f"{where}: expected 'messages': a list of {{role, content}}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message to learn from")
-    return messages
-
-
-def read_feedback(line: dict, where: str) -> Feedback:
-    try:
-        prompt, completion, label = line["prompt"], line["completion"], line["label"]
-    except KeyError as exc:
-        raise ValueError(f"{where}: missing key {exc.args[0]!r} (need prompt, completion, label)") from None
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(label, bool):
-        raise ValueError(f"{where}: label must be true or false, got {label!r}")
-    return Feedback(prompt, completion, label)
 
 
 def read_jsonl(path: str | Path, parse: Callable) -> list:
