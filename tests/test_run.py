@@ -203,6 +203,36 @@ def test_loops_run_against_an_engine_process(sess_home, tmp_path, http_engine, l
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2]
 
 
+def test_sft_that_runs_out_of_epochs_evaluates_and_saves_the_step_it_reached(sess_home, tmp_path):
+    """``epochs=1`` over 6 training chats in batches of 2 ends SFT after 3 of its 10 steps: the runner
+    evaluates, saves and exports at step 3, the step the loop reports, never at an unreached step 10."""
+    chats = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    chats.write_text((json.dumps(chat) + "\n") * 8)
+    run_dir = _run(
+        tmp_path / "runs",
+        "loop=sft",
+        "data=chat_jsonl",
+        f"data.path={chats}",
+        "data.eval_size=2",
+        "loop.epochs=1",
+        "loop.steps=10",
+        "eval_every=0",
+        "save_every=0",
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("eval", 0),
+        ("train", 1),
+        ("train", 2),
+        ("train", 3),
+        ("eval", 3),
+    ]
+    saved = [(r["kind"], r["step"]) for r in read_jsonl(run_dir / "checkpoints.jsonl")]
+    assert saved == [("state", 3), ("sampler", 3)]
+    assert json.loads((run_dir / "meta.json").read_text())["status"] == "completed"
+
+
 def test_resuming_a_completed_run_changes_nothing(sess_home, tmp_path):
     run_dir = _run(tmp_path, "loop=sft", "loop.steps=1")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
