@@ -9,24 +9,17 @@ import math
 import re
 
 import pytest
-from test_envs import ScriptedSampler, _encode
 
 from sess.engine import SamplingParams, ServiceClient
 from sess.rl import rendering, rollouts
 from sess.rl.env import Env, StepResult
 from sess.sandbox import Grader, Limits
 from sess.tasks.code.env import CodeEnv, code_blocks
-from sess.tasks.code.tasks import CodeProblem, CodeTasks
+from sess.tasks.code.tasks import CodeTasks
 from sess.tasks.code_jsonl import source as code_jsonl
 from sess.tasks.humaneval.problems import humaneval_problems
 
-ADD_TWO = CodeProblem(
-    "Write a Python function `add_two(x)` that returns x plus 2.",
-    "assert add_two(1) == 3\nassert add_two(-5) == -3\n",
-    task_id="add_two",
-)
-RIGHT = "```python\ndef add_two(x):\n    return x + 2\n```"
-WRONG = "```python\ndef add_two(x):\n    return x + 3\n```"
+from env_helpers import ADD_TWO, RIGHT, WRONG, ScriptedSampler, encode
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +84,8 @@ def _tool_reply(code: str) -> str:
 def test_scripted_policy_corrects_itself_after_the_tool_result(grader, tok):
     """Turn 1 calls check_solution with a wrong solution, reads the failure, turn 2 answers right: 1."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    first = _encode(tok, _tool_reply("def add_two(x):\n    return x + 3")) + [end]
-    second = _encode(tok, RIGHT) + [end]
+    first = encode(tok, _tool_reply("def add_two(x):\n    return x + 3")) + [end]
+    second = encode(tok, RIGHT) + [end]
     sampler = ScriptedSampler([(first, "stop"), (second, "stop")])
     params = SamplingParams(max_tokens=64)
     (group,) = rollouts.rollout_groups(sampler, tok, [[CodeEnv(ADD_TWO, grader)]], params, [0], max_turns=2)
@@ -172,7 +165,7 @@ def test_bad_input_ends_only_its_own_episode_with_a_reason(grader, tok):
     hang = "```python\ndef add_two(x):\n    while True:\n        pass\n```"
     malformed = "<tool_call>{'name': check_solution}</tool_call>"
     no_code = _tool_reply("")
-    replies = [(_encode(tok, t), "stop") for t in ("x", "x", "a", "b", hang, RIGHT, malformed, no_code)]
+    replies = [(encode(tok, t), "stop") for t in ("x", "x", "a", "b", hang, RIGHT, malformed, no_code)]
     sampler = ScriptedSampler(replies)
     envs = [
         [Raises(), NaNReward()],  # two members of one group (one problem) that fail differently

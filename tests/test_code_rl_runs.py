@@ -7,9 +7,6 @@ import json
 
 import pytest
 import yaml
-from test_code_rl import ADD_TWO, RIGHT, WRONG
-from test_envs import _readme_env
-from test_run import TINY, _run
 
 from sess.engine import SamplingParams
 from sess.harness import config, runner
@@ -19,7 +16,9 @@ from sess.rl.env import Env, StepResult
 from sess.tasks import sources as datasets
 from sess.tasks.code.env import CodeEnv
 
+from env_helpers import ADD_TWO, RIGHT, WRONG, readme_env
 from helpers import clear_grads, engine_grads, max_diff, sandbox_server, train_steps
+from run_helpers import TINY, run
 
 
 class Vowels(Env):
@@ -120,8 +119,8 @@ def test_code_rl_streams_records_staleness_and_survives_bad_envs(sess_home, tmp_
 @pytest.mark.parametrize("loop", ["importance_sampling", "code_rl"])
 def test_the_rl_loops_run_the_readme_environment(sess_home, tmp_path, loop):
     """grpo runs it in test_envs; the overlapped loops take any environment too."""
-    env = _readme_env(tmp_path)
-    run_dir = _run(
+    env = readme_env(tmp_path)
+    run_dir = run(
         tmp_path / "runs",
         f"loop={loop}",
         "data=env",

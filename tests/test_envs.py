@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
-from test_run import TINY, _run
 
-from sess.engine import AdamParams, SampledSequence, SampleResponse, SamplingParams, ServiceClient
+from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.harness.records import read_jsonl
 from sess.rl import rendering, rollouts
 from sess.rl.env import Env, StepResult, ToolSpec, parse_tool_call
 from sess.tasks.arithmetic.problem_env import ProblemEnv
 from sess.tasks.arithmetic.problems import Problem
+
+from env_helpers import ScriptedSampler, encode, readme_env
+from run_helpers import TINY, run
 
 
 @pytest.fixture(scope="module")
@@ -45,34 +45,6 @@ class Scripted(Env):
         return StepResult(1.0, done=True, metrics={"second": 1.0})
 
 
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class ScriptedSampler:
-    """Stands in for a SamplingClient: replies with scripted token lists, records the prompts it got."""
-
-    def __init__(self, replies: list[tuple[list[int], str]]):
-        self.replies = list(replies)
-        self.prompts: list[list[int]] = []
-
-    def sample(self, prompt, num_samples, params):
-        self.prompts.append(list(prompt))
-        sequences = []
-        for _ in range(num_samples):
-            tokens, stop_reason = self.replies.pop(0)
-            sequences.append(SampledSequence(list(tokens), [-0.5] * len(tokens), stop_reason))
-        return _Done(SampleResponse(sequences))
-
-
-def _encode(tok, text: str) -> list[int]:
-    return list(tok.encode(text, add_special_tokens=False))
-
-
 def test_problem_env_is_one_turn_with_the_exact_answer_reward():
     env = ProblemEnv(Problem("What is 2 + 3?", "5"), "Reply with just the number.", format_penalty=0.1)
     assert env.initial_observation() == [
@@ -90,7 +62,7 @@ def test_problem_env_is_one_turn_with_the_exact_answer_reward():
 
 def test_multi_turn_episode_trains_on_sampled_tokens_and_masks_observations(tok):
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    first, second = _encode(tok, "It is 3.") + [end], _encode(tok, "Then 7.") + [end]
+    first, second = encode(tok, "It is 3.") + [end], encode(tok, "Then 7.") + [end]
     sampler = ScriptedSampler([(first, "stop"), (second, "stop")])
     (group,) = rollouts.rollout_groups(sampler, tok, [[Scripted()]], SamplingParams(max_tokens=8), [11])
     (episode,) = group.episodes_G
@@ -118,7 +90,7 @@ def test_multi_turn_episode_trains_on_sampled_tokens_and_masks_observations(tok)
 
 
 def test_a_reply_cut_at_max_tokens_is_closed_by_the_observation(tok):
-    cut, second = _encode(tok, "It is"), _encode(tok, "7")
+    cut, second = encode(tok, "It is"), encode(tok, "7")
     sampler = ScriptedSampler([(cut, "length"), (second, "length")])
     (group,) = rollouts.rollout_groups(sampler, tok, [[Scripted()]], SamplingParams(max_tokens=2), [0])
     (episode,) = group.episodes_G
@@ -129,7 +101,7 @@ def test_a_reply_cut_at_max_tokens_is_closed_by_the_observation(tok):
 
 
 def test_a_group_samples_its_shared_prompt_once_and_continues_each_member(tok):
-    replies = [(_encode(tok, f"r{g}"), "stop") for g in range(3)] + [(_encode(tok, "x"), "stop")] * 3
+    replies = [(encode(tok, f"r{g}"), "stop") for g in range(3)] + [(encode(tok, "x"), "stop")] * 3
     sampler = ScriptedSampler(replies)
     (group,) = rollouts.rollout_groups(sampler, tok, [[Scripted() for _ in range(3)]], SamplingParams(), [5])
     assert len(sampler.prompts) == 1 + 3 and group.rewards_G == [1.5, 1.5, 1.5]
@@ -141,7 +113,7 @@ def test_multi_turn_on_a_live_session_trains_on_the_sampled_logprobs(svc):
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0)
     try:
         tok = tc.get_tokenizer()
-        tc.forward_backward([_encode(tok, "warm the adapter up a little")]).result()
+        tc.forward_backward([encode(tok, "warm the adapter up a little")]).result()
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
         sc = tc.save_weights_and_get_sampling_client()
         params = SamplingParams(max_tokens=6, temperature=1.0)
@@ -173,18 +145,9 @@ def test_tools_are_specs_and_calls_parse_from_the_reply(tok):
     )
 
 
-def _readme_env(tmp_path):
-    """The environment the README shows, written to a file as a reader would copy it."""
-    readme = (__import__("pathlib").Path(__file__).resolve().parent.parent / "README.md").read_text()
-    (code,) = re.findall(r"```python\n(# guess\.py.*?)```", readme, re.S)
-    path = tmp_path / "guess.py"
-    path.write_text(code)
-    return path
-
-
 def test_the_readme_environment_runs_with_sess_run(sess_home, tmp_path):
-    path = _readme_env(tmp_path)
-    run_dir = _run(
+    path = readme_env(tmp_path)
+    run_dir = run(
         tmp_path / "runs", "data=env", f"data.env={path}:GuessNumber", "loop.steps=1", "loop.group_size=2"
     )
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -197,12 +160,12 @@ def test_the_readme_environment_talks_over_several_turns(tmp_path, tok):
     import importlib.util
     import random
 
-    spec = importlib.util.spec_from_file_location("guess_readme", _readme_env(tmp_path))
+    spec = importlib.util.spec_from_file_location("guess_readme", readme_env(tmp_path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     secret = module.GuessNumber(random.Random(0)).secret
     wrong = 1 if secret != 1 else 2
-    sampler = ScriptedSampler([(_encode(tok, str(wrong)), "length"), (_encode(tok, str(secret)), "length")])
+    sampler = ScriptedSampler([(encode(tok, str(wrong)), "length"), (encode(tok, str(secret)), "length")])
     envs = [[module.GuessNumber(random.Random(0))]]
     (group,) = rollouts.rollout_groups(sampler, tok, envs, SamplingParams(max_tokens=4), [0])
     (episode,) = group.episodes_G

@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run import TINY, _run
 
 from sess.harness.records import RECORD_FILES, read_jsonl
 from sess.tasks import files as data_files
 from sess.tasks.arithmetic import rewards
 from sess.tasks.arithmetic.problems import ArithmeticData, ArithmeticProblems
+
+from run_helpers import TINY, run
 
 
 def test_arithmetic_splits_never_overlap_and_are_seeded():
@@ -84,7 +85,7 @@ def test_kto_raises_the_implied_reward_of_desirable_over_undesirable(sess_home, 
         )
     path = tmp_path / "feedback.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_dir = _run(
+    run_dir = run(
         tmp_path / "runs",
         "loop=kto",
         "data=feedback_jsonl",
@@ -107,7 +108,7 @@ def test_wandb_offline_keeps_config_and_metrics(sess_home, tmp_path, monkeypatch
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = _run(tmp_path, "loop=sft", "loop.steps=2", "logger=wandb", "logger.project=sess-test")
+    run_dir = run(tmp_path, "loop=sft", "loop.steps=2", "logger=wandb", "logger.project=sess-test")
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     (records,) = wandb_run.glob("run-*.wandb")  # what `wandb sync` uploads: config and history
     blob = records.read_bytes()
@@ -165,4 +166,4 @@ def test_python_m_runs_a_loop_on_its_own(sess_home, tmp_path):
     assert refused.returncode == 1 and refused.stderr.startswith("error:") and "loop=" in refused.stderr
 
 
-assert TINY  # shared overrides come from test_run
+assert TINY  # shared overrides come from run_helpers

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run import TINY
 from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine.sdk.local_engine import engine_info, stop_engine
+
+from run_helpers import TINY
 
 cli = CliRunner()
 SESS = [sys.executable, "-c", "from sess.cli.main import main; main()"]

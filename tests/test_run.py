@@ -8,28 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.harness import runner
 from sess.harness.records import RECORD_FILES, read_jsonl
 
-cli = CliRunner()
-
-TINY = ["model=tiny-llama", "data.eval_size=4", "loop.max_tokens=8", "loop.batch_size=2"]
-GROUPS = {
-    "grpo": ["loop.group_size=4"],
-    "ppo": ["loop.group_size=2"],
-    "importance_sampling": ["loop.group_size=4"],
-}
-
-
-def _run(tmp_path, *overrides: str) -> Path:
-    engine = [] if any(o.startswith("engine=") for o in overrides) else ["engine=inprocess"]
-    result = cli.invoke(app, ["run", *TINY, *engine, f"runs_dir={tmp_path}", *overrides])
-    assert result.exit_code == 0, result.output + repr(result.exception)
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and (p / "meta.json").exists()]
-    return run_dir
+from run_helpers import GROUPS, TINY, cli, run
 
 
 def _train_rows(run_dir: Path) -> list[dict]:
@@ -50,7 +34,7 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("loop", ["sft", "grpo", "ppo", "importance_sampling", "kto"])
 def test_each_loop_writes_a_complete_run(sess_home, tmp_path, loop):
-    run_dir = _run(tmp_path, f"loop={loop}", "loop.steps=2", *GROUPS.get(loop, []))
+    run_dir = run(tmp_path, f"loop={loop}", "loop.steps=2", *GROUPS.get(loop, []))
     assert sorted(p.name for p in run_dir.iterdir() if p.is_file()) == sorted(RECORD_FILES)
     assert run_dir.name.endswith(f"-{loop}-tiny-llama")
     meta = json.loads((run_dir / "meta.json").read_text())
@@ -97,9 +81,9 @@ def test_print_config_is_the_resolved_yaml(sess_home):
 
 def test_same_config_and_seed_reproduce_the_metrics(sess_home, tmp_path):
     overrides = ["loop=grpo", "loop.steps=2", "loop.group_size=4", "seed=7", "data.eval_size=2"]
-    first = _run(tmp_path / "a", *overrides)
+    first = run(tmp_path / "a", *overrides)
     replay = yaml.safe_load((first / "overrides.yaml").read_text())
-    second = _run(tmp_path / "b", *[o for o in replay if not o.startswith("runs_dir=")])
+    second = run(tmp_path / "b", *[o for o in replay if not o.startswith("runs_dir=")])
     rows_a, rows_b = _train_rows(first), _train_rows(second)
     assert len(rows_a) == 2 and any(r["datums"] > 0 for r in rows_a), rows_a  # some groups had signal
     _assert_same(rows_a, rows_b)
@@ -155,14 +139,14 @@ def test_gsm8k_and_jsonl_files_plug_in(sess_home, tmp_path):
         for i in range(6)
     ]
     gsm.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_dir = _run(
+    run_dir = run(
         tmp_path / "g", "loop=sft", "data=gsm8k", f"data.path={gsm}", "data.eval_size=2", "loop.steps=1"
     )
     assert [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl")] == ["eval", "train", "eval"]
     chats = tmp_path / "chats.jsonl"
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     chats.write_text(json.dumps(chat) + "\n" * 1 + json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
-    run_dir = _run(
+    run_dir = run(
         tmp_path / "c",
         "loop=sft",
         "data=chat_jsonl",
@@ -190,7 +174,7 @@ def test_gsm8k_and_jsonl_files_plug_in(sess_home, tmp_path):
 
 @pytest.mark.parametrize("loop", ["grpo", "sft"])
 def test_loops_run_against_an_engine_process(sess_home, tmp_path, http_engine, loop):
-    run_dir = _run(
+    run_dir = run(
         tmp_path,
         f"loop={loop}",
         "loop.steps=2",
@@ -209,7 +193,7 @@ def test_sft_that_runs_out_of_epochs_evaluates_and_saves_the_step_it_reached(ses
     chats = tmp_path / "chats.jsonl"
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     chats.write_text((json.dumps(chat) + "\n") * 8)
-    run_dir = _run(
+    run_dir = run(
         tmp_path / "runs",
         "loop=sft",
         "data=chat_jsonl",
@@ -234,7 +218,7 @@ def test_sft_that_runs_out_of_epochs_evaluates_and_saves_the_step_it_reached(ses
 
 
 def test_resuming_a_completed_run_changes_nothing(sess_home, tmp_path):
-    run_dir = _run(tmp_path, "loop=sft", "loop.steps=1")
+    run_dir = run(tmp_path, "loop=sft", "loop.steps=1")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     result = cli.invoke(app, ["run", "--resume", str(run_dir)])
     assert result.exit_code == 0, result.output  # a retried resume of a finished run is no failure
