@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sess.engine.sdk.home import read_local_key
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_seed_loop_runs_from_a_client_only_install(tmp_path, http_engine, sess_home):

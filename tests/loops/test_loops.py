@@ -119,7 +119,7 @@ def test_wandb_offline_keeps_config_and_metrics(sess_home, tmp_path, monkeypatch
 
 def test_a_loop_runs_as_a_bare_script_with_a_trivial_logger(sess_home, capsys):
     """The README's bare.py: grpo.train with PrintMetrics and no runner, no run record."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     (code,) = re.findall(r"```python\n(# bare\.py.*?)```", readme, re.S)
     namespace: dict = {}
     exec(compile(code, "bare.py", "exec"), namespace)  # noqa: S102 - the README's own example
