@@ -338,3 +338,34 @@ def test_every_name_of_the_sdk_contract_imports_from_sess_engine():
 
     assert [name for name in API_NAMES if not hasattr(sess.engine, name)] == []
     assert set(API_NAMES) <= set(sess.engine.__all__)
+
+
+TEST_FOLDERS = {
+    "sdk",
+    "runtime",
+    "sampling",
+    "server",
+    "tinker",
+    "cli",
+    "harness",
+    "loops",
+    "rl",
+    "tasks",
+    "sandbox",
+}
+
+
+def test_tests_mirror_the_packages_and_share_only_helper_modules():
+    """A package's tests live in tests/<its layer>/; what several share is in a helper module
+    (conftest.py, helpers.py, ...), never imported from another test file."""
+    tests = ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders - {"tinker_scripts"} == TEST_FOLDERS
+    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py"}  # the one cross-package test
+    borrowing = sorted(
+        f"{p.relative_to(tests)}: {line.strip()}"
+        for p in tests.rglob("*.py")
+        for line in p.read_text().splitlines()
+        if re.match(r"\s*(from|import) test_\w+", line)
+    )
+    assert borrowing == []
