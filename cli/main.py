@@ -6,10 +6,15 @@ from __future__ import annotations
 import os
 import sys
 
-# isort: off  (the commands register in this order, the order `sess --help` lists them in)
-from sess.cli import attach_cmd, engine_cmds, run_cmds, runs_cmds, session_cmds  # noqa: F401, E402
 from sess.cli.app import app, report
 
+# The command modules register on ``app`` at import, in the order `sess --help` lists them.
+# isort: off
+from sess.cli import engine_cmds  # noqa: F401
+from sess.cli import session_cmds  # noqa: F401
+from sess.cli import run_cmds  # noqa: F401
+from sess.cli import runs_cmds  # noqa: F401
+from sess.cli import attach_cmd  # noqa: F401
 # isort: on
 
 
