@@ -12,5 +12,8 @@ from sess.engine.server.serve import main
 
 _args = sys.argv[1:]
 _device = _args[_args.index("--device") + 1] if "--device" in _args[:-1] else "cpu"
-exec_as_engine([sys.executable, "-m", "sess.engine.server", *_args], device=_device)
+try:
+    exec_as_engine([sys.executable, "-m", "sess.engine.server", *_args], device=_device)
+except ValueError as exc:  # SESS_MALLOC names a malloc this machine lacks: one line, as serve's refusals
+    raise SystemExit(f"sess engine: {exc}") from None
 main()
