@@ -113,6 +113,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         with _hydra():
             # a recipe's presets first (loop=code_rl trains on code_tasks unless told otherwise)
             cfg = hydra_compose("config", overrides=[*_loop_presets(overrides), *overrides])
+            for group in GROUPS:  # a group removed with ~group fails here, where _explain names it
+                cfg[group]
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc, list(overrides))) from exc
     return validate(cfg)
