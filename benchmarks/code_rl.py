@@ -88,7 +88,7 @@ def evaluate_live(run_dir: Path, tc: TrainingClient) -> dict:
     envs = datasets.load(cfg.data, int(cfg.seed), cfg.grader).envs.held_out
     done = sum(1 for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train")
     started = time.perf_counter()
-    metrics = runner.env_evaluation(cfg, tc, envs, done)
+    metrics = runner.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns)
     return {"kind": "eval", "step": done, **metrics, "eval/seconds": time.perf_counter() - started}
 
 
