@@ -2,7 +2,7 @@
 
 Runs the default code RL run through the runner `sess run` uses (or reads a run directory with
 ``--run``), prints the held-out pass rate on generated tasks before and after, greedy and sampled
-(``loop.eval_samples`` answers a problem at the loop's temperature), the training
+(``eval_samples`` answers a problem at the loop's temperature), the training
 reward per step, the wall time, and the greedy pass@1 on HumanEval of the base model and of the
 trained weights, ``--humaneval`` problems (164: all) at ``--humaneval-tokens`` tokens per answer.
 
@@ -27,9 +27,13 @@ from pathlib import Path
 import yaml
 
 from sess.engine import TrainingClient
-from sess.loops import code_data, config, datasets, evaluation, runner
-from sess.loops.records import RunRecord, read_jsonl
-from sess.loops.rollouts import derive_seed
+from sess.harness import config, runner
+from sess.harness.records import RunRecord, read_jsonl
+from sess.rl import evaluation
+from sess.rl.rollouts import derive_seed
+from sess.tasks import sources as datasets
+from sess.tasks.code.grader import SharedGrader, env_of
+from sess.tasks.humaneval.problems import humaneval_problems
 
 
 def learning(run_dir: Path, wall_s: float | None, after: dict | None) -> dict:
@@ -63,7 +67,7 @@ def learning(run_dir: Path, wall_s: float | None, after: dict | None) -> dict:
 
 
 def sampled(evals: list[dict]) -> dict:
-    """The sampled held-out pass rate (``loop.eval_samples`` answers a problem) before, after, at each eval."""
+    """The sampled held-out pass rate (``eval_samples`` answers a problem) before, after, at each eval."""
     key = "eval/sampled/accuracy/generated"
     evals = [r for r in evals if key in r]
     if not evals:
@@ -84,15 +88,15 @@ def evaluate_live(run_dir: Path, tc: TrainingClient) -> dict:
     envs = datasets.load(cfg.data, int(cfg.seed), cfg.grader).envs.held_out
     done = sum(1 for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train")
     started = time.perf_counter()
-    metrics = runner.env_evaluation(cfg, tc, envs, done)
+    metrics = runner.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns)
     return {"kind": "eval", "step": done, **metrics, "eval/seconds": time.perf_counter() - started}
 
 
 def humaneval(run_dir: Path, trained: TrainingClient | None, n: int, max_tokens: int) -> dict:
     """Greedy pass@1 on the first ``n`` HumanEval problems: the base model, then the trained weights."""
     cfg = config.load(run_dir / "config.yaml")
-    grader = code_data.SharedGrader(cfg.grader)
-    envs = [code_data._env(p, grader, cfg.data.format_penalty) for p in code_data.humaneval_problems()[:n]]
+    grader = SharedGrader(cfg.grader)
+    envs = [env_of(p, grader, cfg.data.format_penalty) for p in humaneval_problems()[:n]]
     seeds = [derive_seed(cfg.seed, "humaneval", i) for i in range(n)]
     svc = runner.service_client(cfg.engine)
     out = {"n": n, "max_tokens": max_tokens}

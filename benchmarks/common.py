@@ -38,8 +38,8 @@ def in_process_client(
     ``--memory-budget``; None: the engine's defaults)."""
     from sess.engine import ServiceClient
     from sess.engine.runtime.catalog import Dtypes
+    from sess.engine.runtime.inprocess import shared_engine
     from sess.engine.runtime.memory_budget import parse_bytes
-    from sess.engine.sdk.transport import shared_engine
 
     runtime = shared_engine(home, device=device).runtime
     runtime.dtypes = Dtypes.parse(dtype)

@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from sess.loops import runner
-from sess.loops.records import read_jsonl
+from sess.harness import runner
+from sess.harness.records import read_jsonl
 
 
 def measure(loop: str, overrides: list[str], runs_dir: str) -> dict:

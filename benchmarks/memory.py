@@ -43,7 +43,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
-from sess.engine.server.launcher import start_engine, stop_engine  # noqa: E402
+from sess.engine.sdk.local_engine import start_engine, stop_engine  # noqa: E402
 
 from common import memory_status  # noqa: E402
 

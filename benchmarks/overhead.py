@@ -65,8 +65,8 @@ def main() -> None:
     as_engine_process()
 
     from sess.engine import Datum, ModelInput, ServiceClient
-    from sess.engine.sdk.transport import shared_engine
-    from sess.engine.server.launcher import start_engine, stop_engine
+    from sess.engine.runtime.inprocess import shared_engine
+    from sess.engine.sdk.local_engine import start_engine, stop_engine
 
     home = args.home
     if home is None:  # a fresh home (no sessions, no registry) that shares the usual model cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typer
 
-from sess.cli.main import app, fail, guard
+from sess.cli.app import app, fail, guard
 from sess.cli.session_cmds import known_session, reader
 
 BANNER = """sess attach: session {name} on {base_model} ({url})
@@ -37,7 +37,7 @@ def attach(
 ) -> None:
     """Open a Python REPL bound to a live session (or run -c CODE in it)."""
     import sess.engine as sdk
-    from sess.loops.config import engine_url_problem
+    from sess.harness.config import engine_url_problem
 
     if url not in (None, "inproc", "local") and (problem := engine_url_problem(url)):  # the SDK's own two
         fail(f"--url: {problem}")

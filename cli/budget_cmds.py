@@ -1,4 +1,4 @@
-"""``sess engine keys budget``: a key's budget, and what each owner has spent (for ``keys list``).
+"""``sess engine keys budget``: set a key's budget (``keys list`` shows it with the spend).
 
 A budget is in the currency of the engine's price table (``--budget``/AMOUNT) or in tokens
 (``--tokens``, for an engine without prices); a running engine reads it at the key's next submit.
@@ -8,34 +8,9 @@ from __future__ import annotations
 
 import typer
 
-from sess.cli.engine_cmds import HOME, keys_app, out
-from sess.cli.main import fail
-
-
-def spend_by_owner(home) -> tuple[dict, str | None]:
-    """(owner -> spend, currency) of the home: what keys list shows beside the budgets."""
-    from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info
-    from sess.engine.server.registry import Registry
-
-    home_path = sess_home(home)
-    spend = {}
-    if (home_path / "registry.db").exists():
-        registry = Registry(home_path)
-        try:
-            spend = {row["owner"]: row for row in registry.all_spend()}
-        finally:
-            registry.close()
-    currency = None
-    prices = ((engine_info(home_path) or {}).get("options") or {}).get("prices")
-    if prices:
-        from sess.engine.sdk.prices import PriceError, load_prices
-
-        try:
-            currency = load_prices(prices).currency
-        except PriceError:
-            pass
-    return spend, currency
+from sess.cli.app import fail
+from sess.cli.engine_cmds import HOME, keys_app
+from sess.cli.output import out
 
 
 @keys_app.command("budget")

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from sess.cli.main import app, fail
+from sess.cli.app import app, fail
 from sess.cli.output import out
 from sess.engine.server import settings
 
@@ -51,8 +51,8 @@ def up(
         "(default: 384M on cpu, half the free device memory on cuda); the logits, in chunks, take a "
         "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
         "activation checkpointing, and one too long even then is refused. On cpu the sampler keeps "
-        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights: "
-        "538 MB for smollm2-135m) only where they fit in it.",
+        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights) "
+        "only where they fit in it.",
     ),
     nproc: int = typer.Option(
         1,
@@ -88,8 +88,8 @@ def up(
     SESS_MALLOC=system on glibc's defaults."""
     from sess.engine.runtime.memory import exec_as_engine
     from sess.engine.sdk.home import sess_home
+    from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.keys import KeyStore
-    from sess.engine.server.launcher import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.serve import START_LOCK_FD_ENV, bind, check_options, check_tls, is_loopback
 
     home_path = sess_home(home)
@@ -250,7 +250,7 @@ def status(
 ) -> None:
     """Show whether the engine of the home is running, and where."""
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info, memory_text
+    from sess.engine.sdk.local_engine import engine_info, memory_text
 
     info = engine_info(sess_home(home))
     if info is None:
@@ -285,7 +285,7 @@ def down(home: str = HOME) -> None:
     save_state (sess://NAME/state/shutdown-step...), so nothing is lost. The ranks of an engine
     started with --nproc N stop together, so their sessions resume from the states saved before."""
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import stop_engine
+    from sess.engine.sdk.local_engine import stop_engine
 
     info = stop_engine(sess_home(home))
     if info is None:  # the state asked for already holds: not an error
@@ -348,7 +348,7 @@ def keys_list(
     deleted sessions included."""
     import time
 
-    from sess.cli.budget_cmds import spend_by_owner
+    from sess.cli.spend import spend_by_owner
     from sess.engine.sdk.prices import format_cost
     from sess.engine.server.billing import spent_tokens
     from sess.engine.server.keys import KeyStore
@@ -413,6 +413,3 @@ def keys_revoke(
             "warning: that was this home's own key: restart the engine (sess engine down, then up) "
             "for a new one"
         )
-
-
-from sess.cli import budget_cmds  # noqa: E402, F401  (registers `sess engine keys budget`)

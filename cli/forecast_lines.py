@@ -1,4 +1,4 @@
-"""``sess run --dry-run``'s token and cost lines: the forecast (:mod:`sess.loops.forecast`) of the
+"""``sess run --dry-run``'s token and cost lines: the forecast (:mod:`sess.harness.forecast`) of the
 resolved config, priced by the price table of the home's running engine (or ``SESS_PRICES``).
 
 The prompts are tokenized with the model's own tokenizer, from the engine home's model cache (a
@@ -30,8 +30,8 @@ def _tokenizer(base_model: str):
 
 
 def _prices():
+    from sess.engine.sdk.local_engine import engine_info
     from sess.engine.sdk.prices import load_prices
-    from sess.engine.server.launcher import engine_info
 
     path = os.environ.get("SESS_PRICES") or ((engine_info(None) or {}).get("options") or {}).get("prices")
     return load_prices(path) if path else None
@@ -40,7 +40,7 @@ def _prices():
 def forecast_lines(cfg) -> dict[str, str]:
     """{label: text} for the dry run's plan."""
     from sess.engine.sdk.prices import KINDS, format_cost
-    from sess.loops.forecast import forecast
+    from sess.harness.forecast import forecast
 
     try:
         tok = _tokenizer(cfg.model.base_model)

@@ -1,76 +1,22 @@
-"""The ``sess`` command: one Typer app; each command group lives in its own module.
-
-An error a user can act on prints as one red line (and, where the fix is a list, the list under it);
-``--debug`` (or ``SESS_DEBUG=1``) shows the traceback instead.
-"""
+"""``sess``: the command line. Each command module registers its commands on :data:`~.app.app`;
+this module imports them all, and :func:`main` runs the app with errors as one red line."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import TypeVar
 
-import typer
-from rich.console import Console
-from rich.text import Text
+from sess.cli.app import app, report
 
-app = typer.Typer(
-    name="sess",
-    help="Write LLM post-training loops in plain Python; run the heavy work in live sessions on an engine.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-err = Console(stderr=True, soft_wrap=True)
-T = TypeVar("T")
-
-
-@app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
-    if debug:
-        os.environ["SESS_DEBUG"] = "1"
-
-
-def report(message: str) -> None:
-    """``error: <first line>`` in red, unwrapped whatever the terminal's width; further lines (a list
-    of options, say) under it as they are."""
-    first, _, rest = str(message).strip().partition("\n")
-    err.print(Text.assemble(("error:", "red"), " ", " ".join(first.split())))
-    if rest:
-        err.print(Text(rest))
-
-
-def fail(message: str, code: int = 1) -> None:
-    """Report ``message`` and exit."""
-    report(message)
-    raise typer.Exit(code)
-
-
-def guard(fn: Callable[..., T], *args, **kwargs) -> T:
-    """Run ``fn``; an error becomes :func:`report`'s lines (``--debug`` shows the traceback)."""
-    try:
-        return fn(*args, **kwargs)
-    except (typer.Exit, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        if os.environ.get("SESS_DEBUG"):
-            raise
-        fail(str(exc) or type(exc).__name__)
-
-
-def _register() -> None:
-    # Command modules register themselves on ``app`` at import.
-    import importlib
-
-    for module in (
-        "sess.cli.engine_cmds",
-        "sess.cli.session_cmds",
-        "sess.cli.run_cmds",
-        "sess.cli.runs_cmds",
-        "sess.cli.attach_cmd",
-    ):
-        importlib.import_module(module)
+# The command modules register on ``app`` at import, in the order `sess --help` lists them.
+# isort: off
+from sess.cli import engine_cmds  # noqa: F401
+from sess.cli import budget_cmds  # noqa: F401
+from sess.cli import session_cmds  # noqa: F401
+from sess.cli import run_cmds  # noqa: F401
+from sess.cli import runs_cmds  # noqa: F401
+from sess.cli import attach_cmd  # noqa: F401
+# isort: on
 
 
 def main() -> None:
@@ -81,6 +27,3 @@ def main() -> None:
             raise
         report(str(exc) or type(exc).__name__)
         sys.exit(1)
-
-
-_register()

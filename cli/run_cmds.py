@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from sess.cli.main import app, err, fail, guard, report
+from sess.cli.app import app, err, fail, guard, report
 from sess.cli.output import out
 
 
@@ -15,7 +15,7 @@ def _help_with_options(ctx: typer.Context, value: bool) -> None:
     only when asked, so ``sess --help`` stays fast)."""
     if not value or ctx.resilient_parsing:
         return
-    from sess.loops import config
+    from sess.harness import config
 
     out.print(ctx.get_help(), highlight=False, markup=False)
     out.print("\nConfig groups (choose with group=option; default first):", highlight=False)
@@ -62,7 +62,7 @@ def run(
     lists them and `sess runs show RUN` charts one. The local engine it uses (started if none runs)
     keeps running afterwards unless engine.keep=false; the run ends by saying which. Ctrl-C finishes
     the current step, saves it and stops the session (again: at once); --resume RUN_DIR continues."""
-    from sess.loops import config, runner
+    from sess.harness import config, runner
 
     overrides = list(overrides or [])
     if print_config and dry_run:  # each prints instead of running; together one would hide the other
@@ -104,7 +104,7 @@ def _run_and_note(cfg, work, *args) -> Path:
     import os
 
     from sess.engine.sdk.http_transport import EngineUnavailable
-    from sess.loops import runner
+    from sess.harness import runner
 
     was_running = cfg is not None and runner.local_engine(cfg) is not None
     try:
@@ -137,7 +137,7 @@ def _source(base_model: str) -> str:
 
 
 def _engine_note(cfg, was_running: bool, reached: bool = True) -> None:
-    from sess.loops import runner
+    from sess.harness import runner
 
     try:
         note = runner.engine_note(cfg, was_running, reached) if cfg is not None else ""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from sess.cli.main import app, err, fail
+from sess.cli.app import app, err, fail
 from sess.cli.output import out, print_table
 from sess.cli.text_chart import line_chart
 
@@ -35,7 +35,7 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
     """List recorded runs (with no subcommand)."""
     if ctx.invoked_subcommand is not None:
         return
-    from sess.loops.records import list_runs
+    from sess.harness.records import list_runs
 
     found = list_runs(runs_dir)
     if not found:
@@ -83,7 +83,7 @@ def _run_dir(run: str, runs_dir: Path) -> Path:
 def _summary(path: Path) -> dict:
     """The run's meta, resolved config and metric rows; a file that cannot be read is one line
     naming it."""
-    from sess.loops.records import DamagedRecord, read_json, read_jsonl
+    from sess.harness.records import DamagedRecord, read_json, read_jsonl
 
     try:
         meta = read_json(path / "meta.json")
@@ -123,7 +123,7 @@ def _usage_cells(usage: dict) -> tuple[str, str]:
 def _read_yaml(path: Path) -> dict:
     import yaml
 
-    from sess.loops.records import DamagedRecord
+    from sess.harness.records import DamagedRecord
 
     if not path.is_file():
         return {}

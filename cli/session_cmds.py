@@ -16,17 +16,17 @@ import time
 
 import typer
 
-from sess.cli.main import app, fail, guard
+from sess.cli.app import app, fail, guard
 from sess.cli.output import out, print_table
 
 
 def _compose(overrides: list[str]):
     """``model=NAME lora.rank=8 seed=1 engine=remote engine.url=...`` -> a run config (model, engine, seed).
 
-    Composed by the same Hydra path as ``sess run`` (``sess.loops.config.compose``), so the model's
+    Composed by the same Hydra path as ``sess run`` (``sess.harness.config.compose``), so the model's
     LoRA defaults, the engine options and the key checks are the same. ``lora.X=`` is short for
     ``model.lora.X=``; a model that is no conf option (a local directory) is used as the base model."""
-    from sess.loops import config
+    from sess.harness import config
 
     composed = []
     for override in overrides:
@@ -66,7 +66,7 @@ def reader(url: str | None = None, api_key: str | None = None):
     if url or os.environ.get("SESS_ENGINE_URL"):
         return guard(ServiceClient, url, api_key)
     from sess.engine.sdk.home import sess_home
-    from sess.engine.server.launcher import engine_info
+    from sess.engine.sdk.local_engine import engine_info
 
     if engine_info() is None:
         fail(

@@ -17,7 +17,7 @@ Launch: ``sess run`` (this is the default loop), ``sess run loop=grpo model=tiny
 or this module alone, which records a run like ``sess run`` does:
 ``python -m sess.loops.grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
 ``grpo.train(grpo.Config(steps=2), tc, data.envs, PrintMetrics())`` for any training client ``tc``
-and, e.g., ``data = datasets.load_arithmetic(ArithmeticData(), seed=0)``.
+and, e.g., ``data = load_arithmetic(ArithmeticData(), seed=0)`` (:mod:`sess.tasks.arithmetic.source`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,19 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-
-from . import rollouts
-from .datasets import Dataset
-from .env import EnvFactory
-from .hooks import Hooks
-from .rollouts import derive_seed
+from sess.rl import rollouts
+from sess.rl.data import Dataset
+from sess.rl.env import EnvFactory
+from sess.rl.hooks import Hooks
+from sess.rl.rollouts import derive_seed
 
 LOSSES = ("ppo", "cispo", "importance_sampling", "dro")
 
 
 @dataclass
 class Config:
-    """Sized for smollm2-135m on CPU: short answers, 8 prompts x 8 samples per step; 20 steps take
-    held-out greedy accuracy from 31% to 59% (70% at step 10; README, 2026-11-30)."""
+    """Sized for smollm2-135m on CPU: short answers, 8 prompts x 8 samples per step, 20 steps (the
+    README's results table gives what it reaches)."""
 
     name: str = "grpo"
     steps: int = 20
@@ -49,12 +48,13 @@ class Config:
     grad_clip_norm: float = 1.0
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
     temperature: float = 1.0
+    max_turns: int | None = (
+        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
+    )
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
     scale_by_std: bool = False
-    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
-    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
 def check(cfg: Config) -> None:
@@ -72,7 +72,8 @@ def train(
     *,
     seed: int = 0,
     start_step: int = 0,
-) -> None:
+) -> int:
+    """Train steps ``start_step .. cfg.steps - 1``; returns the number of steps done (``cfg.steps``)."""
     check(cfg)
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
@@ -84,17 +85,14 @@ def train(
         make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.rollout_groups(sc, tok, envs_P_G, sampling, seeds_P, policy_step=step)
+        groups_P = rollouts.rollout_groups(
+            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+        )
         metrics = rollouts.batch_metrics(groups_P)
-        # 2. Advantages: each reward minus its group's mean; a group whose rewards are all equal has no signal.
-        advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
-        kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
-        # 3. Datums: one per episode, its advantage / (sampled tokens in the batch) on its sampled tokens.
-        n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
-        datums = [
-            rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
-        ]
-        # 4. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
+        # 2. Datums: group-relative advantages (a group whose rewards are all equal has no signal), each
+        #    episode's divided by the batch's sampled tokens, on its sampled tokens.
+        datums = rollouts.batch_datums(groups_P, cfg.scale_by_std)
+        # 3. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
         if datums:
             fb = tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=dict(cfg.loss_config) or None)
             opt = tc.optim_step(adam)
@@ -104,14 +102,18 @@ def train(
         else:
             metrics.update(loss=0.0)
         metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
-        # 5. The next step samples from the new weights (on-policy).
+        # 4. The next step samples from the new weights (on-policy).
         sc = tc.save_weights_and_get_sampling_client()
         metrics["tokens"] = rollouts.sampled_tokens(groups_P) + metrics["trained_tokens"]
         metrics["seconds"] = time.perf_counter() - started
         hooks.step_done(step, metrics)
+    return cfg.steps
 
 
-if __name__ == "__main__":
-    from .runner import main
+if __name__ == "__main__":  # an entry point, like `sess run loop=grpo`
+    import sys
+
+    sys.modules["sess.loops.grpo"] = sys.modules[__name__]  # the registry's copy is this one
+    from sess.harness.runner import main
 
     main("grpo")

@@ -1,35 +1,52 @@
 """Off-policy RL: rollout workers sample while the trainer trains; importance weights correct the lag.
 
-``rollout_workers`` threads (:mod:`.rollout_workers`) each take the next problem index k (or a
-requeued one), run ``group_size`` episodes of that problem's environment with the newest published policy (the env
-scores them: for arithmetic, exact final answer 1, wrong 0, unparseable ``-data.format_penalty``) and
-hand the group to the trainer, tagged with the policy's step.
-At most ``batch_size * (max_steps_off_policy + 1)`` groups are sampled ahead of the trainer. Each
-training step takes ``batch_size`` groups; a group sampled by policy step ``v`` at training step ``s``
-is used when ``s - v <= max_steps_off_policy``, otherwise ``stale_policy`` says what happens to it:
-``requeue`` (resample the same problem from the newest policy) or ``discard``. Advantages are
-group-relative (``r_g - mean(r)``), spread over sampled tokens and token-mean normalised; the loss
-is ``importance_sampling``: ``-(ρ A).sum()`` with ``ρ = exp(logp - logp_sampler)``, whose ratio
-corrects for the policy having moved since the group was sampled. After each ``optim_step`` the
-trainer publishes a new sampler (``save_weights_and_get_sampling_client``) for the workers.
+``rollout_workers`` threads (:mod:`sess.rl.rollout_workers`) each take the next problem index k (or a
+requeued one), run ``group_size`` episodes of that problem's environment with the newest published
+policy (at most ``max_turns`` replies each; the env scores them: for arithmetic, exact final answer 1,
+wrong 0, unparseable ``-data.format_penalty``) and hand the group to the trainer, tagged with the
+policy's step. At most ``batch_size * (max_steps_off_policy + 1)`` groups are sampled ahead of the
+trainer. Each training step takes ``batch_size`` groups; a group sampled by policy step ``v`` at
+training step ``s`` is used when ``s - v <= max_steps_off_policy``, otherwise ``stale_policy`` says
+what happens to it: ``requeue`` (resample the same problem from the newest policy) or ``discard``.
+Each group's staleness ``s - v`` is recorded.
+
+Advantages are group-relative (``A_g = r_g - mean(r)`` over the group, divided by ``std(r)`` with
+``scale_by_std``); a group whose rewards are all equal has no signal and sends nothing. Two ways to
+feed them to the engine, one option:
+
+- ``stream=false`` (the default): once the step's groups are in, one ``forward_backward`` over the
+  batch, each sampled token weighted by its episode's advantage over the batch's sampled tokens
+  (token-mean, as in grpo).
+- ``stream=true``: each group's datums go to ``forward_backward`` as soon as the group is taken, while
+  later groups are still being sampled; the engine adds up their gradients. The losses reduce by token
+  sum, so the sub-batches' gradients add up to the one-batch gradient; what must be fixed before the
+  batch is complete is the normaliser, so an advantage is divided by its group's sampled tokens and
+  by ``batch_size``: each group weighs the same, token-mean within it.
+
+The loss is ``loss`` (``importance_sampling`` by default: ``-(ρ A).sum()`` with ``ρ = exp(logp -
+logp_sampler)``; or cispo, ppo, dro with ``loss_config``), whose ratio corrects for the policy having
+moved since the group was sampled. One AdamW ``optim_step`` per step applies the (summed) gradient,
+then the trainer publishes a new sampler (``save_weights_and_get_sampling_client``) for the workers.
 
 Which policy version samples a group depends on timing, so unlike grpo this loop is not bit-for-bit
 reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or on its
-own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``.
+own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``. ``loop=code_rl``
+(:mod:`.code_rl`) is this trainer streaming on the code task.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
+from sess.rl import rollouts
+from sess.rl.data import Dataset
+from sess.rl.env import EnvFactory
+from sess.rl.hooks import Hooks
+from sess.rl.rollout_workers import RolloutWorkers
 
-from . import rollouts
-from .datasets import Dataset
-from .env import EnvFactory
-from .hooks import Hooks
-from .rollout_workers import RolloutWorkers
+LOSSES = ("importance_sampling", "cispo", "ppo", "dro")
 
 
 @dataclass
@@ -42,21 +59,29 @@ class Config:
     grad_clip_norm: float = 1.0
     max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
     temperature: float = 1.0
-    rollout_workers: int = 2
+    max_turns: int | None = (
+        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
+    )
+    loss: str = "importance_sampling"  # importance_sampling | cispo | ppo | dro
+    loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
+    scale_by_std: bool = False
+    rollout_workers: int = 2  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
-    scale_by_std: bool = False
-    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
-    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
+    stream: bool = False  # true: each group goes to forward_backward as soon as it is taken
 
 
 def check(cfg: Config) -> None:
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
     if cfg.stale_policy not in ("requeue", "discard"):
         raise ValueError(f"loop.stale_policy: expected requeue or discard, got {cfg.stale_policy!r}")
     if cfg.rollout_workers < 1 or cfg.max_steps_off_policy < 0:
         raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise ValueError(f"loop.max_turns: expected 1 or more, got {cfg.max_turns}")
 
 
 def train(
@@ -67,9 +92,11 @@ def train(
     *,
     seed: int = 0,
     start_step: int = 0,
-) -> None:
+) -> int:
+    """Train steps ``start_step .. cfg.steps - 1``; returns the number of steps done (``cfg.steps``)."""
     check(cfg)
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
+    loss_config = dict(cfg.loss_config) or None
     pool = RolloutWorkers(
         tc.get_tokenizer(),
         envs,
@@ -81,50 +108,66 @@ def train(
         first_index=start_step * cfg.batch_size,
         sampler=tc.save_weights_and_get_sampling_client(),
         policy_step=start_step,
+        max_turns=cfg.max_turns,
     )
     try:
         for step in range(start_step, cfg.steps):
             started = time.perf_counter()
-            # Take batch_size groups no more than max_steps_off_policy behind; requeue or drop the rest.
-            groups_P, stale, lags = [], 0, []
+            # 1. Take batch_size groups no more than max_steps_off_policy behind; requeue or drop the rest.
+            #    Streaming: each group's datums go to forward_backward at once (a sub-batch).
+            groups_P, staleness_P, stale, passes, datums = [], [], 0, [], []
             while len(groups_P) < cfg.batch_size:
                 group, lag, skipped = pool.take_fresh(
                     step, cfg.max_steps_off_policy, requeue=cfg.stale_policy == "requeue"
                 )
                 stale += skipped
                 groups_P.append(group)
-                lags.append(lag)
+                staleness_P.append(lag)
+                if cfg.stream and (
+                    sub_batch := rollouts.group_datums(group, cfg.batch_size, cfg.scale_by_std)
+                ):
+                    passes.append(
+                        tc.forward_backward(sub_batch, loss_fn=cfg.loss, loss_fn_config=loss_config)
+                    )
+                    datums += sub_batch
             metrics = rollouts.batch_metrics(groups_P)
-            # Group-relative advantages, token-mean normalised, on sampled tokens (as in grpo).
-            advantages_P_G = [rollouts.group_advantages(g.rewards_G, cfg.scale_by_std) for g in groups_P]
-            kept = [(g, a_G) for g, a_G in zip(groups_P, advantages_P_G) if any(abs(a) > 1e-9 for a in a_G)]
-            n_tokens = sum(e.n_sampled for g, _ in kept for e in g.episodes_G)
-            datums = [
-                rollouts.policy_datum(e, a / n_tokens) for g, a_G in kept for e, a in zip(g.episodes_G, a_G)
-            ]
-            # The importance_sampling loss: its ratio exp(logp - logp_sampler) corrects for the lag.
-            if datums:
-                fb = tc.forward_backward(datums, loss_fn="importance_sampling")
+            # 2. Not streaming: one forward_backward over the batch, advantages token-mean normalised (as in grpo).
+            if not cfg.stream and (datums := rollouts.batch_datums(groups_P, cfg.scale_by_std)):
+                passes.append(tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=loss_config))
+            # 3. One AdamW step on the summed gradients; the loss's ratio exp(logp - logp_sampler) corrects the lag.
+            if passes:
                 opt = tc.optim_step(adam)
                 metrics.update(
-                    loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
+                    loss=sum(p.result().metrics["loss:sum"] for p in passes),
+                    grad_norm=opt.result().metrics.get("grad_norm", 0.0),
                 )
             else:
                 metrics.update(loss=0.0)
-            metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
+            # 4. The workers sample from the new weights from now on.
             pool.publish(step + 1, tc.save_weights_and_get_sampling_client())
+            sampled = rollouts.sampled_tokens(groups_P)
+            if cfg.stream:
+                metrics.update(datums=len(datums), sub_batches=len(passes), tokens=sampled)
+            else:
+                trained = sum(d.model_input.length for d in datums)
+                metrics.update(datums=len(datums), trained_tokens=trained, tokens=sampled + trained)
             metrics.update(
                 stale_groups=stale,
-                off_policy_steps=sum(lags) / len(lags),
-                tokens=rollouts.sampled_tokens(groups_P) + metrics["trained_tokens"],
+                off_policy_steps=sum(staleness_P) / len(staleness_P),
                 seconds=time.perf_counter() - started,
             )
+            if cfg.stream:
+                metrics["group_staleness"] = staleness_P
             hooks.step_done(step, metrics)
     finally:
         pool.close()
+    return cfg.steps
 
 
-if __name__ == "__main__":
-    from .runner import main
+if __name__ == "__main__":  # an entry point, like `sess run loop=importance_sampling`
+    import sys
+
+    sys.modules["sess.loops.importance_sampling"] = sys.modules[__name__]  # the registry's copy is this one
+    from sess.harness.runner import main
 
     main("importance_sampling")

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sess.engine import AdamParams, TrainingClient
-
-from . import rendering
-from .datasets import Dataset, Feedback
-from .hooks import Hooks
+from sess.rl import rendering
+from sess.rl.data import Dataset, Feedback
+from sess.rl.hooks import Hooks
 
 if TYPE_CHECKING:  # torch is imported where the loss runs: composing a config needs none
     import torch
@@ -46,8 +45,6 @@ class Config:
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
-    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
-    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
 class Reference:
@@ -123,7 +120,8 @@ def train(
     *,
     seed: int = 0,  # unused: the data order is seeded already
     start_step: int = 0,
-) -> None:
+) -> int:
+    """Train steps ``start_step ..``; returns the number of steps done (``cfg.steps``)."""
     import torch
 
     tok = tc.get_tokenizer()
@@ -153,6 +151,7 @@ def train(
                 "seconds": time.perf_counter() - started,
             },
         )
+    return cfg.steps
 
 
 def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
@@ -175,7 +174,10 @@ def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
     return {f"eval/{k}": v for k, v in _margin(sums - ref_B, want).items()}
 
 
-if __name__ == "__main__":
-    from .runner import main
+if __name__ == "__main__":  # an entry point, like `sess run loop=kto`
+    import sys
+
+    sys.modules["sess.loops.kto"] = sys.modules[__name__]  # the registry's copy is this one
+    from sess.harness.runner import main
 
     main("kto")

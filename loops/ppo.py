@@ -26,12 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-
-from . import rollouts
-from .datasets import Dataset
-from .env import EnvFactory
-from .hooks import Hooks
-from .rollouts import Episode, derive_seed
+from sess.rl import rollouts
+from sess.rl.data import Dataset
+from sess.rl.env import EnvFactory
+from sess.rl.hooks import Hooks
+from sess.rl.rollouts import Episode, derive_seed
 
 
 @dataclass
@@ -44,14 +43,15 @@ class Config:
     grad_clip_norm: float = 1.0
     max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
     temperature: float = 1.0
+    max_turns: int | None = (
+        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
+    )
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
     clip_high: float = 1.2
     kl_coef: float = 0.05
     scale_by_std: bool = False
-    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
-    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
 def kl_to_reference(ref_sc, episodes: list[Episode]) -> list[np.ndarray]:
@@ -72,7 +72,8 @@ def train(
     *,
     seed: int = 0,
     start_step: int = 0,
-) -> None:
+) -> int:
+    """Train steps ``start_step ..``; returns the number of steps done (``cfg.steps``)."""
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
@@ -85,7 +86,9 @@ def train(
         make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.rollout_groups(sc, tok, envs_P_G, sampling, seeds_P, policy_step=step)
+        groups_P = rollouts.rollout_groups(
+            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+        )
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))
         datums, kls = [], []
@@ -120,9 +123,13 @@ def train(
             seconds=time.perf_counter() - started,
         )
         hooks.step_done(step, metrics)
+    return cfg.steps
 
 
-if __name__ == "__main__":
-    from .runner import main
+if __name__ == "__main__":  # an entry point, like `sess run loop=ppo`
+    import sys
+
+    sys.modules["sess.loops.ppo"] = sys.modules[__name__]  # the registry's copy is this one
+    from sess.harness.runner import main
 
     main("ppo")

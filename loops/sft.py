@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 
 from sess.engine import AdamParams, TrainingClient
-
-from . import rendering
-from .datasets import Dataset, Messages
-from .hooks import Hooks
+from sess.rl import rendering
+from sess.rl.data import Dataset
+from sess.rl.env import Messages
+from sess.rl.hooks import Hooks
 
 
 @dataclass
@@ -34,8 +34,6 @@ class Config:
     grad_clip_norm: float = 1.0
     max_tokens: int = 16  # the runner's greedy evaluation budget
     epochs: int = 1  # with a file data set: stop after this many passes (0: no cap)
-    eval_every: int = 10  # read by the runner: evaluate every n steps (0: at start and end only)
-    save_every: int = 10  # read by the runner: save state every n steps (0: at the end only)
 
 
 def train(
@@ -46,7 +44,9 @@ def train(
     *,
     seed: int = 0,  # unused: the data order is seeded already
     start_step: int = 0,
-) -> None:
+) -> int:
+    """Train steps ``start_step ..``; returns the number of steps done: ``cfg.steps``, or fewer when
+    ``epochs`` ends a finite data set first."""
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     steps = cfg.steps
@@ -77,9 +77,13 @@ def train(
                 "seconds": time.perf_counter() - started,
             },
         )
+    return max(steps, start_step)
 
 
-if __name__ == "__main__":
-    from .runner import main
+if __name__ == "__main__":  # an entry point, like `sess run loop=sft`
+    import sys
+
+    sys.modules["sess.loops.sft"] = sys.modules[__name__]  # the registry's copy is this one
+    from sess.harness.runner import main
 
     main("sft")

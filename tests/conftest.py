@@ -26,7 +26,7 @@ def sess_home(tmp_path_factory):
 @pytest.fixture(scope="session")
 def http_engine(sess_home):
     """An engine server in its own process on the test home (``python -m sess.engine.server``)."""
-    from sess.engine.server.launcher import start_engine, stop_engine
+    from sess.engine.sdk.local_engine import start_engine, stop_engine
 
     info = start_engine(sess_home)
     yield info

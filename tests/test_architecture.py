@@ -1,87 +1,223 @@
-"""The engine package's shape: layers as folders that import only downwards, a light SDK, short files,
-and an in-process engine that leaves the libraries it uses as it found them."""
+"""The shape of sess: packages as layers that import only downwards (inside functions too), no import
+cycles, a light SDK, short files, docs in code that describe rather than narrate, and an in-process
+engine that leaves the libraries it uses as it found them."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
 
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
-# each layer may import the layers after it in this list, never the ones before it
-LAYERS = ["server", "runtime", "sampling", "sdk"]
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine"
+# Every package of sess, by folder (pyproject's package-dir maps sess.<name> to <name>/).
+PACKAGES = ("cli", "conf", "engine", "harness", "loops", "rl", "sandbox", "tasks")
+# The layers, top first: a layer may import itself and the layers after it in any chain holding both,
+# never one before it. The client side: the CLI drives the run harness, which runs the loops on the
+# tasks; the loops and tasks are built from the RL machinery, which speaks to an engine through the
+# SDK only. The engine side: the server serves the runtime, which samples with the sampling layer;
+# both speak the SDK's types. The CLI also starts and manages the engine; tasks grade in the sandbox.
+CHAINS = (
+    ("cli", "harness", "loops", "tasks", "rl", "engine.sdk"),
+    ("tasks", "sandbox"),
+    ("cli", "engine.server", "engine.runtime", "engine.sampling", "engine.sdk"),
+)
+LAYERS = sorted({layer for chain in CHAINS for layer in chain} | {"conf"})
 
 
-def _module_imports() -> dict[str, set[str]]:
-    """Module -> the sess.engine modules it imports at module level (not inside functions)."""
-    graph = {}
-    for path in ENGINE.rglob("*.py"):
-        name = "sess.engine." + ".".join(path.relative_to(ENGINE).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
-        imports = set()
-        tree = ast.parse(path.read_text())
-        for node in tree.body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue  # annotations only
-            for child in ast.walk(node):
-                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("sess.engine"):
-                    imports.add(child.module)
-                    imports.update(f"{child.module}.{alias.name}" for alias in child.names)
-                elif isinstance(child, ast.Import):
-                    imports.update(a.name for a in child.names if a.name.startswith("sess.engine"))
-                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                    break
-        graph[name] = imports
-    modules = set(graph)
-    return {m: {i for i in deps if i in modules and i != m} for m, deps in graph.items()}
+def _module_name(path: Path) -> str:
+    return ("sess." + ".".join(path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
 
 
-def _layer(module: str) -> str | None:
+def _imports(path: Path, *, entry_points: bool = False) -> set[str]:
+    """The sess modules ``path`` imports anywhere (module level and inside functions), resolved from
+    relative imports; not annotation-only imports (``if TYPE_CHECKING:``) and, unless
+    ``entry_points``, not those of an ``if __name__ == "__main__":`` block (an entry point runs at the
+    top, like the CLI)."""
+    tree = ast.parse(path.read_text())
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            if "TYPE_CHECKING" in test or (not entry_points and "__name__ ==" in test):
+                skipped.update(id(child) for child in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            if name.startswith("sess"):
+                found.add(name)
+                found.update(f"{name}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("sess"))
+    return found
+
+
+def _graph(**options) -> dict[str, set[str]]:
+    """Module -> the sess modules it imports (modules of sess only, not names inside them)."""
+    graph = {
+        _module_name(path): _imports(path, **options)
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+    }
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def _layer(module: str) -> str:
     parts = module.split(".")
-    return parts[2] if len(parts) > 2 and parts[2] in LAYERS else None
+    if parts[1] == "engine":  # sess.engine itself re-exports the SDK
+        return (
+            "engine." + parts[2]
+            if len(parts) > 2 and parts[2] in ("sdk", "server", "runtime", "sampling")
+            else "engine.sdk"
+        )
+    return parts[1]
 
 
-def test_the_engine_is_layers_as_folders_importing_only_downwards():
-    graph = _module_imports()
-    assert {p.name for p in ENGINE.iterdir() if p.is_dir() and not p.name.startswith("_")} == set(LAYERS)
-    upward = [
-        (module, dep)
-        for module, deps in graph.items()
+def _may_import(importer: str, imported: str) -> bool:
+    if importer == imported:
+        return True
+    return any(
+        importer in chain and imported in chain and chain.index(importer) < chain.index(imported)
+        for chain in CHAINS
+    )
+
+
+def test_every_package_is_a_layer():
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} == set(PACKAGES)
+    assert {p.name for p in ENGINE.iterdir() if p.is_dir() and not p.name.startswith("_")} == {
+        "sdk",
+        "server",
+        "runtime",
+        "sampling",
+    }
+    assert {_layer(m) for m in _graph()} == set(LAYERS)
+
+
+def test_imports_point_only_down_even_inside_functions():
+    upward = sorted(
+        f"{module} -> {dep}"
+        for module, deps in _graph().items()
         for dep in deps
-        if _layer(module) and _layer(dep) and LAYERS.index(_layer(dep)) < LAYERS.index(_layer(module))
-    ]
+        if not _may_import(_layer(module), _layer(dep))
+    )
     assert upward == []
 
 
-def test_no_import_cycles():
-    graph = _module_imports()
+def test_the_architecture_test_sees_imports_inside_functions():
+    """A function-level import counts: the check above is not blind to them."""
+    body = "def f():\n    from sess.engine.server import app\n"
+    path = ROOT / "engine" / "sdk" / "_probe_for_the_test.py"
+    path.write_text(body)
+    try:
+        deps = _imports(path)
+    finally:
+        path.unlink()
+    assert "sess.engine.server.app" in deps and not _may_import("engine.sdk", "engine.server")
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
 
-    def visit(module: str, path: list[str]) -> None:
+    def visit(module: str, path: list[str]) -> list[str] | None:
         state[module] = 1
         for dep in sorted(graph[module]):
             if state.get(dep) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join([*path, module, dep])}")
-            if dep not in state:
-                visit(dep, [*path, module])
+                return [*path, module, dep]
+            if dep not in state and (found := visit(dep, [*path, module])):
+                return found
         state[module] = 2
+        return None
 
     for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+        if module not in state and (found := visit(module, [])):
+            return found
+    return None
 
 
-def test_engine_files_read_in_one_sitting():
+def test_no_import_cycles_anywhere():
+    cycle = _cycle(_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_a_loop_run_as_a_module_is_imported_once():
+    """``python -m sess.loops.grpo`` runs the module as ``__main__``; the registry must use that one,
+    not import a second copy (whose dataclasses and functions would be other objects)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sess.loops.grpo", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.startswith("usage: python -m sess.loops.grpo")
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert "sess.harness.registry" in imported and "sess.loops.grpo" not in imported
+
+
+def test_files_read_in_one_sitting():
     long = {
-        str(p.relative_to(ENGINE)): n
-        for p in ENGINE.rglob("*.py")
+        str(p.relative_to(ROOT)): n
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
         if (n := len(p.read_text().splitlines())) > 420
     }
     assert long == {}
+
+
+# Prose in code says what and why; dated figures, commit hashes, review rounds and issue numbers
+# belong in git and benchmarks/README.md, where they do not drift from the code they describe.
+NARRATION = {
+    "a date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
+    "a round": re.compile(
+        r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(st|nd|rd|th)|memory|review)"
+        r"\s+round\b|\brounds?\s+\d+\b",
+        re.I,
+    ),
+    "an issue number": re.compile(r"\bissues?\s+#?\d+\b|\bPR\s+#?\d+\b", re.I),
+}
+COMMIT = re.compile(r"(?<![\w./-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")
+
+
+def _narration(text: str) -> list[str]:
+    """What in ``text``'s comments and strings (docstrings, --help) quotes a date, a round, an issue
+    number or a commit-hash-looking token."""
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            for what, pattern in [*NARRATION.items(), ("a commit hash", COMMIT)]:
+                found += [
+                    f"line {tok.start[0]}: {what}: {m.group(0)!r}" for m in pattern.finditer(tok.string)
+                ]
+    return found
+
+
+def test_code_describes_rather_than_narrates():
+    quoted = {
+        str(p.relative_to(ROOT)): found
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if (found := _narration(p.read_text()))
+    }
+    assert quoted == {}
+    narrated = '''"""Measured 2026-12-01 at 5c520ab (eighth round, issue 14)."""\nx = 1  # see round 3\n'''
+    assert len(_narration(narrated)) == 5
+    assert _narration('''"""A sha256 is 64 hex digits; 0x1f and 2026 are numbers."""\n''') == []
 
 
 def test_importing_the_sdk_loads_no_torch_transformers_or_peft():
@@ -170,7 +306,7 @@ def _env(home) -> dict:
 
 
 @pytest.mark.parametrize(
-    "module", ["sess.engine.sdk", "sess.engine.server.launcher", "sess.engine.server.settings"]
+    "module", ["sess.engine.sdk", "sess.engine.sdk.local_engine", "sess.engine.server.settings"]
 )
 def test_client_side_modules_stay_light(module):
     code = f"import sys, {module}\nprint(sorted(m for m in ('torch', 'transformers', 'peft', 'fastapi') if m in sys.modules))"
@@ -182,7 +318,7 @@ def test_composing_a_run_config_loads_no_torch():
     """``sess run --print-config``, ``--help`` and every read command compose configs or talk HTTP
     only; the loops import torch where their own work needs it (KTO's loss)."""
     code = (
-        "import sys\nfrom sess.loops import config\nconfig.compose(['loop=kto'])\n"
+        "import sys\nfrom sess.harness import config\nconfig.compose(['loop=kto'])\n"
         "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -202,3 +338,34 @@ def test_every_name_of_the_sdk_contract_imports_from_sess_engine():
 
     assert [name for name in API_NAMES if not hasattr(sess.engine, name)] == []
     assert set(API_NAMES) <= set(sess.engine.__all__)
+
+
+TEST_FOLDERS = {
+    "sdk",
+    "runtime",
+    "sampling",
+    "server",
+    "tinker",
+    "cli",
+    "harness",
+    "loops",
+    "rl",
+    "tasks",
+    "sandbox",
+}
+
+
+def test_tests_mirror_the_packages_and_share_only_helper_modules():
+    """A package's tests live in tests/<its layer>/; what several share is in a helper module
+    (conftest.py, helpers.py, ...), never imported from another test file."""
+    tests = ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders - {"tinker_scripts"} == TEST_FOLDERS
+    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py"}  # the one cross-package test
+    borrowing = sorted(
+        f"{p.relative_to(tests)}: {line.strip()}"
+        for p in tests.rglob("*.py")
+        for line in p.read_text().splitlines()
+        if re.match(r"\s*(from|import) test_\w+", line)
+    )
+    assert borrowing == []

@@ -361,13 +361,14 @@ class Executor:
             self._finish(op, result=result)
             return
         started = time.perf_counter()
-        if op.name == "stop_session":  # a stop keeps the training: its state first, on every rank
+        spec = OPS[op.name]
+        if spec.saves_first:  # a stop keeps the training: its state first, on every rank
             op.saved = self._save_before_stop(op.owner, op.request.name)
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
-        result = OPS[op.name].handler(self.runtime, op.owner, op.request)
-        if op.name == "session_info":  # the executor's ordering state belongs in the answer
+        result = spec.handler(self.runtime, op.owner, op.request)
+        if spec.answers_next_seq:  # the executor's ordering state belongs in the answer
             result = {**result, "next_seq": self.next_seq(op.request.name)}
-        elif op.name == "delete_session":
+        elif spec.forgets_session:
             self._forget_order(op.request.name)
         elif op.name == "create_session_from_state":  # a stopped session continued: its client starts at 1
             self._forget_order(result["name"])

@@ -14,16 +14,119 @@ Every loss reduces by token sum; ``weights`` / ``advantages`` act as the mask, a
   where ``sequence_ratio_mask`` is non-zero, or where the advantage is (a datum without the mask).
   lo/hi default 1 - 3e-4 / 1 + 4e-4, the GSPO paper's clip ranges (Zheng et al., 2025).
 
-Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.data_checks`.
+Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.data_checks`;
+:data:`LOSSES` maps each name to its function, whose docstring cites the paper it comes from.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from sess.engine.sdk.errors import InvalidRequest
 
 _RL_INPUTS = ("advantages", "logprobs")
+Loss = Callable[
+    [dict[str, float], list[torch.Tensor], list[dict[str, torch.Tensor]]], tuple[torch.Tensor, dict]
+]
+
+
+def cross_entropy(
+    config: dict[str, float], logprobs: list[torch.Tensor], inputs: list[dict[str, torch.Tensor]]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``-(lp * w).sum()``: the weighted negative log-likelihood of supervised fine-tuning, maximum
+    likelihood on the tokens ``weights`` marks (the SFT stage of Ouyang et al., 2022, "Training
+    language models to follow instructions with human feedback", arXiv:2203.02155)."""
+    lp = torch.cat(logprobs)
+    weights = torch.cat([x["weights"] for x in inputs]).to(lp.device, torch.float32)
+    loss = -(lp * weights).sum()
+    return loss, {"loss:sum": loss.item(), "weights:sum": weights.sum().item()}
+
+
+class Terms(NamedTuple):
+    """What every policy-gradient loss reads, over the batch's tokens (concatenated)."""
+
+    lp: torch.Tensor  # the policy's logprobs, with their graph
+    advantages: torch.Tensor
+    log_ratio: torch.Tensor  # lp - sampling_lp
+    ratio: torch.Tensor  # exp(log_ratio)
+    logprobs: list[torch.Tensor]  # per datum, for losses that work sequence by sequence
+    inputs: list[dict[str, torch.Tensor]]
+
+
+def importance_sampling(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-(ratio * A).sum()``: REINFORCE's policy gradient (Williams, 1992, "Simple statistical
+    gradient-following algorithms for connectionist reinforcement learning") with the importance
+    weight of the sampling policy (Precup, Sutton & Singh, 2000, "Eligibility traces for off-policy
+    policy evaluation"), which corrects for samples drawn by an older policy."""
+    return -(t.ratio * t.advantages).sum(), t.ratio
+
+
+def ppo(
+    t: Terms, config: dict[str, float], ratio: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-min(ratio * A, clip(ratio, lo, hi) * A).sum()``: PPO's clipped surrogate objective
+    (Schulman et al., 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347)."""
+    ratio = t.ratio if ratio is None else ratio
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * t.advantages, clipped * t.advantages).sum(), ratio
+
+
+def gspo(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective on GSPO-token ratios, one sequence-level ratio per datum (Zheng et al.,
+    2025, "Group Sequence Policy Optimization", arXiv:2507.18071)."""
+    return ppo(t, config, _gspo_ratios(t.logprobs, t.inputs))
+
+
+def cispo(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-(clip(ratio, lo, hi).detach() * lp * A).sum()``: CISPO, which clips the importance weight
+    instead of the update, so no token's gradient is dropped (MiniMax, 2025, "MiniMax-M1: Scaling
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585)."""
+    clipped = torch.clamp(t.ratio, config["clip_low_threshold"], config["clip_high_threshold"]).detach()
+    return -(clipped * t.lp * t.advantages).sum(), t.ratio
+
+
+def dro(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-(lp * A - beta / 2 * (lp - sampling_lp) ** 2).sum()``: Direct Reward Optimisation's
+    regularised objective (Richemond et al., 2024, "Offline Regularised Reinforcement Learning for
+    Large Language Models Alignment", arXiv:2405.19107)."""
+    return -(t.lp * t.advantages - 0.5 * config["beta"] * t.log_ratio**2).sum(), t.ratio
+
+
+def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple[torch.Tensor, torch.Tensor]]) -> Loss:
+    """A policy-gradient loss over the batch, with the ratio and sampler-drift metrics of its tokens."""
+
+    def compute(config, logprobs, inputs):
+        lp = torch.cat(logprobs)
+        advantages, sampling_lp = (
+            torch.cat([x[key] for x in inputs]).to(lp.device, torch.float32) for key in _RL_INPUTS
+        )
+        mask = advantages != 0
+        log_ratio = lp - sampling_lp
+        value, ratio = loss(Terms(lp, advantages, log_ratio, torch.exp(log_ratio), logprobs, inputs), config)
+        with torch.no_grad():
+            n = max(int(mask.sum()), 1)
+            metrics = {
+                "loss:sum": value.item(),
+                "ratio:mean": float(ratio[mask].sum() / n),
+                "kl_sample_train:mean": float(-log_ratio[mask].sum() / n),
+            }
+        return value, metrics
+
+    compute.__doc__ = loss.__doc__
+    return compute
+
+
+LOSSES: dict[str, Loss] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": _policy_gradient(importance_sampling),
+    "ppo": _policy_gradient(ppo),
+    "gspo": _policy_gradient(gspo),
+    "cispo": _policy_gradient(cispo),
+    "dro": _policy_gradient(dro),
+}
 
 
 def compute_loss(
@@ -33,39 +136,9 @@ def compute_loss(
     inputs: list[dict[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The token-sum loss over all datums; ``logprobs[i]`` and every ``inputs[i][k]`` have one length."""
-    lp = torch.cat(logprobs)
-    if loss_fn == "cross_entropy":
-        weights = torch.cat([x["weights"] for x in inputs]).to(lp.device, torch.float32)
-        loss = -(lp * weights).sum()
-        return loss, {"loss:sum": loss.item(), "weights:sum": weights.sum().item()}
-    advantages, sampling_lp = (
-        torch.cat([x[key] for x in inputs]).to(lp.device, torch.float32) for key in _RL_INPUTS
-    )
-    mask = advantages != 0
-    log_ratio = lp - sampling_lp
-    ratio = torch.exp(log_ratio)
-    if loss_fn == "importance_sampling":
-        loss = -(ratio * advantages).sum()
-    elif loss_fn in ("ppo", "gspo"):
-        if loss_fn == "gspo":
-            ratio = _gspo_ratios(logprobs, inputs)
-        clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
-        loss = -torch.minimum(ratio * advantages, clipped * advantages).sum()
-    elif loss_fn == "cispo":
-        clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"]).detach()
-        loss = -(clipped * lp * advantages).sum()
-    elif loss_fn == "dro":
-        loss = -(lp * advantages - 0.5 * config["beta"] * log_ratio**2).sum()
-    else:  # check_loss_fn keeps this unreachable
+    if loss_fn not in LOSSES:  # check_loss_fn keeps this unreachable
         raise InvalidRequest(f"loss_fn: unknown loss {loss_fn!r}")
-    with torch.no_grad():
-        n = max(int(mask.sum()), 1)
-        metrics = {
-            "loss:sum": loss.item(),
-            "ratio:mean": float(ratio[mask].sum() / n),
-            "kl_sample_train:mean": float(-log_ratio[mask].sum() / n),
-        }
-    return loss, metrics
+    return LOSSES[loss_fn](config, logprobs, inputs)
 
 
 def _gspo_ratios(logprobs: list[torch.Tensor], inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:

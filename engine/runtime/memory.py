@@ -2,16 +2,14 @@
 
 A training step allocates gigabytes of activations and gradients and frees them at its end. With
 glibc's defaults every allocation of more than a few MB is a fresh ``mmap`` of 4 KiB pages and
-every free gives it back to the kernel, so the next step takes a page fault for each page again.
-Measured on the 2-core machine of benchmarks/README.md, a GRPO ``forward_backward`` of ~2,300
-tokens took 1.2 M page faults and 7 s of kernel time (20.7 s in all). The settings below make
-malloc serve every thread from one heap that is never trimmed, so small and medium blocks reuse
-the same pages step after step, and map blocks of :data:`MMAP_FROM` bytes or more (a chunk's
-logits, the larger activations) on their own, in 2 MiB transparent huge pages (glibc's
-``hugetlb`` tunable): a fault then brings in 512 pages at once, so a fresh mapping costs little,
-and freeing it gives it back at once. The heap alone (every block in it, as before 2026-12-01)
-faulted as rarely, but big blocks of changing sizes fragmented it: the SFT step of issue 14's
-workload (4 x 1024 tokens) held 3.6 GiB at its peak where its live tensors were under 2 GiB.
+every free gives it back to the kernel, so the next step takes a page fault for each page again,
+and a large share of a step's time goes to the kernel. The settings below make malloc serve every
+thread from one heap that is never trimmed, so small and medium blocks reuse the same pages step
+after step, and map blocks of :data:`MMAP_FROM` bytes or more (a chunk's logits, the larger
+activations) on their own, in 2 MiB transparent huge pages (glibc's ``hugetlb`` tunable): a fault
+then brings in 512 pages at once, so a fresh mapping costs little, and freeing it gives it back at
+once. A heap holding every block, big ones too, faults as rarely but fragments: big blocks of
+changing sizes leave holes that keep its resident size far above the live tensors.
 
 Kept for good, though, the heap is the engine's footprint for the rest of its life. So an engine
 that has been idle for :data:`IDLE_TRIM_S` seconds gives its free heap back (:func:`trim`, glibc's
@@ -20,36 +18,33 @@ paused one costs only what it holds. The bound that makes this cheap is the trai
 (:mod:`.memory_budget`): a step's peak is a few times the weights, not dozens.
 
 glibc reads these settings when a process starts, so :func:`engine_env` puts them in the
-environment of the engine processes sess starts (``sess engine up``, ``sess run``). An in-process
-engine applies what can still be applied with ``mallopt`` (:func:`keep_freed_memory`: not the huge
-pages). Linux with glibc only; ``SESS_MALLOC=system`` turns both off, and values already in the
-environment are kept.
+environment of the engine processes sess starts (``python -m sess.engine.server`` re-executes
+itself under them). An in-process engine applies what can still be applied with ``mallopt``
+(:func:`keep_freed_memory`: not the huge pages). Linux with glibc only; ``SESS_MALLOC=system``
+turns both off, and values already in the environment are kept.
 
 CPU engines only: on CUDA the activations live in the CUDA caching allocator, which keeps freed
 blocks by itself, and the host heap holds little, so an engine on a GPU keeps glibc's defaults.
 
 ``SESS_MALLOC=jemalloc`` runs the engine on jemalloc instead (the system's ``libjemalloc.so.2``,
 e.g. Debian's ``libjemalloc2``, preloaded; :data:`JEMALLOC_CONF`). Its size classes leave far less
-free memory stranded between live blocks than glibc's heap (~0.1 GiB against 0.4-1.1 GiB in issue
-14's steps), and freed pages go back two seconds later: issue 14's workload peaked at 1.58 GiB
-instead of 1.97 and the default ``sess run`` engine at 1.63 instead of 1.81, at no speed difference
-that stood out of the noise (benchmarks/README.md, 2026-12-01, fifth round). It is a choice, not the default,
-because it needs a system library: the engine starts the same everywhere on glibc.
-``SESS_MALLOC=glibc`` (or unset) is the tuned heap above; ``system`` is glibc's own defaults.
+free memory stranded between live blocks than glibc's heap, and freed pages go back two seconds
+later, so an engine on it peaks lower at about the same speed (benchmarks/README.md has the
+figures). It is a choice, not the default, because it needs a system library: the engine starts
+the same everywhere on glibc. ``SESS_MALLOC=glibc`` (or unset) is the tuned heap above; ``system``
+is glibc's own defaults.
 
 Whatever the malloc, a CPU engine also caps the two caches of oneDNN primitives at
 :data:`ONEDNN_CACHES` entries (torch's ideep keeps one, ``LRU_CACHE_CAPACITY``, and oneDNN its own,
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; 1,024 each by default). The sampler's linear layers run through
 oneDNN, and a primitive is made for each shape: every prefill's row count is new, so over a run the
-caches filled with primitives of ~0.3 MB each, most used once (~300 MB for 500 shapes, measured),
-and the default ``sess run`` engine's peak crept from 1.88 GiB at step 2 to 2.12 at step 20; capped,
-it stayed at 1.87 (2026-12-01). A decode step needs one primitive per weight shape (five on smollm2,
-plus LoRA's), so 64 entries keep all of them, and a new one costs ~0.7 ms to make against a ~100 ms
-step. The runtime also trims the heap where the engine switches between sampling and training
-(``Runtime.entering``), and on glibc between the phases of a training op's micro-batches where the
-op's resident memory has grown past its memory budget, and always between a checkpointed
-micro-batch's, whose long datum's blocks fit the holes earlier steps left badly
-(``training_ops._Heap``).
+caches fill with primitives of ~0.3 MB each, most used once, and the engine's peak creeps up step
+after step. A decode step needs one primitive per weight shape (five on smollm2, plus LoRA's), so
+64 entries keep all of them, and a new one costs far less to make than a step takes. The runtime
+also trims the heap where the engine switches between sampling and training (``Runtime.entering``),
+and on glibc between the phases of a training op's micro-batches where the op's resident memory has
+grown past its memory budget, and always between a checkpointed micro-batch's, whose long datum's
+blocks fit the holes earlier steps left badly (``training_ops._Heap``).
 """
 
 from __future__ import annotations

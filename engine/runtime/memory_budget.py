@@ -32,11 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from sess.engine.runtime.recompute import recording
 from sess.engine.runtime.recompute import unpack as recompute_unpack
 
-# bytes of activations and output-layer logits on CPU. On smollm2-135m a position keeps 0.72 MB
-# (1.2 MB without recompute.py's recipes; 0.1 MB checkpointed), so 384 MiB gives a micro-batch 400
-# positions beside a 96 MiB logits chunk: benchmarks/train.py's 8 x 128 batch runs in 3
-# micro-batches (1.11x plain PEFT; 0.94x at 256 MiB, 0.96x at 320 MiB), and issue 14's GRPO step
-# peaked at 1.85 GiB (benchmarks/README.md, 2026-12-01, fifth round).
+# bytes of activations and output-layer logits on CPU. On smollm2-135m a position keeps ~0.7 MB
+# (~0.1 MB checkpointed), so 384 MiB gives a micro-batch ~400 positions beside a 96 MiB logits
+# chunk: benchmarks/train.py's 8 x 128 batch runs in 3 micro-batches, near plain PEFT's speed, where
+# smaller budgets cost speed and larger ones memory (benchmarks/README.md has the figures).
 CPU_BUDGET = 384 << 20
 CUDA_SHARE = 0.5  # of the device's free memory when the first training op runs
 PROBE_TOKENS = 128

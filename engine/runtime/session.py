@@ -30,8 +30,8 @@ class FlatState:
     """An adapter's gradients and AdamW moments, each in one flat buffer that the parameters' own
     tensors are views of, where autograd and AdamW would make one small tensor per parameter (420 on
     smollm2) at every backward pass and at the first step, scattered between the step's activations.
-    On CPU, the heap that glibc keeps while the engine works was fragmented by those: issue 14's SFT
-    step after a GRPO step grew it to 1.66 GiB while at most 0.55 GiB of it was in use
+    On CPU, the heap that glibc keeps while the engine works was fragmented by those: an SFT step of
+    4 x 1024 tokens after a GRPO step grew it to 1.66 GiB while at most 0.55 GiB of it was in use
     (benchmarks/README.md). A flat buffer is large enough to be mapped on its own, outside the heap.
 
     The moments are made when the session starts and kept (AdamW keeps them from its first step

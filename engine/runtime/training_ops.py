@@ -197,15 +197,15 @@ class _Heap:
     began, the next phase starts with a trim. An op whose blocks reuse pages resident already
     (training ops in a row) never gets there and pays nothing; the first op after sampling, whose
     heap the switch trimmed, does. A trim's pages fault in again, which is why not every phase
-    trims. Measured on smollm2 (benchmarks/README.md, eighth round): the default ``sess run``
-    engine peaked at 1.68-1.76 GiB with these trims, against 1.87-1.90 without.
+    trims. On smollm2 the default ``sess run`` engine peaks about a tenth lower with these trims
+    (benchmarks/README.md has the figures).
 
     A checkpointed micro-batch (a datum longer than the budget allows) trims before every phase: its
     long datum's large blocks take the holes earlier steps left, and its many hidden-sized blocks then
-    grow the heap. Issue 14's SFT step of 4 x 1024 tokens, after its GRPO step, peaked at 1.85 GiB
-    with these trims against 1.97-2.03 without (sixth round); checkpointing trades speed for memory
-    already. jemalloc strands far less between live blocks and hands pages back by itself (the same
-    step peaked at 1.33 GiB with or without the trims), so an engine on it has no :class:`_Heap`."""
+    grow the heap. An SFT step of 4 x 1024 tokens after a GRPO step peaks lower with these trims;
+    checkpointing trades speed for memory already. jemalloc strands far less between live blocks and
+    hands pages back by itself (the same step peaks the same with or without the trims), so an engine
+    on it has no :class:`_Heap`."""
 
     def __init__(self, budget: int):
         start = resident_bytes()

@@ -32,6 +32,10 @@ class SamplingClient:
         self.model_path = target.model_path
 
     def get_tokenizer(self):
+        """The sampled model's tokenizer (see :meth:`ServiceClient.get_tokenizer`).
+
+        Returns:
+            A ``transformers`` tokenizer."""
         return self.service.get_tokenizer(self.base_model)
 
     def _prompt(self, prompt) -> list[int]:
@@ -54,6 +58,17 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int | None = None,
     ) -> APIFuture[SampleResponse]:
+        """Sample ``num_samples`` completions of ``prompt``; the request joins the engine's decode batch.
+
+        Args:
+            prompt: a :class:`ModelInput` or a list of token ids.
+            num_samples: completions to draw.
+            sampling_params: max_tokens, temperature, top_p, top_k, seed, stop; None: defaults.
+            include_prompt_logprobs: also return each prompt token's logprob.
+            topk_prompt_logprobs: also return the k most likely tokens at each prompt position.
+
+        Returns:
+            A future of a :class:`SampleResponse`: each sequence's tokens, logprobs and stop reason."""
         request = rq.SampleRequest(
             target=self.target,
             prompt=self._prompt(prompt),
@@ -66,13 +81,22 @@ class SamplingClient:
         return self.service._submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)
 
     def compute_logprobs(self, prompt) -> APIFuture[list[float | None]]:
-        """Each prompt token's logprob given the ones before it (the first is None)."""
+        """Each prompt token's logprob given the ones before it (the first is None).
+
+        Args:
+            prompt: a :class:`ModelInput` or a list of token ids.
+
+        Returns:
+            A future of one logprob per prompt token."""
         request = rq.ComputeLogprobs(target=self.target, prompt=self._prompt(prompt))
         request.check()
         return self.service._submitter.submit("compute_logprobs", request.to_wire(), lambda r: r["logprobs"])
 
     def stop(self) -> None:
-        """Release this client; checkpoints it sampled from stay on the engine."""
+        """Release this client; checkpoints it sampled from stay on the engine.
+
+        Returns:
+            None."""
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.target.to_wire()}>"

@@ -19,9 +19,11 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import Submitter
+from sess.engine.sdk.http_transport import HttpTransport
+from sess.engine.sdk.local_engine import ensure_local_engine
 from sess.engine.sdk.sampling_client import SamplingClient
 from sess.engine.sdk.training_client import TrainingClient
-from sess.engine.sdk.transport import InProcessTransport, Transport, shared_engine
+from sess.engine.sdk.transport import Transport, in_process_transport
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
 
@@ -34,15 +36,11 @@ class ServiceClient:
         url = url or os.environ.get("SESS_ENGINE_URL") or "local"
         api_key = api_key or os.environ.get("SESS_API_KEY")
         if url == "local":  # the engine of SESS_HOME, started in the background if none runs
-            from sess.engine.server.launcher import ensure_local_engine
-
             url = ensure_local_engine(home)
         self.url = url
         if url == "inproc":
-            self.transport: Transport = InProcessTransport(shared_engine(home), owner=api_key or "local")
+            self.transport: Transport = in_process_transport(home, owner=api_key or "local")
         else:
-            from sess.engine.sdk.http_transport import HttpTransport
-
             self.transport = HttpTransport(url, api_key=api_key, home=home)
         self._submitter = Submitter(self.transport)
         self._tokenizers: dict[str, Any] = {}
@@ -54,6 +52,10 @@ class ServiceClient:
 
     # models and sessions ---------------------------------------------------------------------------
     def list_base_models(self) -> list[str]:
+        """The base models this engine can load.
+
+        Returns:
+            Their names (``smollm2-135m``, ``tiny-llama``, ...), for ``create_lora_training_client``."""
         return self._call("list_base_models", rq.NoArgs())
 
     def create_lora_training_client(
@@ -69,6 +71,21 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: dict | None = None,
     ) -> TrainingClient:
+        """Start a training session: a fresh LoRA adapter on ``base_model``.
+
+        Args:
+            base_model: a name from :meth:`list_base_models`.
+            rank: the LoRA rank.
+            alpha: the LoRA alpha (the update is scaled by ``alpha / rank``).
+            training_session_name: the session's name; None: the engine picks one.
+            seed: seeds the adapter's initialisation (None: random).
+            train_mlp: wrap the MLP projections.
+            train_attn: wrap the attention projections.
+            train_unembed: wrap the output layer.
+            user_metadata: kept with the session and shown by ``list_sessions``.
+
+        Returns:
+            A :class:`TrainingClient` of the new, running session."""
         request = rq.CreateSession(
             base_model=base_model,
             name=training_session_name,
@@ -90,8 +107,11 @@ class ServiceClient:
 
         Args:
             path: a ``sess://SESSION/state/NAME`` checkpoint of one of this key's sessions.
-            training_session_name: the session's name (default: a new one from the model's name).
-                SESSION's own name, while SESSION is stopped, continues SESSION itself."""
+            training_session_name: the session's name (None: the engine picks one from the model's
+                name). SESSION's own name, while SESSION is stopped, continues SESSION itself.
+
+        Returns:
+            A :class:`TrainingClient` of the session."""
         return self._from_state(path, training_session_name, with_optimizer=False)
 
     def create_training_client_from_state_with_optimizer(
@@ -101,9 +121,12 @@ class ServiceClient:
 
         Args:
             path: a ``sess://SESSION/state/NAME`` checkpoint of one of this key's sessions.
-            training_session_name: the session's name (default: a new one from the model's name).
-                SESSION's own name, while SESSION is stopped, continues SESSION itself: the same
-                name, usage and checkpoints (what ``sess resume SESSION`` does)."""
+            training_session_name: the session's name (None: the engine picks one from the model's
+                name). SESSION's own name, while SESSION is stopped, continues SESSION itself: the
+                same name, usage and checkpoints (what ``sess resume SESSION`` does).
+
+        Returns:
+            A :class:`TrainingClient` of the session, whose next ``optim_step`` continues the old one."""
         return self._from_state(path, training_session_name, with_optimizer=True)
 
     def _from_state(self, path: str, name: str | None, *, with_optimizer: bool) -> TrainingClient:
@@ -114,6 +137,14 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
+        """A sampler of saved adapter weights or of a bare base model; give exactly one.
+
+        Args:
+            model_path: a ``sess://<session>/sampler/<name>`` (or state) checkpoint.
+            base_model: a name from :meth:`list_base_models`, sampled without an adapter.
+
+        Returns:
+            A :class:`SamplingClient`."""
         if (model_path is None) == (base_model is None):
             raise InvalidRequest("create_sampling_client: give exactly one of model_path or base_model")
         if model_path is not None:
@@ -125,7 +156,13 @@ class ServiceClient:
         return SamplingClient(self, rq.Target(base_model=base_model), base_model)
 
     def get_training_client(self, training_session_name: str) -> TrainingClient:
-        """Re-attach to a live session (its sequence numbers continue where they are)."""
+        """Re-attach to a live session (its sequence numbers continue where they are).
+
+        Args:
+            training_session_name: the name of a Running session of this key.
+
+        Returns:
+            A :class:`TrainingClient` whose ops queue behind the session's earlier ones."""
         info = self._call("session_info", rq.SessionName(name=training_session_name))
         if info["status"] != SessionStatus.Running.value:
             raise InvalidRequest(
@@ -142,37 +179,85 @@ class ServiceClient:
         status_equals: str | SessionStatus | None = None,
         max_results: int | None = None,
     ) -> list[TrainingSessionSummary]:
+        """The sessions of this key, oldest first.
+
+        Args:
+            name_contains: only sessions whose name contains this.
+            status_equals: only sessions in this status (``Running``, ``Stopped``, ...).
+            max_results: at most this many.
+
+        Returns:
+            One :class:`TrainingSessionSummary` per session."""
         status = status_equals.value if isinstance(status_equals, SessionStatus) else status_equals
         request = rq.ListSessions(name_contains=name_contains, status_equals=status, max_results=max_results)
         return [TrainingSessionSummary.from_wire(s) for s in self._call("list_sessions", request)]
 
     def stop_session(self, name: str) -> TrainingSessionSummary:
         """Stop a session and free its memory. If it trained since its last ``save_state``, the
-        engine saves its state first (``sess://NAME/state/stop-step…``), so ``sess resume`` or
-        ``create_training_client_from_state_with_optimizer`` continues it."""
+        engine saves its state first (``sess://NAME/state/stop-step...``), so ``sess resume`` continues it.
+
+        Args:
+            name: the session.
+
+        Returns:
+            Its :class:`TrainingSessionSummary`, now stopped."""
         return TrainingSessionSummary.from_wire(self._call("stop_session", rq.SessionName(name=name)))
 
     def delete_session(self, name: str, *, stop_if_active: bool = False) -> TrainingSessionSummary:
         """Forget a session and delete its checkpoints, files included; download any you want to
-        keep first. A running session is refused unless ``stop_if_active``."""
+        keep first. A running session is refused unless ``stop_if_active``.
+
+        Args:
+            name: the session.
+            stop_if_active: stop a running session first instead of refusing.
+
+        Returns:
+            Its last :class:`TrainingSessionSummary`."""
         request = rq.DeleteSession(name=name, stop_if_active=stop_if_active)
         return TrainingSessionSummary.from_wire(self._call("delete_session", request))
 
     def get_usage(self, name: str | None = None) -> Usage:
+        """What a session (or all of this key's sessions) has used: operations, tokens, seconds.
+
+        Args:
+            name: the session; None: every session of this key, summed.
+
+        Returns:
+            A :class:`Usage`."""
         return Usage.from_wire(self._call("get_usage", rq.GetUsage(name=name)))
 
     def list_checkpoints(self, name: str) -> list[dict]:
+        """A session's checkpoints.
+
+        Args:
+            name: the session.
+
+        Returns:
+            One dict per checkpoint: its ``sess://`` ``path``, ``kind``, ``created`` (a Unix time) and ``bytes``."""
         return self._call("list_checkpoints", rq.ListCheckpoints(session=name))
 
     def download_checkpoint(self, path: str, dest_dir: str | os.PathLike) -> Path:
-        """Copy a sess:// checkpoint's files into ``dest_dir`` (created) and return that directory."""
+        """Copy a sess:// checkpoint's files into ``dest_dir`` (created) and return that directory.
+
+        Args:
+            path: a ``sess://<session>/<kind>/<name>`` checkpoint.
+            dest_dir: where its files go (safetensors and the adapter config).
+
+        Returns:
+            ``dest_dir`` as a :class:`~pathlib.Path`."""
         parse_path(path)
         dest = Path(dest_dir)
         dest.mkdir(parents=True, exist_ok=True)
         return self.transport.download(path, dest)
 
     def get_tokenizer(self, base_model: str):
-        """The base model's tokenizer (a ``transformers`` tokenizer, built from the engine's files)."""
+        """The base model's tokenizer (a ``transformers`` tokenizer, built from the engine's files).
+
+        Args:
+            base_model: a name from :meth:`list_base_models`.
+
+        Returns:
+            The tokenizer, cached per base model by this client."""
         from transformers import AutoTokenizer
 
         with self._tokenizer_lock:
@@ -185,6 +270,10 @@ class ServiceClient:
             return self._tokenizers[base_model]
 
     def close(self) -> None:
+        """Close the connection to the engine (an in-process engine keeps running for other clients).
+
+        Returns:
+            None."""
         self._submitter.close()
         self.transport.close()
 

@@ -93,6 +93,10 @@ class TrainingClient:
 
     @property
     def current_sequence_number(self) -> int:
+        """The sequence number this client stamps on its next ordered op.
+
+        Returns:
+            An int; the engine runs a session's ordered ops in this order."""
         return self._seq
 
     def _ordered(self, name: str, request: rq.SessionOp, convert: Callable) -> APIFuture:
@@ -107,18 +111,39 @@ class TrainingClient:
         )
 
     def get_tokenizer(self):
+        """The session's base model tokenizer (see :meth:`ServiceClient.get_tokenizer`).
+
+        Returns:
+            A ``transformers`` tokenizer."""
         return self.service.get_tokenizer(self.base_model)
 
     def forward(
         self, data, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Per-token logprobs of ``data`` under the current weights, and the loss's metrics."""
+        """Per-token logprobs of ``data`` under the current weights, and the loss's metrics.
+
+        Args:
+            data: datums (or lists of token ids, scored as cross-entropy on every token).
+            loss_fn: a built-in loss: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
+                ``dro`` or ``gspo``.
+            loss_fn_config: the loss's options (``clip_low_threshold``, ``beta``, ...); None: defaults.
+
+        Returns:
+            A future of a :class:`ForwardBackwardOutput`: per-datum logprobs and ``metrics["loss:sum"]``."""
         return self._training_op("forward", data, loss_fn, loss_fn_config)
 
     def forward_backward(
         self, data, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
-        """:meth:`forward`, and the loss's gradients added to the adapter's (token-sum losses)."""
+        """:meth:`forward`, and the loss's gradients added to the adapter's (token-sum losses).
+
+        Args:
+            data: datums (or lists of token ids, trained as cross-entropy on every token).
+            loss_fn: a built-in loss, as for :meth:`forward`.
+            loss_fn_config: the loss's options; None: defaults.
+
+        Returns:
+            A future of a :class:`ForwardBackwardOutput`; the gradients wait for :meth:`optim_step`."""
         return self._training_op("forward_backward", data, loss_fn, loss_fn_config)
 
     def _training_op(self, op: str, data, loss_fn, loss_fn_config) -> APIFuture[ForwardBackwardOutput]:
@@ -130,7 +155,14 @@ class TrainingClient:
 
     def forward_backward_custom(self, data, loss_fn: CustomLoss) -> APIFuture[ForwardBackwardOutput]:
         """Run ``loss_fn(data, logprobs)`` here, on logprobs from an engine forward pass, then send its
-        gradient back as the per-token weights of a cross-entropy pass (same gradients, one round trip more)."""
+        gradient back as the per-token weights of a cross-entropy pass (same gradients, one round trip more).
+
+        Args:
+            data: datums.
+            loss_fn: ``(data, logprobs) -> (loss, metrics)`` on torch tensors, one logprobs tensor per datum.
+
+        Returns:
+            A future of a :class:`ForwardBackwardOutput` with the custom loss's metrics."""
         import torch
 
         datums = to_datums(data)
@@ -195,26 +227,63 @@ class TrainingClient:
         return outer
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradients with AdamW and clear them.
+
+        Args:
+            adam_params: learning rate, betas, eps, weight decay and gradient clipping; None: defaults.
+
+        Returns:
+            A future of an :class:`OptimStepResponse` (``metrics["grad_norm"]``)."""
         request = rq.OptimStep(session=self.name, adam_params=adam_params or AdamParams())
         return self._ordered("optim_step", request, OptimStepResponse.from_wire)
 
     def save_weights_for_sampler(
         self, description: str = "", merge_weights: bool = False, *, name: str | None = None
     ) -> APIFuture[SaveWeightsResponse]:
+        """Save the adapter's weights for sampling (and download), kept until deleted.
+
+        Args:
+            description: kept with the checkpoint.
+            merge_weights: also save the base model with the adapter merged in.
+            name: the checkpoint's name; None: one derived from the step.
+
+        Returns:
+            A future of a :class:`SaveWeightsResponse` with its ``sess://<session>/sampler/<name>`` path."""
         request = rq.SaveWeights(session=self.name, name=name, merge=merge_weights)
         return self._ordered("save_weights", request, SaveWeightsResponse.from_wire)
 
     def save_state(self, description: str = "", *, name: str | None = None) -> APIFuture[SaveStateResponse]:
+        """Save everything needed to continue training: weights, AdamW moments, step count.
+
+        Args:
+            description: kept with the checkpoint.
+            name: the checkpoint's name; None: one derived from the step.
+
+        Returns:
+            A future of a :class:`SaveStateResponse` with its ``sess://<session>/state/<name>`` path."""
         return self._ordered(
             "save_state", rq.SaveState(session=self.name, name=name), SaveStateResponse.from_wire
         )
 
     def load_state(self, path: str) -> APIFuture[LoadStateResponse]:
-        """Load a state checkpoint's weights; the optimizer starts fresh."""
+        """Load a state checkpoint's weights; the optimizer starts fresh.
+
+        Args:
+            path: a ``sess://<session>/state/<name>`` checkpoint of the same base model and rank.
+
+        Returns:
+            A future of a :class:`LoadStateResponse`."""
         request = rq.LoadState(session=self.name, path=path, with_optimizer=False)
         return self._ordered("load_state", request, LoadStateResponse.from_wire)
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadStateResponse]:
+        """Load a state checkpoint's weights and AdamW moments and step count.
+
+        Args:
+            path: a ``sess://<session>/state/<name>`` checkpoint of the same base model and rank.
+
+        Returns:
+            A future of a :class:`LoadStateResponse`."""
         request = rq.LoadState(session=self.name, path=path, with_optimizer=True)
         return self._ordered("load_state", request, LoadStateResponse.from_wire)
 
@@ -226,7 +295,15 @@ class TrainingClient:
         Without ``name`` or ``merge_weights`` the save is transient, ``sess://<session>/sampler/...``:
         the engine keeps the session's newest three such saves and deletes older ones no request is
         sampling from, so a loop that publishes a sampler every step does not fill the disk. Give a
-        ``name`` (or use :meth:`save_weights_for_sampler`) to keep the weights."""
+        ``name`` (or use :meth:`save_weights_for_sampler`) to keep the weights.
+
+        Args:
+            description: kept with a named checkpoint.
+            merge_weights: also save the base model with the adapter merged in (a kept save).
+            name: keep the save under this name.
+
+        Returns:
+            A :class:`SamplingClient` of the saved weights."""
         if name is None and not merge_weights:
             request = rq.SaveWeights(session=self.name, transient=True)
             future = self._ordered("save_weights", request, SaveWeightsResponse.from_wire)
@@ -235,15 +312,28 @@ class TrainingClient:
         return SamplingClient(self.service, rq.Target(model_path=future.result().path), self.base_model)
 
     def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
-        """A sampler of ``model_path``, or (None) of this session's current weights as they change."""
+        """A sampler of ``model_path``, or (None) of this session's current weights as they change.
+
+        Args:
+            model_path: a ``sess://`` checkpoint; None: the session's live weights.
+
+        Returns:
+            A :class:`SamplingClient`."""
         target = rq.Target(model_path=model_path) if model_path else rq.Target(session=self.name)
         return SamplingClient(self.service, target, self.base_model)
 
     def stop(self) -> None:
-        """Stop the session; its unsaved training is saved first (:meth:`ServiceClient.stop_session`)."""
+        """Stop the session; its unsaved training is saved first (:meth:`ServiceClient.stop_session`).
+
+        Returns:
+            None."""
         self.service.stop_session(self.name)
 
     def delete(self) -> None:
+        """Delete the session and its checkpoints (:meth:`ServiceClient.delete_session`).
+
+        Returns:
+            None."""
         self.service.delete_session(self.name, stop_if_active=True)
 
     def __enter__(self) -> TrainingClient:

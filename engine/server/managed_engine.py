@@ -32,7 +32,6 @@ from sess.engine.server.registry import Registry
 from sess.engine.server.settings import IDLE_TIMEOUT_S, MAX_SESSIONS
 
 log = logging.getLogger("sess.engine")
-SESSION_STARTS = ("create_session", "create_session_from_state")
 
 
 class ManagedEngine(Executor):
@@ -137,7 +136,7 @@ class ManagedEngine(Executor):
 
     # observing ops ---------------------------------------------------------------------------------
     def admit(self, op: Operation) -> None:
-        if op.name in SESSION_STARTS:
+        if OPS[op.name].starts_session:
             live = [s.name for s in self.runtime.sessions.values() if s.owner == op.owner and s.live]
             limit = self._limit_for(op.owner)
             if len(live) >= limit:
@@ -161,10 +160,11 @@ class ManagedEngine(Executor):
         so a session's total is the sum of its per-operation rows)."""
         name = session_of(op.session, op.request, op.result)
         session = self.runtime.find_session(op.owner, name) if name else None
-        if op.name == "delete_session" and op.error is None:
+        spec = OPS[op.name]
+        if spec.forgets_session and op.error is None:
             self.registry.forget_session(name)
             session = None
-        if op.name == "delete_checkpoint" and op.error is None:
+        if spec.removes_checkpoint and op.error is None:
             self.registry.remove_checkpoint(op.result["path"])
         if session is not None:
             before = self.registry.session(name) if op.name == "create_session_from_state" else None
@@ -173,7 +173,7 @@ class ManagedEngine(Executor):
             self.registry.save_session(session.summary(), session.owner)
             if op.saved:
                 self.registry.add_checkpoint(op.saved, name, op.owner, "state")
-            if op.error is None and op.name in ("save_weights", "save_state"):
+            if op.error is None and spec.adds_checkpoint:
                 ref = parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
                 for released in op.result.get("released", []):

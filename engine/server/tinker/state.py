@@ -24,8 +24,8 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.server.app import parse_json, read_body
 from sess.engine.server.billing import Busy, OverBudget
+from sess.engine.server.bodies import parse_json, read_body
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids

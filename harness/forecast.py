@@ -1,0 +1,129 @@
+"""A run's token and cost forecast from its resolved config: what ``sess run --dry-run`` prints.
+
+An upper bound, counted the way the engine bills (:mod:`sess.engine.sdk.prices`): every prompt is
+tokenized with the model's own tokenizer and chat template (the longest one the run can touch is
+taken for each request), and every sampled reply is taken at ``loop.max_tokens``. Per step:
+
+- grpo and code_rl: ``batch_size`` groups, each one sample request
+  (the prompt prefilled once, ``group_size`` replies sampled), further turns one request per episode
+  (prefill: the episode so far); one ``forward_backward`` over every episode in full (trained).
+  code_rl samples ahead and requeues stale groups: counted as up to ``batch_size *
+  (max_steps_off_policy + 1)`` groups ahead plus each problem sampled at most twice.
+- sft: ``batch_size`` rendered chats, trained. Other loops get no forecast yet.
+- evaluations (at the start, every ``eval_every`` steps, at the end): one greedy episode per held-out
+  env (and ``eval_samples`` sampled ones), or a forward over the held-out chats.
+
+Turns: ``loop.max_turns`` where the loop has it; otherwise one for an env that offers no tools (the
+embedded arithmetic and GSM8K envs answer in one reply) and the rollouts' cap for the others. Later
+turns add an observation, bounded by ``OBSERVATION_TOKENS`` (an assumption: envs choose it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sess.rl import rendering
+from sess.rl.data import Data
+from sess.rl.rollouts import DEFAULT_MAX_TURNS
+from sess.tasks import sources
+
+OBSERVATION_TOKENS = 512
+ENV_LOOPS = ("grpo", "code_rl")
+
+
+@dataclass
+class Forecast:
+    prefill: int = 0
+    sampled: int = 0
+    trained: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def usage(self) -> dict:
+        """As the engine's usage counts a sample of it (forward's tokens as prefill)."""
+        return {
+            "prefill_tokens": self.prefill,
+            "sampled_tokens": self.sampled,
+            "training_tokens": self.trained,
+        }
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill + self.sampled + self.trained
+
+
+def evaluations(steps: int, eval_every: int) -> int:
+    """How many times the runner evaluates: at the start, every ``eval_every`` steps, at the end."""
+    return 2 + sum(1 for done in range(1, steps) if eval_every and done % eval_every == 0)
+
+
+def _episodes(fc: Forecast, prompt: int, members: int, max_tokens: int, turns: int) -> int:
+    """Add one group's sampling (``members`` episodes of at most ``turns`` replies); its longest episode."""
+    fc.prefill += prompt
+    fc.sampled += members * max_tokens
+    longest = prompt + max_tokens
+    for _ in range(1, turns):
+        longest += OBSERVATION_TOKENS
+        fc.prefill += members * longest
+        fc.sampled += members * max_tokens
+        longest += max_tokens
+    return longest
+
+
+def _prompt_tokens(tok, make_env) -> tuple[int, bool]:
+    env = make_env()
+    tools = [t.to_json() for t in env.tools] or None
+    return len(rendering.prompt_tokens(tok, env.initial_observation(), tools)), bool(tools)
+
+
+def forecast(cfg, tok, data: Data | None = None) -> Forecast:
+    """The upper bound of the run ``cfg`` (a resolved config), its prompts tokenized by ``tok``."""
+    loop = cfg.loop
+    data = data or sources.load(cfg.data, int(cfg.seed), cfg.grader)
+    fc = Forecast()
+    steps, batch = int(loop.steps), int(loop.batch_size)
+    evals = evaluations(steps, int(cfg.get("eval_every") or 0))
+    cap = loop.get("max_turns")
+    if loop.name in ENV_LOOPS:
+        envs = data.need("envs", loop.name)
+        group, max_tokens = int(loop.group_size), int(loop.max_tokens)
+        groups = steps * batch
+        if loop.name == "code_rl":
+            groups = 2 * groups + batch * (int(loop.max_steps_off_policy) + 1)
+            fc.notes.append("code_rl: each problem sampled at most twice (stale groups requeued)")
+        items = range(groups)
+        prompts = [_prompt_tokens(tok, envs.train(k)) for k in items]
+        prompt = max(p for p, _ in prompts)
+        turns = int(cap) if cap else (DEFAULT_MAX_TURNS if any(t for _, t in prompts) else 1)
+        longest = 0
+        for _ in items:
+            longest = _episodes(fc, prompt, group, max_tokens, turns)
+        fc.trained += steps * batch * group * longest
+        held = [_prompt_tokens(tok, make_env) for make_env in envs.held_out]
+        if held:
+            held_prompt = max(p for p, _ in held)
+            samples = 1 + int(cfg.get("eval_samples") or 0)
+            for _ in range(evals):
+                for _ in envs.held_out:
+                    _episodes(fc, held_prompt, 1, max_tokens, turns)
+                    if samples > 1:
+                        _episodes(fc, held_prompt, samples - 1, max_tokens, turns)
+        if turns > 1:
+            fc.notes.append(f"{turns} turns, observations counted as {OBSERVATION_TOKENS} tokens at most")
+        return fc
+    if loop.name != "sft":
+        raise ValueError(f"loop {loop.name}: forecasts cover sft, grpo and code_rl")
+    chats = data.need("chats", loop.name)
+    if chats.size and loop.get("epochs"):
+        steps = min(steps, max(1, int(loop.epochs) * chats.size // batch))
+    for k in range(steps * batch):
+        fc.trained += len(rendering.chat_tokens(tok, chats.train(k))[0])
+    if data.envs is not None:  # the runner evaluates on envs when the data has them
+        for make_env in data.envs.held_out:
+            prompt, tools = _prompt_tokens(tok, make_env)
+            turns = int(cap) if cap else (DEFAULT_MAX_TURNS if tools else 1)
+            for _ in range(evals):
+                _episodes(fc, prompt, 1, int(loop.max_tokens), turns)
+    elif data.chats is not None:
+        held = sum(len(rendering.chat_tokens(tok, chat)[0]) for chat in data.chats.held_out)
+        fc.prefill += evals * held
+    return fc

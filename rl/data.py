@@ -1,0 +1,57 @@
+"""What a loop trains on: a :class:`Dataset` of one kind, and a task's :class:`Data` of up to three kinds.
+
+A task gives up to three kinds of data, each a :class:`Dataset` (item k of a seeded training order,
+and a fixed held-out list): *envs* (environment factories, for the RL loops and greedy evaluation),
+*chats* (``messages`` for SFT) and *feedback* (prompt, completion, desirable? for KTO). The types live
+here, below the loops and the tasks, so both sides name them without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from .env import EnvFactory, Messages
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """A completion of a prompt and whether it is desirable (KTO's binary feedback)."""
+
+    prompt: Messages
+    completion: str
+    desirable: bool
+
+
+@dataclass
+class Dataset(Generic[T]):
+    """One kind of data: ``train(k)`` is item k of the seeded training order; ``held_out`` is never trained on."""
+
+    train: Callable[[int], T]
+    held_out: list[T]
+    size: int | None = None  # training items in one epoch; None: unbounded (generated)
+
+
+@dataclass
+class Data:
+    name: str
+    envs: Dataset[EnvFactory] | None = None
+    chats: Dataset[Messages] | None = None
+    feedback: Dataset[Feedback] | None = None
+
+    def need(self, kind: str, loop: str) -> Dataset:
+        """The dataset of ``kind`` (envs, chats, feedback), or an error that says which data= gives it."""
+        kinds = {"envs": self.envs, "chats": self.chats, "feedback": self.feedback}
+        if kinds[kind] is None:
+            have = [k for k, found in kinds.items() if found is not None]
+            raise ValueError(
+                f"loop {loop} needs {_DESCRIBED[kind]} data ({kind}), data={self.name} gives {', '.join(have) or 'none'}; "
+                "pick another data= (arithmetic gives all three)"
+            )
+        return kinds[kind]
+
+
+_DESCRIBED = {"envs": "problem", "chats": "chat", "feedback": "feedback"}

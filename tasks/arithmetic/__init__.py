@@ -1,0 +1,1 @@
+"""The arithmetic task (see README.md beside this file)."""

@@ -1,0 +1,1 @@
+"""The chat_files task (see README.md beside this file)."""

@@ -1,0 +1,1 @@
+"""The code task (see README.md beside this file)."""

@@ -1,0 +1,1 @@
+"""The code_jsonl task (see README.md beside this file)."""

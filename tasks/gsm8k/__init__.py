@@ -1,0 +1,1 @@
+"""The gsm8k task (see README.md beside this file)."""

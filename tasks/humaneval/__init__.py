@@ -1,0 +1,1 @@
+"""The humaneval task (see README.md beside this file)."""

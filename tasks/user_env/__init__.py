@@ -1,0 +1,1 @@
+"""The user_env task (see README.md beside this file)."""

@@ -1,0 +1,68 @@
+"""`sess run --dry-run`'s forecast is an upper bound: grpo, sft and code_rl runs on tiny-llama against a
+priced engine use at most the forecast tokens of each kind, and cost at most the forecast cost."""
+
+from __future__ import annotations
+
+import json
+import re
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sess.cli.main import app
+from sess.engine import ServiceClient
+from sess.engine.sdk.prices import billed_tokens
+from sess.engine.server.launcher import start_engine, stop_engine
+from sess.harness.forecast import evaluations
+
+cli = CliRunner()
+PRICES = "currency: USD\nmodels:\n  default: {prefill: 0.7, sampled: 1.9, trained: 2.3}\n"
+TINY = ["model=tiny-llama", "data.eval_size=4", "loop.max_tokens=8", "loop.batch_size=2", "loop.steps=2"]
+LOOPS = {"sft": [], "grpo": ["loop.group_size=4"], "code_rl": ["loop.group_size=2", "loop.rollout_workers=2"]}
+FORECAST = re.compile(r"tokens: at most (\d+) \(prefill (\d+), sampled (\d+), trained (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("forecast")
+    (tmp / "prices.yaml").write_text(PRICES)
+    home = tmp / "home"
+    info = start_engine(home, extra_args=["--prices", str(tmp / "prices.yaml")])
+    yield {"home": home, "url": info["url"], "env": {"SESS_HOME": str(home)}}
+    stop_engine(home)
+
+
+def test_evaluations_follow_the_runner():
+    assert evaluations(2, 10) == 2 and evaluations(20, 10) == 3 and evaluations(5, 0) == 2
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_runs_usage_is_within_its_forecast(priced, tmp_path, loop):
+    engine = ["engine=remote", f"engine.url={priced['url']}", f"runs_dir={tmp_path}"]
+    args = ["run", *TINY, f"loop={loop}", *LOOPS[loop], *engine]
+    dry = cli.invoke(app, [*args, "--dry-run"], env=priced["env"])
+    assert dry.exit_code == 0, dry.output
+    total, prefill, sampled, trained = map(int, FORECAST.search(dry.output).groups())
+    cost = Decimal(re.search(r"cost: at most ([0-9.]+) USD", dry.output).group(1))
+    ran = cli.invoke(app, args, env=priced["env"])
+    assert ran.exit_code == 0, ran.output
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if (p / "meta.json").exists()]
+    usage = json.loads((run_dir / "usage.json").read_text())
+    session = json.loads((run_dir / "meta.json").read_text())["session"]
+    svc = ServiceClient(priced["url"], home=priced["home"])
+    report = svc.transport.usage(session)
+    svc.close()
+    actual = {"prefill": 0, "sampled": 0, "trained": 0}
+    for op, row in report["operations"].items():
+        for kind, count in billed_tokens(op, row).items():
+            actual[kind] += count
+    assert (
+        actual["sampled"] > 0 if loop != "sft" else actual["trained"] > 0
+    )  # code_rl's tiny policy may train nothing
+    assert all(
+        actual[k] <= v for k, v in (("prefill", prefill), ("sampled", sampled), ("trained", trained))
+    ), (actual, dry.output)
+    assert sum(actual.values()) <= total
+    assert Decimal(usage["cost"]) <= cost and usage["currency"] == "USD"

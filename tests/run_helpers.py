@@ -1,0 +1,26 @@
+"""Shared pieces of the tests that run ``sess run``: tiny-model overrides and a run through the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sess.cli.main import app
+
+cli = CliRunner()
+
+TINY = ["model=tiny-llama", "data.eval_size=4", "loop.max_tokens=8", "loop.batch_size=2"]
+GROUPS = {
+    "grpo": ["loop.group_size=4"],
+    "ppo": ["loop.group_size=2"],
+    "importance_sampling": ["loop.group_size=4"],
+}
+
+
+def run(tmp_path, *overrides: str) -> Path:
+    engine = [] if any(o.startswith("engine=") for o in overrides) else ["engine=inprocess"]
+    result = cli.invoke(app, ["run", *TINY, *engine, f"runs_dir={tmp_path}", *overrides])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and (p / "meta.json").exists()]
+    return run_dir
