@@ -32,8 +32,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import Datum, ModelInput, ServiceClient  # noqa: E402
+from sess.engine.sdk.local_engine import start_engine, stop_engine  # noqa: E402
 from sess.engine.server.keys import KeyStore  # noqa: E402
-from sess.engine.server.launcher import start_engine, stop_engine  # noqa: E402
 
 
 def batch(n: int, length: int, seed: int) -> list[Datum]:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
-from sess.loops import progress as progress_mod
+from sess.harness import progress as progress_mod
 
 runner = CliRunner()
 SESS = [sys.executable, "-c", "from sess.cli.main import main; main()"]

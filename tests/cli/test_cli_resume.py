@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.errors import SessError
-from sess.engine.server.launcher import start_engine, stop_engine
+from sess.engine.sdk.local_engine import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 

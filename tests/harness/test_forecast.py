@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
+from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.sdk.prices import billed_tokens
-from sess.engine.server.launcher import start_engine, stop_engine
 from sess.harness.forecast import evaluations
 
 cli = CliRunner()

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
+from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
-from sess.engine.server.launcher import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum
 from tinker_helpers import make_tinker_venv
