@@ -59,6 +59,21 @@ def up(
         help="Ranks (torch.distributed: gloo on cpu, NCCL on cuda), one per CPU core or GPU at most: "
         "base models are sharded with FSDP2 and each rank trains on a share of every batch.",
     ),
+    sampler: str = typer.Option(
+        "builtin",
+        help="builtin (bit-exact, batch-invariant; the default) or vllm: sample requests go to vLLM, "
+        "which loads each base model once and each sampler version's LoRA from its PEFT files; "
+        "a live session's current weights are exported for it when they changed.",
+    ),
+    sampler_python: str = typer.Option(
+        None,
+        "--sampler-python",
+        help="With --sampler vllm: the Python of an environment that has vLLM (it pins its own torch "
+        "and transformers; default: this Python).",
+    ),
+    sampler_max_lora_rank: int = typer.Option(
+        32, help="With --sampler vllm: the largest LoRA rank vLLM serves (sessions above it are refused)."
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -127,6 +142,9 @@ def up(
             extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
         if nproc != 1:
             extra += ["--nproc", str(nproc)]
+        if sampler != "builtin" or sampler_python:
+            extra += ["--sampler", sampler, "--sampler-max-lora-rank", str(sampler_max_lora_rank)]
+            extra += ["--sampler-python", sampler_python] if sampler_python else []
         if detach:
             info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
             out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
@@ -160,6 +178,9 @@ def up(
             tls_key=tls_key,
             dtype=dtype,
             memory_budget=memory_budget,
+            sampler=sampler,
+            sampler_python=sampler_python,
+            sampler_max_lora_rank=sampler_max_lora_rank,
         )
     except SystemExit as exc:
         if not isinstance(exc.code, str):
@@ -198,6 +219,7 @@ def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
             or parse_bytes(asked) == (recorded["memory_budget"] and parse_bytes(recorded["memory_budget"]))
         ),
         "nproc": lambda asked: asked == recorded.get("nproc", asked),
+        "sampler": lambda asked: asked == recorded.get("sampler", "builtin"),
     }
     differing = []
     for name, matches in same.items():

@@ -76,6 +76,8 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
         "train_attn": request.train_attn,
         "train_unembed": request.train_unembed,
     }
+    if runtime.vllm is not None:  # refused now, not at its first sample request
+        runtime.vllm.check_session(host, lora)
     adapter = runtime.new_adapter_name()
     config = host.lora_config(
         request.rank, request.alpha, request.train_attn, request.train_mlp, request.train_unembed

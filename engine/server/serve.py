@@ -133,10 +133,14 @@ def serve(
     dtype: str | None = None,
     memory_budget: str | None = None,
     ranks=None,
+    sampler: str = "builtin",
+    sampler_python: str | None = None,
+    sampler_max_lora_rank: int = 32,
 ) -> None:
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
 
-    ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks."""
+    ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks.
+    ``sampler="vllm"``: sample requests go to vLLM, run by ``sampler_python`` (:mod:`.vllm_sampler`)."""
     import uvicorn
 
     from sess.engine.runtime.catalog import Dtypes
@@ -149,6 +153,12 @@ def serve(
     problem = check_options(
         device, dtype, memory_budget, port=port, idle_timeout=idle_timeout, max_sessions=max_sessions
     )
+    if problem:
+        raise SystemExit(f"sess engine: {problem}")
+    from sess.engine.runtime.vllm_sampler import VllmSampler, check_sampler
+
+    nproc = 1 if ranks is None else ranks.world
+    problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
     if problem:
         raise SystemExit(f"sess engine: {problem}")
     home = sess_home(home)
@@ -190,6 +200,10 @@ def serve(
             (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
         ),
     )
+    if sampler == "vllm":
+        runtime.vllm = VllmSampler(
+            sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank
+        )
     if ranks is not None:
         from sess.engine.runtime.distributed_follow import session_snapshot
 
@@ -220,6 +234,7 @@ def serve(
             "dtype": dtype,
             "memory_budget": memory_budget,
             "nproc": 1 if ranks is None else ranks.world,
+            "sampler": sampler,
         },
     }
     if ranks is not None:  # the agent's pid stops the engine; rank 0's answers /healthz
@@ -248,6 +263,8 @@ def serve(
         except (OSError, ValueError):
             pass
         engine.close()
+        if runtime.vllm is not None:
+            runtime.vllm.close()
         if ranks is not None:
             ranks.close()
 
@@ -298,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="ranks (torch.distributed, FSDP2): one per CPU core or GPU at most",
     )
+    parser.add_argument("--sampler", default="builtin", help="builtin or vllm (sess engine up --help)")
+    parser.add_argument("--sampler-python", default=None, help="the Python of an environment with vLLM")
+    parser.add_argument("--sampler-max-lora-rank", type=int, default=32, help="largest LoRA rank vLLM serves")
     args = parser.parse_args(argv)
     problem = check_options(
         args.device,
@@ -346,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
             args.dtype,
             args.memory_budget,
             ranks,
+            args.sampler,
+            args.sampler_python,
+            args.sampler_max_lora_rank,
         )
     except KeyboardInterrupt:
         pass
