@@ -116,6 +116,11 @@ def up(
         check_nproc(nproc, device)
     except ValueError as exc:
         fail(str(exc))
+    from sess.engine.runtime.vllm_sampler import check_sampler
+
+    problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
+    if problem:
+        fail(problem)
     # The lock ensure_local_engine takes: of two starts at once, the second finds the first's engine.
     lock, handed_down = acquire_start_lock(home_path), False
     try:

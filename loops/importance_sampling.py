@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
 
-from . import rollouts
+from . import drift, rollouts
 from .datasets import Dataset
 from .env import EnvFactory
 from .hooks import Hooks
@@ -109,6 +109,7 @@ def train(
                 metrics.update(
                     loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
                 )
+                metrics.update(drift.sample_train_drift(datums, fb.result().loss_fn_outputs))
             else:
                 metrics.update(loss=0.0)
             metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))

@@ -228,14 +228,12 @@ class VllmSampler:
 
     def check_session(self, host: ModelHost, lora: dict) -> None:
         """Refuse, at session creation, a session vLLM could not sample: a rank above the one the
-        sampler was started with, an output-layer LoRA, or a model vLLM cannot serve (loads it)."""
+        sampler was started with, or a model vLLM cannot serve (this loads the model into vLLM)."""
         if lora["rank"] > self.max_lora_rank:
             raise InvalidRequest(
                 f"rank: {lora['rank']} is above the vLLM sampler's limit of {self.max_lora_rank} "
                 "(start the engine with a larger --sampler-max-lora-rank)"
             )
-        if lora.get("train_unembed"):
-            raise InvalidRequest("train_unembed: the vLLM sampler takes no LoRA on the output layer")
         self.worker(host)
 
     def worker(self, host: ModelHost) -> Worker:
