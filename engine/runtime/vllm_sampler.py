@@ -44,6 +44,7 @@ INSTALL = (
 )
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's --max-lora-rank accepts
 MAX_MODEL_LEN = 8192  # the context vLLM reserves per sequence, at most (its KV cache is sized by it)
+GPU_MEMORY_SHARE = 0.5  # of the GPU's memory vLLM takes (weights + KV cache): the trainer shares the GPU
 STARTUP_TIMEOUT_S = 1800.0  # importing vLLM and loading a model; minutes on a small CPU
 KEEP_LIVE = 2  # live-session exports kept on disk per session (a request may still be loading one)
 
@@ -101,6 +102,7 @@ class Worker:
             max_lora_rank=max_lora_rank,
             max_loras=max_loras,
             max_model_len=self.max_model_len,
+            gpu_memory_utilization=GPU_MEMORY_SHARE,
         )
         self.load_seconds = self._event("loaded")["seconds"]
 

@@ -113,6 +113,7 @@ def main() -> None:
                         max_lora_rank=message["max_lora_rank"],
                         max_loras=message["max_loras"],
                         max_model_len=message["max_model_len"],
+                        gpu_memory_utilization=message["gpu_memory_utilization"],
                         seed=0,
                     )
                     # one token through every kernel: a model or shape vLLM loads but cannot run
