@@ -16,7 +16,11 @@ from typer.testing import CliRunner
 from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.runtime import catalog
-from sess.engine.sdk.errors import SessError
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session_ops import create_session
+from sess.engine.runtime.vllm_sampler import VllmSampler
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.server.launcher import engine_info, start_engine, stop_engine
 from sess.engine.server.serve import main as server_main
 
@@ -168,3 +172,11 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
     finally:
         svc.close()
         stop_engine(home)
+
+
+def test_a_rank_above_the_vllm_samplers_limit_is_refused_at_session_creation(sess_home):
+    runtime = Runtime(sess_home)
+    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=16)  # refused before it starts
+    with pytest.raises(InvalidRequest, match="^rank: 32 is above the vLLM sampler's limit of 16 "):
+        create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=32))
+    assert runtime.sessions == {} and runtime.vllm.workers == {}
