@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -75,6 +76,7 @@ class Worker:
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")  # noqa: SIM115 - the worker writes it for as long as it lives
+        self._log_start = self._log.tell()
         self.process = subprocess.Popen(
             [python, str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE,
@@ -124,10 +126,23 @@ class Worker:
             event = {"event": "error", "message": f"no answer in {STARTUP_TIMEOUT_S:.0f} s"}
         if event["event"] != name:
             self.close()
+            cause = self._root_cause()
             raise InvalidRequest(
-                f"base_model: vLLM cannot serve {self.model}: {event['message']} (log: {self.log_path})"
+                f"base_model: vLLM cannot serve {self.model}: {event['message']}"
+                + (f"; the cause: {cause}" if cause else "")
+                + f" (log: {self.log_path})"
             )
         return event
+
+    def _root_cause(self) -> str | None:
+        """The first error line this worker logged: vLLM's own errors name the limit (a head size, a
+        memory size) that the worker's exception, raised in another process, only points to."""
+        try:
+            text = self.log_path.read_bytes()[self._log_start :].decode(errors="replace")
+        except OSError:
+            return None
+        found = re.search(r"\b(\w+(?:Error|Exception): .+)", text)
+        return found.group(1).strip() if found else None
 
     def sample(self, request_id: str, job: SampleJob, lora: dict | None) -> None:
         params = job.params.to_wire()
