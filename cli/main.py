@@ -11,7 +11,7 @@ from sess.cli.app import app, report
 # The command modules register on ``app`` at import, in the order `sess --help` lists them.
 # isort: off
 from sess.cli import engine_cmds  # noqa: F401
-from sess.cli import budget_cmds  # noqa: F401
+from sess.cli import keys_cmds  # noqa: F401
 from sess.cli import session_cmds  # noqa: F401
 from sess.cli import run_cmds  # noqa: F401
 from sess.cli import runs_cmds  # noqa: F401

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.rl import rollouts
+from sess.rl import drift, rollouts
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
@@ -99,6 +99,7 @@ def train(
             metrics.update(
                 loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
             )
+            metrics.update(drift.sample_train_drift(datums, fb.result().loss_fn_outputs))
         else:
             metrics.update(loss=0.0)
         metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))

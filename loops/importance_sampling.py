@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.rl import rollouts
+from sess.rl import drift, rollouts
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
@@ -141,6 +141,8 @@ def train(
                     loss=sum(p.result().metrics["loss:sum"] for p in passes),
                     grad_norm=opt.result().metrics.get("grad_norm", 0.0),
                 )
+                outputs = [out for p in passes for out in p.result().loss_fn_outputs]  # in datums' order
+                metrics.update(drift.sample_train_drift(datums, outputs))
             else:
                 metrics.update(loss=0.0)
             # 4. The workers sample from the new weights from now on.

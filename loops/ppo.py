@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.rl import rollouts
+from sess.rl import drift, rollouts
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
@@ -101,7 +101,7 @@ def train(
         # Clipped epochs over shuffled minibatches, all against the same logp_old.
         order = list(range(len(datums)))
         rng = random.Random(f"{seed}/ppo/{step}")
-        losses, trained = [], 0
+        losses, trained, drifts = [], 0, {}
         for _ in range(cfg.epochs):
             rng.shuffle(order)
             for mb in range(cfg.minibatches):
@@ -111,6 +111,8 @@ def train(
                 fb = tc.forward_backward(chosen, loss_fn="ppo", loss_fn_config=clip)
                 opt = tc.optim_step(adam)
                 losses.append(fb.result().metrics["loss:sum"])
+                if len(losses) == 1:  # the first minibatch is on-policy: the sampler's own weights
+                    drifts = drift.sample_train_drift(chosen, fb.result().loss_fn_outputs)
                 opt.result()
                 trained += sum(d.model_input.length for d in chosen)
         sc = tc.save_weights_and_get_sampling_client()
@@ -121,6 +123,7 @@ def train(
             kl=float(np.mean(kls)),
             tokens=rollouts.sampled_tokens(groups_P) + trained,
             seconds=time.perf_counter() - started,
+            **drifts,
         )
         hooks.step_done(step, metrics)
     return cfg.steps

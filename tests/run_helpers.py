@@ -7,6 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from sess.cli.main import app
+from sess.harness.records import read_jsonl
 
 cli = CliRunner()
 
@@ -24,3 +25,8 @@ def run(tmp_path, *overrides: str) -> Path:
     assert result.exit_code == 0, result.output + repr(result.exception)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and (p / "meta.json").exists()]
     return run_dir
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    """The run's per-step training records."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]

@@ -24,6 +24,7 @@ from sess.engine.sdk.requests import Request
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed import Ranks
+    from sess.engine.runtime.vllm_sampler import VllmSampler
 
 
 class Runtime:
@@ -44,6 +45,7 @@ class Runtime:
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
+        self.vllm: VllmSampler | None = None  # sample requests go to vLLM (--sampler vllm, vllm_sampler.py)
         self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
 
     def batch_invariance(self, *, check: bool = False) -> dict:

@@ -44,7 +44,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
 
     Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the executor
     thread when the request's last row finishes, with the request's usage (:mod:`.usage`)."""
-    host, adapter, _ = resolve_target(runtime, owner, request.target)
+    host, adapter, session = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
     stop_ids = [s for s in params.stop if isinstance(s, int)] if isinstance(params.stop, list) else []
@@ -71,6 +71,11 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         on_done(response.to_wire(), None, usage)
 
     wants_prompt = request.include_prompt_logprobs or request.topk_prompt_logprobs
+    if runtime.vllm is not None:
+        job = SampleJob(prompt, request.num_samples, params, adapter, None, on_done=finished)
+        live = session if request.target.session is not None else None
+        _start_vllm_sample(runtime, host, request, job, live, wants_prompt)
+        return
     job = SampleJob(
         prompt=prompt,
         num_samples=request.num_samples,
@@ -81,6 +86,33 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
     )
     runtime.batch(host).submit(job)
+
+
+def _start_vllm_sample(
+    runtime: Runtime,
+    host: ModelHost,
+    request: rq.SampleRequest,
+    job: SampleJob,
+    live: Session | None,
+    wants_prompt,
+) -> None:
+    """Send ``job`` to the vLLM sampler (:mod:`.vllm_sampler`); prompt logprobs come from the
+    engine's own model, as ``compute_logprobs`` computes them."""
+    target = request.target
+    worker = runtime.vllm.worker(host)
+    if len(job.prompt) + job.params.max_tokens > worker.max_model_len:
+        raise InvalidRequest(
+            f"sampling_params.max_tokens: prompt ({len(job.prompt)}) + max_tokens ({job.params.max_tokens}) "
+            f"exceeds the vLLM sampler's context of {worker.max_model_len} tokens"
+        )
+    ref = parse_path(target.model_path, field="model_path") if target.model_path is not None else None
+    lora = runtime.vllm.lora(runtime, live, ref)
+    if wants_prompt:
+        runtime.full_weights()
+        with host.activate(job.adapter) as model:
+            topk = request.topk_prompt_logprobs or None
+            job.prompt_result = prompt_logprobs(model, job.prompt, topk, runtime.memory_budget)
+    runtime.vllm.batch(runtime.batches, host).submit(job, lora)
 
 
 def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) -> dict:

@@ -76,6 +76,8 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
         "train_attn": request.train_attn,
         "train_unembed": request.train_unembed,
     }
+    if runtime.vllm is not None:  # refused now, not at its first sample request
+        runtime.vllm.check_session(runtime.host(base_model), lora)
     session = Session(name, owner, base_model, lora, user_metadata=request.user_metadata)
     _add_adapter(runtime, session)
     runtime.sessions[name] = session

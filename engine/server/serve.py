@@ -9,34 +9,18 @@ engine that other machines reach: keys then never cross the network in clear tex
 from __future__ import annotations
 
 import argparse
-import errno
-import ipaddress
 import json
 import logging
-import math
 import os
 import signal
-import socket
-import ssl
 import sys
 import time
 from pathlib import Path
 
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
+from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback, load_price_table
 from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_QUEUED, MAX_SESSIONS
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# Set by `sess engine up` in the foreground: the fd of the start lock (launcher.start_lock) it
-# holds, so that no other start of this home's engine begins until this one has written engine.json.
 START_LOCK_FD_ENV = "SESS_ENGINE_START_LOCK_FD"
 
 
@@ -48,102 +32,6 @@ def release_start_lock() -> None:
             os.close(int(fd))
         except (OSError, ValueError):
             pass
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; SystemExit with one line when it cannot be had."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when it is explicit; without
-    # it a response's header and body writes wait ~40 ms on the client's delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SystemExit(
-                f"port {port} on {host} is in use (another engine? see `sess engine status`, or pick "
-                "another --port; 0 takes a free one)"
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise SystemExit(f"--host {host}: not an address of this machine") from None
-        raise SystemExit(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def check_options(
-    device: str,
-    dtype: str | None,
-    memory_budget: str | None,
-    *,
-    port: int | None = None,
-    idle_timeout: float | None = None,
-    max_sessions: int | None = None,
-    prices: str | None = None,
-    max_queued: int | None = None,
-) -> str | None:
-    """What is wrong with these engine options on this machine (None: nothing): a device it does
-    not have, a precision the device cannot compute in, a budget that is not a size, a port out of
-    range, a limit no session could live under, a price table that cannot be used. Options given as
-    None are not checked."""
-    import torch
-
-    from sess.engine.runtime.catalog import Dtypes
-    from sess.engine.runtime.memory_budget import parse_bytes
-    from sess.engine.sdk.prices import PriceError
-
-    if port is not None and not 0 <= port <= 65535:
-        return f"--port: expected 1 to 65535 (or 0: any free port), got {port}"
-    if max_queued is not None and max_queued < 1:
-        return f"--max-queued: expected at least 1 queued op per key, got {max_queued}"
-    if prices is not None:
-        try:
-            load_price_table(prices)
-        except PriceError as exc:
-            return f"--prices: {exc}"
-    if max_sessions is not None and max_sessions < 1:
-        return f"--max-sessions: expected at least 1 live session per key, got {max_sessions}"
-    # inf would mean never, but it is no JSON number: /healthz could not report it
-    if idle_timeout is not None and not (math.isfinite(idle_timeout) and idle_timeout > 0):
-        return (
-            f"--idle-timeout: expected a positive number of seconds, got {idle_timeout} "
-            "(for sessions that practically never time out, give a large one such as 1e9)"
-        )
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
-        index = torch.device(device).index or 0
-        if index >= torch.cuda.device_count():
-            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-    try:
-        Dtypes.parse(dtype).check(device)
-    except ValueError as exc:
-        return f"--dtype: {exc}"
-    try:
-        if memory_budget is not None:
-            parse_bytes(memory_budget)
-    except ValueError as exc:
-        return f"--memory-budget: {exc}"
-    return None
-
-
-def load_price_table(path: str):
-    """The price table of ``--prices``, every model in it checked against the catalog."""
-    from sess.engine.runtime.catalog import ModelNotAvailable, resolve
-    from sess.engine.sdk.prices import load_prices
-
-    def known_model(name: str) -> str | None:
-        try:
-            resolve(name)
-        except ModelNotAvailable as exc:
-            return str(exc)
-        return None
-
-    return load_prices(path, known_model)
 
 
 def serve(
@@ -162,10 +50,14 @@ def serve(
     prices: str | None = None,
     max_queued: int | None = MAX_QUEUED,
     fair: bool = True,
+    sampler: str = "builtin",
+    sampler_python: str | None = None,
+    sampler_max_lora_rank: int = 32,
 ) -> None:
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
 
-    ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks."""
+    ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks.
+    ``sampler="vllm"``: sample requests go to vLLM, run by ``sampler_python`` (:mod:`.vllm_sampler`)."""
     import uvicorn
 
     from sess.engine.runtime.catalog import Dtypes
@@ -191,6 +83,12 @@ def serve(
         price_table = load_price_table(prices) if prices else None
     except ValueError as exc:
         raise SystemExit(f"sess engine: --prices: {exc}") from None
+    from sess.engine.runtime.vllm_sampler import VllmSampler, check_sampler
+
+    nproc = 1 if ranks is None else ranks.world
+    problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
+    if problem:
+        raise SystemExit(f"sess engine: {problem}")
     home = sess_home(home)
     keys = KeyStore(home)
     if not is_loopback(host) and not keys.load():
@@ -232,6 +130,10 @@ def serve(
         billing=lambda registry: Billing(registry, keys, price_table, max_queued),
         fair=fair,
     )
+    if sampler == "vllm":
+        runtime.vllm = VllmSampler(
+            sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank
+        )
     if ranks is not None:
         from sess.engine.runtime.distributed_follow import session_snapshot
 
@@ -265,6 +167,7 @@ def serve(
             "prices": str(Path(prices).resolve()) if prices else None,
             "max_queued": max_queued,
             "queue": "fair" if fair else "arrival",
+            "sampler": sampler,
         },
     }
     if ranks is not None:  # the agent's pid stops the engine; rank 0's answers /healthz
@@ -293,27 +196,10 @@ def serve(
         except (OSError, ValueError):
             pass
         engine.close()
+        if runtime.vllm is not None:
+            runtime.vllm.close()
         if ranks is not None:
             ranks.close()
-
-
-def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
-    """The (certificate, key) PEM paths to serve https with, or None for http; both or neither."""
-    if not cert and not key:
-        return None
-    if not (cert and key):
-        raise SystemExit("--tls-cert and --tls-key go together: give the certificate and its private key")
-    for what, path in (("--tls-cert", cert), ("--tls-key", key)):
-        if not Path(path).is_file():
-            raise SystemExit(f"{what}: no file {path}")
-    try:  # as uvicorn will load them, but here, before any model loads, with the files named
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
-    except (ssl.SSLError, OSError) as exc:
-        raise SystemExit(
-            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate (chain) and its unencrypted "
-            f"private key ({getattr(exc, 'reason', None) or exc})"
-        ) from None
-    return str(Path(cert).resolve()), str(Path(key).resolve())
 
 
 def _interrupt(signum, frame) -> None:
@@ -346,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prices", default=None, help="YAML price table (per million tokens)")
     parser.add_argument("--max-queued", type=int, default=MAX_QUEUED, help="queued ops per key")
     parser.add_argument("--queue", choices=("fair", "arrival"), default="fair", help="order across keys")
+    parser.add_argument("--sampler", default="builtin", help="builtin or vllm (sess engine up --help)")
+    parser.add_argument("--sampler-python", default=None, help="the Python of an environment with vLLM")
+    parser.add_argument("--sampler-max-lora-rank", type=int, default=32, help="largest LoRA rank vLLM serves")
     args = parser.parse_args(argv)
     problem = check_options(
         args.device,
@@ -399,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
             args.prices,
             args.max_queued,
             args.queue == "fair",
+            args.sampler,
+            args.sampler_python,
+            args.sampler_max_lora_rank,
         )
     except KeyboardInterrupt:
         pass

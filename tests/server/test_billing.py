@@ -15,7 +15,7 @@ from sess.engine import SamplingParams, ServiceClient
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.sdk.prices import PriceError, format_cost, load_prices
-from sess.engine.server.serve import check_options, load_price_table
+from sess.engine.server.serve_checks import check_options, load_price_table
 
 from helpers import SENTENCES, ce_datum
 

