@@ -47,7 +47,9 @@ def engine(http_engine, sess_home):
     svc.close()
 
 
-def _run(python: Path, recipe: str, url: str, key: str, *options: str, by_env: bool = False) -> str:
+def _run(
+    python: Path, recipe: str, url: str, key: str, *options: str, by_env: bool = False, timeout: int = 1800
+) -> str:
     """Run a recipe's ``train`` module; ``by_env`` gives the URL as TINKER_BASE_URL, not base_url=."""
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TINKER_")},
@@ -60,7 +62,7 @@ def _run(python: Path, recipe: str, url: str, key: str, *options: str, by_env: b
     }
     where = [] if by_env else [f"base_url={url}"]
     command = [str(python), "-m", f"tinker_cookbook.recipes.{recipe}.train", *where, *options]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout + done.stderr
 
@@ -148,7 +150,7 @@ def test_multi_turn_guess_number_recipe_through_tinker_base_url(cookbook, engine
         f"model_name={model_name}",
         "renderer_name=role_colon",
         "group_size=2",
-        "batch_size=2",
+        "batch_size=1",
         "max_tokens=8",
         "learning_rate=1e-5",
         "eval_every=0",
@@ -157,10 +159,11 @@ def test_multi_turn_guess_number_recipe_through_tinker_base_url(cookbook, engine
         f"log_path={log}",
         "behavior_if_log_dir_exists=delete",
     ]
-    _run(cookbook, "multiplayer_rl.guess_number", url, key, *options, by_env=True)
+    # a step trains on ~5,000 tokens (each turn carries the game so far): ~10 minutes on 2 busy cores
+    _run(cookbook, "multiplayer_rl.guess_number", url, key, *options, by_env=True, timeout=3600)
     metrics = _lines(log / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
     for m in metrics:
-        # 2 groups of 2 episodes, each at least one guess (a turn) and at most ten
-        assert m["env/all/total_episodes"] == 4 and 1 <= m["env/all/turns_per_episode"] <= 10, m
+        # one group of 2 episodes, each at least one guess (a turn) and at most ten
+        assert m["env/all/total_episodes"] == 2 and 1 <= m["env/all/turns_per_episode"] <= 10, m
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m["optim/kl_sample_train_v1"]
