@@ -3,7 +3,8 @@
 Each run gets new IPC, PID, network, UTS and cgroup namespaces (so no network at all: only a loopback
 of its own), a root filesystem that holds read-only /usr, /lib*, the ld.so cache and the interpreter's
 prefix and nothing else (no home, no project, no host /tmp), a private size-capped tmpfs as its working
-directory, and rlimits set by `prlimit` inside the sandbox: address space, CPU seconds (SIGXCPU at the
+directory (into which `run_python` can first write a request's files), and rlimits set by `prlimit`
+inside the sandbox: address space, CPU seconds (SIGXCPU at the
 limit, SIGKILL a second later if that is caught), processes, open files, file size, no core dumps.
 
 As an ordinary user, bwrap also makes a user namespace (`--unshare-user --disable-userns`) and drops
@@ -47,6 +48,7 @@ _USERNS_HINT = (
 _TOOL_DIRS = "/usr/bin:/bin:/usr/sbin:/sbin"  # only tools under /usr are visible inside the sandbox
 _UID_BASE = 1_000_000_000  # root's sandboxes run as uids from here: far above any real account
 SCRIPT_PATH = "/sandbox/main.py"
+WORKDIR = "/tmp"  # the run's working directory: a private tmpfs of Limits.disk_mb
 
 
 class SandboxUnavailable(RuntimeError):
@@ -167,9 +169,19 @@ class Sandbox:
             self._slots.put(slot)
         self._probe()
 
-    def argv(self, limits: Limits, script_fd: int, status_fd: int, slot: int) -> list[str]:
+    def argv(
+        self,
+        limits: Limits,
+        script_fd: int,
+        status_fd: int,
+        slot: int,
+        *,
+        workdir: list[str] | None = None,
+        python_args: list[str] | None = None,
+    ) -> list[str]:
         """The full command line of one run: `script_fd` holds the script, bwrap reports on `status_fd`
-        (see `process.py`), and `slot` picks root's sandbox uid."""
+        (see `process.py`), and `slot` picks root's sandbox uid. `workdir` are bwrap arguments that
+        fill the working directory; `python_args` replace the interpreter's default arguments."""
         disk = str(limits.disk_mb << 20)
         cpu = math.ceil(limits.cpu_s)
         args = [self.bwrap, "--json-status-fd", str(status_fd), "--hostname", "sandbox"]
@@ -183,8 +195,9 @@ class Sandbox:
         args += ["--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
         args += self._view
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--size", disk, "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp"]
+        args += ["--size", disk, "--perms", "1777", "--tmpfs", WORKDIR, "--chdir", WORKDIR]
         args += ["--size", disk, "--perms", "1777", "--tmpfs", "/dev/shm"]  # else /dev's unbounded tmpfs
+        args += workdir or []
         args += ["--perms", "0444", "--ro-bind-data", str(script_fd), SCRIPT_PATH, "--"]
         if self._setpriv is not None:
             uid = str(self._uid_base + slot)
@@ -192,28 +205,47 @@ class Sandbox:
             args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
         args += [self._prlimit, f"--as={limits.memory_mb << 20}", f"--cpu={cpu}:{cpu + 1}"]
         args += [f"--nproc={limits.processes}", "--nofile=256", "--core=0", f"--fsize={disk}", "--"]
-        return args + [self.python, "-I", "-B", SCRIPT_PATH]
+        return args + [self.python, *(python_args or ["-I", "-B", SCRIPT_PATH])]
 
-    def run_python(self, script: str, stdin: bytes, limits: Limits) -> RunOutcome:
-        """Run `script` in a fresh sandbox with `stdin`; blocks while all slots are busy."""
+    def run_python(
+        self,
+        script: str,
+        stdin: bytes,
+        limits: Limits,
+        *,
+        files: dict[str, bytes] | None = None,
+        python_args: list[str] | None = None,
+    ) -> RunOutcome:
+        """Run `script` in a fresh sandbox with `stdin`; blocks while all slots are busy.
+
+        `files` (relative path -> contents, names already checked: see `workdir.py`) are written into
+        the working directory first, writable by the run; `python_args` replace `-I -B <script>`."""
         slot = self._slots.get()
+        fds: list[int] = []
         try:
-            # The script reaches bwrap through a memory file: nothing is written on the host's disk.
-            script_fd = os.memfd_create("sess-sandbox-script", os.MFD_CLOEXEC)
-            try:
-                data = script.encode("utf-8", "surrogatepass")  # lone surrogates: Python's error to report
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(script_fd, view) :]
-                os.lseek(script_fd, 0, os.SEEK_SET)
-                status_pipe = os.pipe()
-                argv = self.argv(limits, script_fd, status_pipe[1], slot)
-                return run_bounded(
-                    argv, stdin, limits.wall_s, limits.output_bytes, (script_fd,), status_pipe=status_pipe
-                )
-            finally:
-                os.close(script_fd)
+            # The script and files reach bwrap through memory files: nothing is written on the host's disk.
+            # Lone surrogates in the script: Python's error to report.
+            script_fd = _memory_file(script.encode("utf-8", "surrogatepass"), fds)
+            workdir: list[str] = []
+            made: set[str] = set()
+            for name, data in (files or {}).items():
+                parts = name.split("/")
+                for depth in range(1, len(parts)):
+                    parent = "/".join(parts[:depth])
+                    if parent not in made:
+                        made.add(parent)
+                        workdir += ["--perms", "0777", "--dir", f"{WORKDIR}/{parent}"]
+                workdir += ["--perms", "0666", "--file", str(_memory_file(data, fds)), f"{WORKDIR}/{name}"]
+            status_pipe = os.pipe()
+            argv = self.argv(
+                limits, script_fd, status_pipe[1], slot, workdir=workdir, python_args=python_args
+            )
+            return run_bounded(
+                argv, stdin, limits.wall_s, limits.output_bytes, tuple(fds), status_pipe=status_pipe
+            )
         finally:
+            for fd in fds:
+                os.close(fd)
             self._slots.put(slot)
 
     def _probe(self) -> None:
@@ -228,3 +260,14 @@ class Sandbox:
                 f"bwrap at {self.bwrap} could not run {self.python} in a sandbox "
                 f"(exit status {outcome.exit_code}): {stderr or '(no stderr)'}. {_USERNS_HINT}"
             )
+
+
+def _memory_file(data: bytes, opened: list[int]) -> int:
+    """A memfd holding `data`, positioned at its start; appended to `opened` for the caller to close."""
+    fd = os.memfd_create("sess-sandbox-file", os.MFD_CLOEXEC)
+    opened.append(fd)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -16,6 +16,8 @@ import numpy as np
 from sess.engine.server.tinker import schema
 
 TINKER_SDK = "tinker==0.38.0"
+# Every tinker release the engine serves (routes.SDK_RANGE) that PyPI has: the cookbook 0.5.x range.
+SDK_VERSIONS = ("0.34.0", "0.35.0", "0.36.0", "0.38.0")
 
 
 class TinkerHttp:
@@ -127,17 +129,18 @@ def self_signed_certificate(directory: Path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
-def make_tinker_venv(root: Path) -> Path:
-    """A venv with only the tinker SDK (and its dependencies) in it: its python.
+def make_tinker_venv(root: Path, version: str = TINKER_SDK.split("==")[1]) -> Path:
+    """A venv with only the tinker SDK ``version`` (and its dependencies) in it: its python.
 
     pip runs from this interpreter (``--python``) with ``--no-compile``, so the venv needs no pip
     of its own and skips byte-compiling transformers; the downloads come from pip's cache after
     the first time."""
-    venv = root / "tinker-venv"
+    venv = root / f"tinker-{version}-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile", TINKER_SDK],
+        pip + [f"tinker=={version}"],
         check=True,
         capture_output=True,
         text=True,

@@ -26,6 +26,19 @@ from sess.engine.sdk.training_client import TrainingClient
 from sess.engine.sdk.transport import Transport, in_process_transport
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
+# transformers resolves its names lazily (``_LazyModule``), and two threads resolving
+# ``AutoTokenizer`` at once can fail with "cannot import name 'AutoTokenizer'"; every tokenizer the SDK
+# loads goes through ``load_tokenizer``, which imports and loads under this one process-wide lock.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """``AutoTokenizer.from_pretrained(directory)``, safe to call from any thread at any time."""
+    with _TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory)
+
 
 class ServiceClient:
     """Entry point: finds or starts an engine and creates training and sampling clients."""
@@ -253,20 +266,20 @@ class ServiceClient:
     def get_tokenizer(self, base_model: str):
         """The base model's tokenizer (a ``transformers`` tokenizer, built from the engine's files).
 
+        Safe to call from many threads at once: each model's tokenizer is built once per client.
+
         Args:
             base_model: a name from :meth:`list_base_models`.
 
         Returns:
             The tokenizer, cached per base model by this client."""
-        from transformers import AutoTokenizer
-
         with self._tokenizer_lock:
             if base_model not in self._tokenizers:
                 files = self._call("tokenizer_files", rq.TokenizerFiles(base_model=base_model))
                 directory = Path(tempfile.mkdtemp(prefix="sess-tokenizer-"))
                 for name, text in files.items():
                     (directory / Path(name).name).write_text(text)
-                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(directory)
+                self._tokenizers[base_model] = load_tokenizer(directory)
             return self._tokenizers[base_model]
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """tinker-cookbook's recipes, unchanged, against the engine (slow: minutes on a CPU): the RL trainer
 on generated arithmetic and the supervised trainer on a local chat JSONL file, both on
 smollm2-135m, write their metrics and checkpoints; the RL run resumes from its last checkpoint
-with its optimizer state. The cookbook runs in a client environment of its own, as on a laptop
+with its optimizer state. The multi-turn ``multiplayer_rl.guess_number`` recipe (up to ten guesses
+with higher/lower feedback), which has no ``base_url`` option, reaches the engine through
+``TINKER_BASE_URL`` alone. The cookbook runs in a client environment of its own, as on a laptop
 talking to a GPU host: ``pip install torch==2.13.0 tinker==0.38.0 'tinker-cookbook[math-rl]==0.5.8'``.
 The commands are the README's ("The Tinker SDK and tinker-cookbook")."""
 
@@ -45,17 +47,22 @@ def engine(http_engine, sess_home):
     svc.close()
 
 
-def _run(python: Path, recipe: str, url: str, key: str, *options: str) -> str:
+def _run(
+    python: Path, recipe: str, url: str, key: str, *options: str, by_env: bool = False, timeout: int = 1800
+) -> str:
+    """Run a recipe's ``train`` module; ``by_env`` gives the URL as TINKER_BASE_URL, not base_url=."""
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("TINKER_")},
         "TINKER_API_KEY": key,
         "TINKER_TELEMETRY": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
+        **({"TINKER_BASE_URL": url} if by_env else {}),
     }
-    command = [str(python), "-m", f"tinker_cookbook.recipes.{recipe}.train", f"base_url={url}", *options]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    where = [] if by_env else [f"base_url={url}"]
+    command = [str(python), "-m", f"tinker_cookbook.recipes.{recipe}.train", *where, *options]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout + done.stderr
 
@@ -134,3 +141,29 @@ def test_supervised_recipe_trains_on_a_local_chat_file(cookbook, engine, tmp_pat
     records = _lines(log / "checkpoints.jsonl")
     assert [r["name"] for r in records] == ["000002", "final"]
     assert all(r["state_path"].startswith("tinker://") for r in records)
+
+
+def test_multi_turn_guess_number_recipe_through_tinker_base_url(cookbook, engine, tmp_path):
+    url, key, model_name, _ = engine
+    log = tmp_path / "guess"
+    options = [
+        f"model_name={model_name}",
+        "renderer_name=role_colon",
+        "group_size=2",
+        "batch_size=1",
+        "max_tokens=8",
+        "learning_rate=1e-5",
+        "eval_every=0",
+        "save_every=0",
+        "max_steps=2",
+        f"log_path={log}",
+        "behavior_if_log_dir_exists=delete",
+    ]
+    # a step trains on ~5,000 tokens (each turn carries the game so far): ~10 minutes on 2 busy cores
+    _run(cookbook, "multiplayer_rl.guess_number", url, key, *options, by_env=True, timeout=3600)
+    metrics = _lines(log / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        # one group of 2 episodes, each at least one guess (a turn) and at most ten
+        assert m["env/all/total_episodes"] == 2 and 1 <= m["env/all/turns_per_episode"] <= 10, m
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m["optim/kl_sample_train_v1"]

@@ -60,10 +60,12 @@ def _usage(url: str, key: str, model_id: str) -> dict:
 def test_client_config_refuses_untested_sdk_versions_at_once(a, http_engine):
     config = a.ok("/client/config", {"sdk_version": "0.38.0"})
     assert config["parallel_fwdbwd_chunks"] is False and config["use_pyqwest_transport"] is False
-    for version in ("0.24.0", "0.39.1", "1.0.0", None):
+    for version in ("0.34.0", "0.35.2", "0.36.0", "0.37.1"):  # the range tinker-cookbook 0.5.x accepts
+        assert a.ok("/client/config", {"sdk_version": version}) == config
+    for version in ("0.24.0", "0.33.1", "0.39.1", "1.0.0", None):
         response = a.post("/client/config", {"sdk_version": version})
         assert response.status_code == 400 and response.headers["x-should-retry"] == "false"
-        assert "tinker>=0.38,<0.39" in response.json()["detail"], response.text
+        assert "tinker>=0.34,<0.39" in response.json()["detail"], response.text
     assert TinkerHttp(http_engine["url"], "tml-wrong").post("/client/config", {}).status_code == 401
     assert a.ok("/client/dynamic_config", {"sdk_version": "0.38.0"}) == {"sample_cancel_enabled": False}
     assert a.http.get("/healthz").json() == {"status": "ok"}

@@ -1,11 +1,14 @@
 """The unmodified tinker SDK (0.38.0, in a venv of its own, as on a user's laptop) against the
 engine: the same results as the sess SDK on one engine, prompt logprobs checked against forward,
 save/resume, retries of lost answers running each op once, bad input and an untested SDK version
-answered at once with a message, the SDK's schema, and ``tinker checkpoint download``.
+answered at once with a message, the SDK's schema, and ``tinker checkpoint download``. The same
+train/sample/save/resume comparison runs on every other SDK release the engine serves (0.34.0,
+0.35.0, 0.36.0), slow-marked: each is a venv of its own.
 
-The venv is built once per test run (``pip install tinker==0.38.0``: about 40 s, from pip's cache
-after the first time); each client script runs in tests/tinker_scripts. ``tinker checkpoint
-download`` and https through the SDK are slow-marked (``python -m pytest -m slow``)."""
+The venv is built once per test run and version (``pip install tinker==0.38.0``: about 40 s, from
+pip's cache after the first time); each client script runs in tests/tinker_scripts. ``tinker
+checkpoint download``, https through the SDK and the older SDKs are slow-marked
+(``python -m pytest -m slow``)."""
 
 from __future__ import annotations
 
@@ -27,14 +30,35 @@ from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import schema
 
 from helpers import SENTENCES
-from tinker_helpers import DroppingProxy, TinkerHttp, make_tinker_venv, run_client, self_signed_certificate
+from tinker_helpers import (
+    SDK_VERSIONS,
+    TINKER_SDK,
+    DroppingProxy,
+    TinkerHttp,
+    make_tinker_venv,
+    run_client,
+    self_signed_certificate,
+)
 
 STEPS, LR, K = 3, 2e-3, 3
 
 
 @pytest.fixture(scope="session")
-def tinker_python(tmp_path_factory) -> Path:
-    return make_tinker_venv(tmp_path_factory.mktemp("tinker-sdk"))
+def tinker_venvs(tmp_path_factory):
+    """version -> the python of a venv with that tinker SDK, each built on first use."""
+    made: dict[str, Path] = {}
+
+    def python(version: str) -> Path:
+        if version not in made:
+            made[version] = make_tinker_venv(tmp_path_factory.mktemp("tinker-sdk"), version)
+        return made[version]
+
+    return python
+
+
+@pytest.fixture(scope="session")
+def tinker_python(tinker_venvs) -> Path:
+    return tinker_venvs(TINKER_SDK.split("==")[1])
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +121,12 @@ def test_the_engines_protobuf_schema_is_the_sdks(checks):
     assert len(sdk) > 80 and ours == sdk
 
 
-def test_same_results_through_both_sdks_on_one_engine(tinker_python, http_engine, key, svc, tmp_path):
+@pytest.mark.parametrize(
+    "version",
+    [v if f"tinker=={v}" == TINKER_SDK else pytest.param(v, marks=pytest.mark.slow) for v in SDK_VERSIONS],
+)
+def test_same_results_through_both_sdks_on_one_engine(version, tinker_venvs, http_engine, key, svc, tmp_path):
+    tinker_python = tinker_venvs(version)
     tok = svc.get_tokenizer("tiny-llama")
     sequences = [tok.encode(s) for s in SENTENCES[:3]]
     prompt = tok.encode(SENTENCES[3])
@@ -208,7 +237,7 @@ def test_an_sdk_outside_the_tested_range_gets_one_clear_error(checks):
     version = checks["version"]
     assert version["type"] == "BadRequestError" and version["seconds"] < 10
     assert "tinker SDK 0.39.1 is not supported" in version["message"]
-    assert "tinker>=0.38,<0.39" in version["message"]
+    assert "tinker>=0.34,<0.39" in version["message"]
 
 
 @pytest.mark.slow

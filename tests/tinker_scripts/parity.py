@@ -1,5 +1,7 @@
 """Run under the tinker SDK's own venv (see tests/test_tinker_sdk.py): a short training, sampling and
-resume script through the unmodified SDK; prints nothing, writes its numbers to spec["out"]."""
+resume script through the unmodified SDK; prints nothing, writes its numbers to spec["out"]. Runs on
+every SDK version the engine serves: up to 0.36 the client-making methods return the client itself,
+from 0.38 a future of it (which still works as the client, deprecated)."""
 
 import json
 import sys
@@ -9,6 +11,11 @@ from tinker import types
 
 spec = json.loads(sys.argv[1])
 svc = tinker.ServiceClient()
+
+
+def ready(client):
+    """The client itself, whether an SDK returned it or a future of it."""
+    return client.result() if hasattr(client, "result") else client
 
 
 def datum(tokens, targets=None):
@@ -21,7 +28,7 @@ def datum(tokens, targets=None):
 
 data = [datum(t) for t in spec["sequences"]]
 adam = types.AdamParams(learning_rate=spec["lr"], eps=1e-8)
-tc = svc.create_lora_training_client(spec["base_model"], rank=4, seed=0).result()
+tc = ready(svc.create_lora_training_client(spec["base_model"], rank=4, seed=0))
 out = {"model_id": tc.model_id, "losses": [], "grad_norms": []}
 for _ in range(spec["steps"]):
     fb = tc.forward_backward(data, "cross_entropy")
@@ -35,7 +42,7 @@ out["tokenizer_ids"] = tc.get_tokenizer().encode(spec["text"], add_special_token
 
 # sampling: seeded samples, their logprobs against compute_logprobs, prompt logprobs and top-k
 prompt = spec["prompt"]
-sc = tc.save_weights_and_get_sampling_client().result()
+sc = ready(tc.save_weights_and_get_sampling_client())
 params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0)
 result = sc.sample(types.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params).result()
 out["samples"] = [
@@ -73,13 +80,13 @@ state = tc.save_state("mid").result().path
 uninterrupted = [tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]]
 tc.optim_step(adam).result()
 uninterrupted.append(tc.forward(data, "cross_entropy").result().metrics["loss:sum"])
-resumed_tc = svc.create_training_client_from_state_with_optimizer(state).result()
+resumed_tc = ready(svc.create_training_client_from_state_with_optimizer(state))
 resumed = [resumed_tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]]
 resumed_tc.optim_step(adam).result()
 resumed.append(resumed_tc.forward(data, "cross_entropy").result().metrics["loss:sum"])
 out.update(state_path=state, resumed_model=resumed_tc.model_id, uninterrupted=uninterrupted, resumed=resumed)
 
-rest = tinker.RestClient()
+rest = svc.create_rest_client()  # every version has it; tinker.RestClient() is 0.38 on
 out["checkpoints"] = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
 out["run_renderer"] = rest.get_training_run(tc.model_id).result().base_model
 svc.close("success").result()

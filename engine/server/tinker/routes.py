@@ -1,6 +1,6 @@
 """The Tinker REST routes under ``/api/v1``: client config, sessions, futures, health; and the mount.
 
-What the routes answer follows what the ``tinker`` SDK (0.38) reads: JSON with the fields its
+What the routes answer follows what the ``tinker`` SDK (0.34 to 0.38) reads: JSON with the fields its
 pydantic models require, protobuf for ``ForwardBackwardOutput`` and ``SampleResponse``, and
 errors as ``{"detail": ...}`` with statuses the SDK does not retry (400, 401, 404, 410, 413, 422;
 never 402, 408, 409, 429 or 5xx for a client's mistake, which it would retry for minutes), plus
@@ -33,8 +33,15 @@ from sess.engine.server.tinker.state import (
 )
 
 PREFIX = "/api/v1"
-TESTED_SDK = ((0, 38), (0, 39))  # tinker SDK versions this engine speaks: >= 0.38, < 0.39
-SDK_RANGE = "tinker>=0.38,<0.39"
+# tinker SDK versions this engine speaks: >= 0.34, < 0.39, what tinker-cookbook 0.5.x accepts. Their
+# wire is one: the same routes, protobuf schema and JSON models, except fields that later versions add
+# and this engine does not need or answers with defaults (``retrieve_future``'s
+# ``retrieved_request_ids`` from 0.36, ``save_weights_for_sampler``'s ``kind`` from 0.38, the client
+# config's ``custom_loss_server_side`` from 0.36 and ``create_model_via_load_weights`` before 0.38, both
+# off here), and routes this engine does not serve (``create_custom_loss``, ``sessions/search`` and
+# the checkpoint ``archive`` URL).
+TESTED_SDK = ((0, 34), (0, 39))
+SDK_RANGE = "tinker>=0.34,<0.39"
 # What the SDK may configure (types/client_config_response.py). Plain httpx instead of pyqwest, whole
 # forward_backward chunks sent in order, no zstd request bodies, no JWT exchange, no server-side
 # custom losses: each is a code path this engine does not need.
@@ -45,6 +52,7 @@ CLIENT_CONFIG = {
     "proto_compress_fwdbwd": False,
     "sample_use_retrieve_futures": False,
     "custom_loss_server_side": False,
+    "create_model_via_load_weights": False,  # read by 0.34-0.36; ignored by later SDKs
     "sample_join_sampling_session": False,
 }
 
@@ -72,7 +80,7 @@ def sdk_version_error(version: object) -> str | None:
         return None
     return (
         f"tinker SDK {(version or '(version not sent)')[:40]} is not supported by this sess engine, which speaks "
-        f"the protocol of {SDK_RANGE} (tested with 0.38.0): pip install 'tinker==0.38.0'"
+        f"the protocol of {SDK_RANGE} (tested with 0.34.0 to 0.38.0): pip install 'tinker==0.38.0'"
     )
 
 
