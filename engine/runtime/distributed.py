@@ -106,6 +106,7 @@ class Ranks:
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
+        self.failed = False  # a collective failed: another rank is gone
 
     @property
     def leader(self) -> bool:
@@ -116,6 +117,11 @@ class Ranks:
         self.closing = True
         try:
             if self.leader:
+                from sess.engine.runtime.distributed_launch import MASTER_ENV
+                from sess.engine.runtime.distributed_nodes import announce_stop
+
+                if not self.failed:  # other hosts' agents: a stop as asked, not a failure
+                    announce_stop(os.environ.get(MASTER_ENV))
                 self.send({"stop": True})
             dist.destroy_process_group()
         except (RuntimeError, RankFailed):  # a rank already gone: nothing left to tell
@@ -126,6 +132,7 @@ class Ranks:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
+            self.failed = True
             if self.leader and not self.closing:  # stop serving (gracefully), so the agent stops every rank
                 os.kill(os.getpid(), signal.SIGTERM)
             raise RankFailed(what, exc) from exc
@@ -156,6 +163,7 @@ class Ranks:
         if name in FOLLOWED:
             request = _decided(runtime, name, owner, request)
             self.sharded()
+            self.forget_forward_order()
             wire = request.to_wire() if request is not None else {}
             wire.update({field: getattr(request, field) for field in getattr(request, "envelope", ())})
             self.send({"op": name, "owner": owner, "request": wire})
@@ -231,6 +239,22 @@ class Ranks:
             self._reshard()
             self.adapters.release_all()
             self.gathered = False
+
+    def forget_forward_order(self) -> None:
+        """Every rank, before a followed op: drop what FSDP2 recorded of the forward passes since the
+        last backward pass. It prefetches a backward pass's all-gathers in the reverse order of the
+        forward passes it recorded, and rank 0 alone runs forward passes through the units (a
+        ``compute_logprobs`` on the gathered weights), so without this the ranks' next backward
+        passes would prefetch different units and their all-gathers would not pair (rank 0 hung
+        in an idle round's prefetch while rank 1 reduce-scattered)."""
+        units = self.modules + [shard.unit for shard in self.adapters.shards.values()]
+        for unit in units:
+            state = unit._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                group._post_forward_indices.clear()
+                order = getattr(group.comm_ctx, "post_forward_order", None)  # set once FSDP2 inits
+                if order is not None:
+                    order.clear()
 
     def _any_sharded(self) -> bool:
         return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())
