@@ -12,9 +12,11 @@ are reduce-scattered as sums once, after the op's last backward pass (token-sum 
 nothing is divided by the world size), each rank's AdamW steps its shards, and
 ``grad_clip_norm`` uses the norm of the whole adapter (:meth:`Ranks.combined_norm`).
 
-Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
-(:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
-gives for the same seed; rank 0 drops the gathered copy before the next followed op. Checkpoints
+Sampling runs on every rank with every weight gathered (:meth:`Ranks.full_weights`, one
+all-gather every rank joins and keeps until the next followed op): rank 0 hands whole sample
+requests to the ranks and gathers back what they finished (:mod:`.distributed_sampling`); the
+sampler's batch invariance makes that exactly what one rank gives for the same seed.
+``compute_logprobs`` runs on rank 0 alone on the same gathered weights. Checkpoints
 (adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
 helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
 same files as one process writes, and loading one gives each rank its share.
@@ -103,6 +105,7 @@ class Ranks:
         self.pids = [int(p) for p in pids.tolist()]
         self.modules: list[Any] = []  # every FSDP module of every base model, in load order
         self.adapters = AdapterShards(self)
+        self.spreads: list = []  # rank 0: each base model's sample requests over the ranks (distributed_sampling)
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
@@ -227,14 +230,16 @@ class Ranks:
         self.gathered = True
 
     def join_gather(self) -> None:
-        """A follower: take part in rank 0's gather."""
+        """A follower: take part in rank 0's gather, and keep the whole weights as rank 0 does: it
+        decodes its share of the sample requests on them (:mod:`.distributed_sampling`) until the
+        next message that needs the shards (:meth:`sharded` first, as rank 0 before sending it)."""
+        self.sharded()
         self._unshard()
         self.adapters.gather_all()
-        self._reshard()
-        self.adapters.release_all()
+        self.gathered = True
 
     def sharded(self) -> None:
-        """Rank 0: drop the gathered weights (local), so the next forward all-gathers with the others."""
+        """Drop the gathered weights (local), so the next forward all-gathers with the others."""
         if self.gathered:
             self._reshard()
             self.adapters.release_all()

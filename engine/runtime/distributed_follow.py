@@ -1,7 +1,10 @@
 """A follower rank's loop: run each op rank 0 broadcasts, on the same runtime state, until it says stop.
 
 Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner", "request"}``,
-the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``), gathers of a session's whole
+the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``; a follower keeps the whole
+weights, as rank 0 does, until a message that needs the shards), decode steps with the sample
+requests handed to each rank (``{"decode", "jobs"}``) and checkpoint adapters to load for them
+(``{"sampler"}``, :mod:`.distributed_sampling`), gathers of a session's whole
 adapter for a checkpoint it writes (``{"collect", "optimizer", "merge"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
 (:func:`session_snapshot`), so an op that rank 0 refuses (an unknown or stopped session, a name
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from sess.engine.runtime.checkpoint_ops import whole_adapter
 from sess.engine.runtime.distributed import RankFailed, Ranks
+from sess.engine.runtime.distributed_sampling import Decoding, load_sampler
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -66,13 +70,22 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
             lora=row["lora"],
             status=SessionStatus(row["status"]),
         )
+    decoding = Decoding(runtime, ranks)
     while True:
         message = ranks.receive()
         if message.get("stop"):
             return
+        if "decode" in message:  # a decode step, with the sample requests this rank joins to it
+            decoding.step(message)
+            continue
+        if "sampler" in message:  # rank 0 loaded a checkpoint's adapter to sample from
+            load_sampler(runtime, message)
+            continue
         if message.get("gather"):
             ranks.join_gather()
-        elif "collect" in message:  # rank 0 saves a checkpoint: give it the whole tensors
+            continue
+        ranks.sharded()  # as rank 0 before it sent this
+        if "collect" in message:  # rank 0 saves a checkpoint: give it the whole tensors
             session = runtime.sessions[message["collect"]]
             whole_adapter(runtime, session, optimizer=message["optimizer"], merge=message["merge"])
         elif "host" in message:

@@ -161,6 +161,10 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     async def healthz():
         health = {"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout}
         invariance = engine.runtime.batch_invariance()
+        if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
+            from sess.engine.runtime.distributed_sampling import report
+
+            health["sampling_ranks"] = report(engine.runtime.ranks)
         return json_response({**health, "rss_bytes": resident_bytes(), "batch_invariant": invariance})
 
     @app.post("/api/call")
