@@ -4,6 +4,7 @@ against one rank: the same training and sampling; a host that never joins; a hos
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from typer.testing import CliRunner
@@ -130,6 +132,15 @@ def _phase(url: str, home, tag: str) -> dict:
                 record["tokens"].append(seq.tokens)
                 record["logprobs"].append(seq.logprobs)
             record["logprobs"].append(live.compute_logprobs(prompt).result()[1:])
+        # requests sent together: rank 0 hands some to node 1's rank, which decodes them there
+        futures = [
+            live.sample(p, num_samples=2, sampling_params=SamplingParams(max_tokens=8, seed=50 + i))
+            for i, p in enumerate(tok.encode(s) for s in SENTENCES[:4])
+        ]
+        for future in futures:
+            for seq in future.result().sequences:
+                record["tokens"].append(seq.tokens)
+                record["logprobs"].append(seq.logprobs)
         sampler = tc.save_weights_and_get_sampling_client(name="sampler")
         params = SamplingParams(max_tokens=10, temperature=1.0, seed=17)
         for seq in sampler.sample(prompt, num_samples=3, sampling_params=params).result().sequences:
@@ -137,6 +148,8 @@ def _phase(url: str, home, tag: str) -> dict:
             record["logprobs"].append(seq.logprobs)
         record["state"] = tc.save_state(name="state").result().path
         record["forward"] = [o["logprobs"].tolist() for o in tc.forward(data).result().loss_fn_outputs]
+        with urllib.request.urlopen(f"{url}/healthz", timeout=10) as response:
+            record["spread"] = json.loads(response.read()).get("sampling_ranks")
         return record
     finally:
         svc.close()
@@ -184,6 +197,7 @@ def test_two_hosts_train_and_sample_like_one_rank_and_a_dead_host_interrupts(tmp
         try:
             assert len(two["rank_pids"]) == 2
             double = _phase(two["url"], home, "two")
+            assert all(rows > 0 for rows in double["spread"]["rows_decoded"]), double["spread"]
             os.killpg(node1.pid, signal.SIGKILL)  # the host's agent and its rank
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline and _alive(two["pid"]):
