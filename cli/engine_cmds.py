@@ -86,6 +86,19 @@ def up(
     sampler_max_lora_rank: int = typer.Option(
         32, help="With --sampler vllm: the largest LoRA rank vLLM serves (sessions above it are refused)."
     ),
+    nnodes: int = typer.Option(
+        1,
+        help="Hosts of one engine, each running --nproc ranks (run `sess engine up` on each, with "
+        "the same --nnodes and --master, the same --home on a shared filesystem, and its own "
+        "--node-rank); node 0's first rank serves.",
+    ),
+    node_rank: int = typer.Option(0, help="This host's place among --nnodes hosts: 0 to --nnodes - 1."),
+    master: str = typer.Option(
+        None, help="HOST:PORT of node 0, where the hosts meet (torch.distributed's rendezvous)."
+    ),
+    join_timeout: float = typer.Option(
+        300.0, help="Seconds node 0 waits for every host to join (and another host for node 0)."
+    ),
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -133,9 +146,11 @@ def up(
             f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
         )
     from sess.engine.runtime.distributed_launch import check_nproc
+    from sess.engine.runtime.distributed_nodes import Nodes
 
     try:
         check_nproc(nproc, device)
+        nodes = Nodes.parse(nnodes, node_rank, master, join_timeout)
     except ValueError as exc:
         fail(str(exc))
     from sess.engine.runtime.vllm_sampler import check_sampler
@@ -143,6 +158,15 @@ def up(
     problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
     if problem:
         fail(problem)
+    node_args = []
+    if nodes is not None:
+        node_args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master", master]
+        node_args += ["--join-timeout", str(join_timeout)]
+    if nodes is not None and nodes.rank != 0:  # no server here: node 0's engine.json names the engine
+        from sess.engine.server.serve_ranks import start_node
+
+        out.print(start_node(home_path, host, port, device, ["--nproc", str(nproc), *node_args], detach))
+        return
     # The lock ensure_local_engine takes: of two starts at once, the second finds the first's engine.
     lock, handed_down = acquire_start_lock(home_path), False
     try:
@@ -174,6 +198,7 @@ def up(
         if sampler != "builtin" or sampler_python:
             extra += ["--sampler", sampler, "--sampler-max-lora-rank", str(sampler_max_lora_rank)]
             extra += ["--sampler-python", sampler_python] if sampler_python else []
+        extra += node_args
         if detach:
             info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
             out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
@@ -190,11 +215,11 @@ def up(
     exec_as_engine(command, device)  # malloc settings: memory.py
     from sess.engine.server.serve import release_start_lock, serve
 
-    if nproc != 1:  # the elastic agent starts the ranks: see engine/server/serve_ranks.py
+    if nproc != 1 or nodes is not None:  # the elastic agent starts the ranks: engine/server/serve_ranks.py
         from sess.engine.server.serve_ranks import run_agent
 
         release_start_lock()
-        raise typer.Exit(run_agent(nproc, command[3:], home_path))
+        raise typer.Exit(run_agent(nproc, command[3:], home_path, nodes))
     try:
         serve(
             home_path,

@@ -12,9 +12,11 @@ are reduce-scattered as sums once, after the op's last backward pass (token-sum 
 nothing is divided by the world size), each rank's AdamW steps its shards, and
 ``grad_clip_norm`` uses the norm of the whole adapter (:meth:`Ranks.combined_norm`).
 
-Sampling and ``compute_logprobs`` run on rank 0 alone with every weight gathered
-(:meth:`Ranks.full_weights`, one all-gather the others join), so they give exactly what one rank
-gives for the same seed; rank 0 drops the gathered copy before the next followed op. Checkpoints
+Sampling runs on every rank with every weight gathered (:meth:`Ranks.full_weights`, one
+all-gather every rank joins and keeps until the next followed op): rank 0 hands whole sample
+requests to the ranks and gathers back what they finished (:mod:`.distributed_sampling`); the
+sampler's batch invariance makes that exactly what one rank gives for the same seed.
+``compute_logprobs`` runs on rank 0 alone on the same gathered weights. Checkpoints
 (adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
 helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
 same files as one process writes, and loading one gives each rank its share.
@@ -103,9 +105,11 @@ class Ranks:
         self.pids = [int(p) for p in pids.tolist()]
         self.modules: list[Any] = []  # every FSDP module of every base model, in load order
         self.adapters = AdapterShards(self)
+        self.spreads: list = []  # rank 0: each base model's sample requests over the ranks (distributed_sampling)
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
+        self.failed = False  # a collective failed: another rank is gone
 
     @property
     def leader(self) -> bool:
@@ -116,6 +120,11 @@ class Ranks:
         self.closing = True
         try:
             if self.leader:
+                from sess.engine.runtime.distributed_launch import MASTER_ENV
+                from sess.engine.runtime.distributed_nodes import announce_stop
+
+                if not self.failed:  # other hosts' agents: a stop as asked, not a failure
+                    announce_stop(os.environ.get(MASTER_ENV))
                 self.send({"stop": True})
             dist.destroy_process_group()
         except (RuntimeError, RankFailed):  # a rank already gone: nothing left to tell
@@ -126,6 +135,7 @@ class Ranks:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL report a lost peer as RuntimeError (DistBackendError)
+            self.failed = True
             if self.leader and not self.closing:  # stop serving (gracefully), so the agent stops every rank
                 os.kill(os.getpid(), signal.SIGTERM)
             raise RankFailed(what, exc) from exc
@@ -156,6 +166,7 @@ class Ranks:
         if name in FOLLOWED:
             request = _decided(runtime, name, owner, request)
             self.sharded()
+            self.forget_forward_order()
             wire = request.to_wire() if request is not None else {}
             wire.update({field: getattr(request, field) for field in getattr(request, "envelope", ())})
             self.send({"op": name, "owner": owner, "request": wire})
@@ -219,18 +230,36 @@ class Ranks:
         self.gathered = True
 
     def join_gather(self) -> None:
-        """A follower: take part in rank 0's gather."""
+        """A follower: take part in rank 0's gather, and keep the whole weights as rank 0 does: it
+        decodes its share of the sample requests on them (:mod:`.distributed_sampling`) until the
+        next message that needs the shards (:meth:`sharded` first, as rank 0 before sending it)."""
+        self.sharded()
         self._unshard()
         self.adapters.gather_all()
-        self._reshard()
-        self.adapters.release_all()
+        self.gathered = True
 
     def sharded(self) -> None:
-        """Rank 0: drop the gathered weights (local), so the next forward all-gathers with the others."""
+        """Drop the gathered weights (local), so the next forward all-gathers with the others."""
         if self.gathered:
             self._reshard()
             self.adapters.release_all()
             self.gathered = False
+
+    def forget_forward_order(self) -> None:
+        """Every rank, before a followed op: drop what FSDP2 recorded of the forward passes since the
+        last backward pass. It prefetches a backward pass's all-gathers in the reverse order of the
+        forward passes it recorded, and rank 0 alone runs forward passes through the units (a
+        ``compute_logprobs`` on the gathered weights), so without this the ranks' next backward
+        passes would prefetch different units and their all-gathers would not pair (rank 0 hung
+        in an idle round's prefetch while rank 1 reduce-scattered)."""
+        units = self.modules + [shard.unit for shard in self.adapters.shards.values()]
+        for unit in units:
+            state = unit._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                group._post_forward_indices.clear()
+                order = getattr(group.comm_ctx, "post_forward_order", None)  # set once FSDP2 inits
+                if order is not None:
+                    order.clear()
 
     def _any_sharded(self) -> bool:
         return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())

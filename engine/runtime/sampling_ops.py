@@ -35,7 +35,11 @@ def resolve_target(
         ref = parse_path(target.model_path, field="model_path")
         session = runtime.session(owner, ref.session, live=False)
         host = runtime.host(session.base_model)
-        return host, checkpoint_sampler(runtime, host, ref), session
+        loaded = ref.uri in host.checkpoint_adapters
+        adapter = checkpoint_sampler(runtime, host, ref)
+        if not loaded and runtime.ranks is not None:  # every rank loads it: distributed_sampling.py
+            runtime.ranks.send({"sampler": ref.uri, "base_model": host.name})
+        return host, adapter, session
     return runtime.host(target.base_model), None, None
 
 
@@ -84,8 +88,23 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         stopper=StopChecker(params.stop, host.eos_ids, host.tokenizer.decode),
         on_done=finished,
         prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
+        target=_target_wire(request.target, host.name),
     )
-    runtime.batch(host).submit(job)
+    batch = runtime.batch(host)
+    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed_sampling.py
+        from sess.engine.runtime.distributed_sampling import Spread
+
+        batch.spread = Spread(runtime.ranks, host.name)
+    batch.submit(job)
+
+
+def _target_wire(target: rq.Target, base_model: str) -> dict:
+    """The request's target as another rank finds it: a session by name, a checkpoint by its path."""
+    if target.session is not None:
+        return {"session": target.session}
+    if target.model_path is not None:
+        return {"model_path": parse_path(target.model_path, field="model_path").uri}
+    return {"base_model": base_model}
 
 
 def _start_vllm_sample(

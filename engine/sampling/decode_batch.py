@@ -45,6 +45,9 @@ class SampleJob:
     stopper: StopChecker
     on_done: Callable[[list[SampledSequence] | None, BaseException | None], None]
     prompt_logprobs: int = 0  # 0: none, -1: logprobs only, k > 0: also top-k
+    # several ranks: the request's target as rank 0 hands it to another rank to decode
+    # ({"session"}, {"model_path"} or {"base_model"}; runtime/distributed_sampling.py); None: here
+    target: dict | None = None
     prompt_result: tuple | None = None
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
@@ -83,6 +86,9 @@ class DecodeBatch:
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
         self.waiting: list[SampleJob] = []
+        # several ranks, on rank 0: hands waiting requests to the other ranks, which decode them in
+        # the same steps (runtime/distributed_sampling.Spread); None: every request decodes here
+        self.spread = None
         self._clear()
 
     def _clear(self) -> None:
@@ -100,10 +106,13 @@ class DecodeBatch:
 
     @property
     def active(self) -> bool:
-        return self.rows > 0 or bool(self.waiting)
+        return self.rows > 0 or bool(self.waiting) or bool(self.spread and self.spread.elsewhere)
 
     def adapters_in_use(self) -> set[str]:
-        return {a for a in self.adapters if a is not None} | {j.adapter for j in self.waiting if j.adapter}
+        elsewhere = [job for _, job in self.spread.elsewhere.values()] if self.spread else []
+        return {a for a in self.adapters if a is not None} | {
+            j.adapter for j in self.waiting + elsewhere if j.adapter
+        }
 
     def submit(self, job: SampleJob) -> None:
         self.waiting.append(job)
@@ -114,9 +123,13 @@ class DecodeBatch:
             job.on_done(None, error)
         self.waiting.clear()
         self._clear()
+        if self.spread is not None:
+            self.spread.fail_all(error)
 
     def fail_adapter(self, adapter: str, error: BaseException) -> None:
         """End every request sampling from ``adapter`` (its session stopped) with ``error``."""
+        if self.spread is not None:
+            self.spread.fail_adapter(adapter, error)
         for job in [j for j in self.waiting if j.adapter == adapter]:
             self.waiting.remove(job)
             job.on_done(None, error)
@@ -213,9 +226,21 @@ class DecodeBatch:
         self._check(slice(self.rows - rows, self.rows))
 
     # decoding ------------------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> None:
-        """Admit waiting requests, then decode one token for every row."""
+        """Admit waiting requests, then decode one token for every row. With several ranks, rank 0
+        first hands waiting requests to the other ranks, which decode theirs in the same step, and
+        takes back the ones they finished after its own rows' step."""
+        if self.spread is None:
+            self._step()
+            return
+        self.spread.before(self)
+        try:
+            self._step()
+        finally:
+            self.spread.after(self)
+
+    @torch.no_grad()
+    def _step(self) -> None:
         self.admit()
         if self.rows == 0:
             return

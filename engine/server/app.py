@@ -129,6 +129,10 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
             "trim_after_s": engine.idle_after_s,
         }
         invariance = engine.runtime.batch_invariance()
+        if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
+            from sess.engine.runtime.distributed_sampling import report
+
+            health["sampling_ranks"] = report(engine.runtime.ranks)
         return json_response({**health, **memory, "batch_invariant": invariance})
 
     @app.post("/api/call")

@@ -235,7 +235,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampler", default="builtin", help="builtin or vllm (sess engine up --help)")
     parser.add_argument("--sampler-python", default=None, help="the Python of an environment with vLLM")
     parser.add_argument("--sampler-max-lora-rank", type=int, default=32, help="largest LoRA rank vLLM serves")
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts of the engine (each runs --nproc ranks)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this host's place, 0 to --nnodes - 1")
+    parser.add_argument("--master", default=None, help="HOST:PORT of node 0, where the hosts meet")
+    parser.add_argument(
+        "--join-timeout", type=float, default=None, help="seconds to wait for every host to join (300)"
+    )
     args = parser.parse_args(argv)
+    from sess.engine.runtime.distributed_nodes import JOIN_TIMEOUT_S, Nodes
+
+    try:  # before any rank starts
+        nodes = Nodes.parse(
+            args.nnodes,
+            args.node_rank,
+            args.master,
+            JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"sess engine: {exc}") from None
     problem = check_options(
         args.device,
         args.dtype,
@@ -249,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     if problem:  # before any rank starts
         raise SystemExit(f"sess engine: {problem}")
     ranks = None
-    if args.nproc != 1:
+    if args.nproc != 1 or nodes is not None:
         from sess.engine.runtime.distributed_launch import RANKS_ENV, check_nproc
 
         try:
@@ -260,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
 
         if RANKS_ENV not in os.environ:  # the agent: start the ranks, each runs this command line
             release_start_lock()  # rank 0 writes engine.json; the agent would hold the lock for good
-            sys.exit(serve_ranks.run_agent(args.nproc, sys.argv[1:] if argv is None else argv, args.home))
+            command = sys.argv[1:] if argv is None else argv
+            sys.exit(serve_ranks.run_agent(args.nproc, command, args.home, nodes))
         from sess.engine.runtime.distributed import Ranks
 
         ranks = Ranks(args.device)

@@ -7,6 +7,12 @@
 the agent stops the rest, marks the sessions the engine had live as Interrupted in the registry
 (resumable from their saved state, as after any engine crash) and exits with a message naming the
 rank.
+
+Over several hosts (``--nnodes``, :mod:`sess.engine.runtime.distributed_nodes`) every host runs
+an agent for its ranks, all with the same ``--home`` on a filesystem they share: node 0's rank 0
+serves, writes the registry, ``engine.json`` and every checkpoint there, and the other hosts' ranks
+read checkpoints from it (a saved state they load) and write nothing. Node 0's agent marks the
+sessions Interrupted when any host dies; another host's agent only reports.
 """
 
 from __future__ import annotations
@@ -20,19 +26,26 @@ from sess.engine.sdk.home import sess_home
 log = logging.getLogger("sess.engine")
 
 
-def run_agent(nproc: int, argv: list[str], home: str | Path | None) -> int:
-    """Run the engine as ``nproc`` ranks of ``python -m sess.engine.server *argv``; the exit code."""
+def run_agent(nproc: int, argv: list[str], home: str | Path | None, nodes=None) -> int:
+    """Run the engine as ``nproc`` ranks of ``python -m sess.engine.server *argv`` (this host's, of
+    ``nodes``: :class:`~sess.engine.runtime.distributed_nodes.Nodes`); the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from sess.engine.runtime.distributed_launch import run_ranks
     from sess.engine.server.registry import Registry
 
     try:
-        failure = run_ranks(nproc, argv)
+        failure = run_ranks(nproc, argv, nodes)
     except SignalException:  # stopped (sess engine down): the agent stopped the ranks
         return 0
+    except RuntimeError as exc:  # a host did not join: nothing started
+        print(f"sess engine: {exc}", file=sys.stderr, flush=True)
+        return 1
     if failure is None:
         return 0
+    if nodes is not None and nodes.rank != 0:  # node 0 keeps the registry and reports the sessions
+        print(f"sess engine: {failure}; the engine stopped.", file=sys.stderr, flush=True)
+        return 1
     registry = Registry(sess_home(home))
     try:
         interrupted = registry.interrupt_live()
@@ -70,3 +83,31 @@ def follow_rank(
         follow(runtime, ranks)
     finally:
         ranks.close()
+
+
+def start_node(home: Path, host: str, port: int, device: str, extra: list[str], detach: bool) -> str:
+    """``sess engine up`` on a host other than node 0: its agent and ranks, in the foreground (this
+    process becomes the agent; it returns when they stop) or, with ``detach``, in the background
+    with their output in HOME/engine-node-K.log. What to print."""
+    import subprocess
+
+    from sess.engine.runtime.memory import engine_env, exec_as_engine
+    from sess.engine.sdk.local_engine import server_command
+    from sess.engine.server.serve import main
+
+    command = server_command(home, host, port, device, extra)
+    if detach:
+        log_path = home / f"engine-node-{extra[extra.index('--node-rank') + 1]}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env=engine_env(device=device),
+            )
+        return f"engine node started (agent pid {process.pid}, log {log_path}); node 0 serves the engine"
+    exec_as_engine(command, device)
+    main(command[3:])  # exits
+    return ""

@@ -418,3 +418,66 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _spread_phase(url: str, home) -> dict:
+    """A trained session's sample requests sent together, to its live weights and to a saved
+    sampler (more requests than ranks, of different sizes and seeds), then ``compute_logprobs``."""
+    svc = ServiceClient(url, home=home)
+    try:
+        tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5)
+        tok = tc.get_tokenizer()
+        tc.forward_backward([ce_datum(tok.encode(s)) for s in SENTENCES]).result()
+        tc.optim_step(ADAM).result()
+        live, saved = tc.create_sampling_client(), tc.save_weights_and_get_sampling_client(name="spread")
+        prompts = [tok.encode(s) for s in SENTENCES]
+        futures = [
+            client.sample(
+                prompt, num_samples=1 + i % 3, sampling_params=SamplingParams(max_tokens=8, seed=40 + i)
+            )
+            for i, (client, prompt) in enumerate(zip([live, saved] * 3, prompts))
+        ]
+        results = [f.result() for f in futures]
+        return {
+            "tokens": [[s.tokens for s in r.sequences] for r in results],
+            "logprobs": [[s.logprobs for s in r.sequences] for r in results],
+            "prompt_logprobs": saved.compute_logprobs(prompts[0]).result()[1:],
+            "health": requests_get_health(url),
+        }
+    finally:
+        svc.close()
+
+
+def requests_get_health(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/healthz", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_two_ranks_share_the_sample_requests_and_sample_like_one(tmp_path):
+    """Six sample requests at once on two ranks: each rank decodes some (whole requests), and every
+    request returns one rank's tokens and logprobs; each rank's KV cache holds only its rows."""
+    home = tmp_path / "home"
+    home.mkdir()
+    records = []
+    for nproc in ("1", "2"):
+        engine = start_engine(home, extra_args=["--nproc", nproc])
+        try:
+            records.append(_spread_phase(engine["url"], home))
+        finally:
+            stop_engine(home)
+    one, two = records
+    assert two["tokens"] == one["tokens"]
+    assert _max_diff(one["logprobs"], two["logprobs"]) < 1e-5
+    assert _max_diff(one["prompt_logprobs"], two["prompt_logprobs"]) < 1e-5
+    spread = two["health"]["sampling_ranks"]
+    assert all(rows > 0 for rows in spread["rows_decoded"]), spread
+    assert sum(spread["rows_decoded"]) == sum(len(t) for t in one["tokens"])
+    assert all(peak > 0 for peak in spread["peak_kv_cache_bytes"]), spread
+    assert "sampling_ranks" not in one["health"]
+    # the same bytes per row on each rank, so each holds only its share of what one rank would
+    per_row = [peak / rows for peak, rows in zip(spread["peak_kv_cache_bytes"], spread["rows_decoded"])]
+    assert max(per_row) == min(per_row), spread
+    assert max(spread["peak_kv_cache_bytes"]) < sum(spread["peak_kv_cache_bytes"]), spread
