@@ -118,14 +118,26 @@ def calibrate(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtyp
     return RowCounts(tuple(next(g for g in good if g >= m) for m in range(1, CHUNK + 1)), exact)
 
 
-def row_counts(
-    kernel: str, fn, in_features: int, out_features: int, x: torch.Tensor, bias: bool
-) -> RowCounts:
-    """The calibration of ``kernel`` at this shape, made on first use (``fn`` is the call itself)."""
+def _kernel(kernel: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
+    """The matmul ``kernel`` names, over ``weight`` (and ``bias``): a function of the rows."""
+    if kernel == "blas":
+        return lambda rows: F.linear(rows, weight, bias)
+    if kernel == "onednn packed":
+        weight = pack_weight(weight)
+    return lambda rows: _onednn_linear(rows, weight, bias)
+
+
+def row_counts(kernel: str, in_features: int, out_features: int, x: torch.Tensor, bias: bool) -> RowCounts:
+    """The calibration of ``kernel`` at this shape for inputs like ``x``, made on first use with a
+    random weight of the shape: the kernels follow the shape, not the values, and a real weight could
+    hide what they do (a fresh adapter's zero B gives exact zeros at any row count)."""
     key = (kernel, in_features, out_features, x.dtype, x.device.type, bias, torch.get_num_threads())
     found = _calibrated.get(key)
     if found is None:
-        found = _calibrated[key] = calibrate(fn, in_features, x.dtype, x.device)
+        gen = torch.Generator().manual_seed(2)
+        weight = torch.randn(out_features, in_features, generator=gen).to(device=x.device, dtype=x.dtype)
+        b = torch.randn(out_features, generator=gen).to(device=x.device, dtype=x.dtype) if bias else None
+        found = _calibrated[key] = calibrate(_kernel(kernel, weight, b), in_features, x.dtype, x.device)
     return found
 
 
@@ -189,41 +201,25 @@ def packed_linear(
     """``F.linear`` through oneDNN, each row computed as in any other batch; ``weight`` is a
     :func:`pack_weight` copy (its out features first), or with ``packed=False`` the [out, in]
     weight itself."""
-    out_features = weight.shape[0]
-
-    def fn(rows: torch.Tensor) -> torch.Tensor:
-        return _onednn_linear(rows, weight, bias)
-
     kernel = "onednn packed" if packed else "onednn"
-    counts = row_counts(kernel, fn, x.shape[-1], out_features, x, bias is not None)
-    return rowwise(fn, x, counts, out_features)
+    counts = row_counts(kernel, x.shape[-1], weight.shape[0], x, bias is not None)
+    return rowwise(lambda rows: _onednn_linear(rows, weight, bias), x, counts, weight.shape[0])
 
 
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (the BLAS), each row computed as in any other batch."""
-
-    def fn(rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, weight, bias)
-
-    counts = row_counts("blas", fn, x.shape[-1], weight.shape[0], x, bias is not None)
-    return rowwise(fn, x, counts, weight.shape[0])
+    counts = row_counts("blas", x.shape[-1], weight.shape[0], x, bias is not None)
+    return rowwise(lambda rows: F.linear(rows, weight, bias), x, counts, weight.shape[0])
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A LoRA matmul (weights that change, so never prepacked): through the BLAS where it is
     row-invariant at this shape, else through oneDNN where that is."""
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available()
-    if cpu_fp32 and not _counts_of("blas", x, weight).exact:
-        if _counts_of("onednn", x, weight).exact:
-            return packed_linear(x, weight, packed=False)
+    shape = (x.shape[-1], weight.shape[0], x, False)
+    if cpu_fp32 and not row_counts("blas", *shape).exact and row_counts("onednn", *shape).exact:
+        return packed_linear(x, weight, packed=False)
     return blas_linear(x, weight)
-
-
-def _counts_of(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> RowCounts:
-    def fn(rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, weight) if kernel == "blas" else _onednn_linear(rows, weight, None)
-
-    return row_counts(kernel, fn, x.shape[-1], weight.shape[0], x, False)
 
 
 @cache

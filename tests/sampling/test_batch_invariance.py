@@ -59,6 +59,10 @@ SCRIPT = textwrap.dedent(
     svc = ServiceClient("inproc", home={home!r})
     tc = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=3)
     tok = tc.get_tokenizer()
+    # sampled once while B is still zero: its LoRA terms are exact zeros at any row count, which
+    # must not pass for a row-invariant kernel
+    fresh = SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+    tc.create_sampling_client().sample(tok.encode("Hello there"), num_samples=3, sampling_params=fresh).result()
     for _ in range(3):  # moves B off zero: the LoRA terms now count in every logprob
         tc.forward_backward([tok.encode("The quick brown fox jumps over the lazy dog.")]).result()
         tc.optim_step(AdamParams(learning_rate=2e-2)).result()
@@ -88,7 +92,8 @@ def test_a_trained_adapter_samples_the_same_bits_alone_and_in_a_batch_under_a_ro
     """MKL's conditional-reproducibility mode makes its sgemm sum most row counts that are not
     multiples of 4 in another order, at any size (as some CPUs' default kernels do): one prompt
     with 16 seeds and 12 prompts, each alone and all together, on an adapter trained off its zero
-    init, give the same tokens and logprobs to the bit, and the engine reports invariance."""
+    init (and sampled once before, at zero), give the same tokens and logprobs to the bit, and the
+    engine reports invariance."""
     env = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
     script = SCRIPT.format(home=str(tmp_path / "home"))
     done = subprocess.run(
