@@ -128,7 +128,7 @@ class Worker:
             self.close()
             cause = self._root_cause()
             raise InvalidRequest(
-                f"base_model: vLLM cannot serve {self.model}: {event['message']}"
+                f"base_model: vLLM cannot serve {self.model}: {event['message'].rstrip('.')}"
                 + (f"; the cause: {cause}" if cause else "")
                 + f" (log: {self.log_path})"
             )
