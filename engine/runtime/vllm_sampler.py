@@ -128,7 +128,7 @@ class Worker:
             self.close()
             cause = self._root_cause()
             raise InvalidRequest(
-                f"base_model: vLLM cannot serve {self.model}: {event['message']}"
+                f"base_model: vLLM cannot serve {self.model}: {event['message'].rstrip('.')}"
                 + (f"; the cause: {cause}" if cause else "")
                 + f" (log: {self.log_path})"
             )
@@ -147,6 +147,9 @@ class Worker:
     def sample(self, request_id: str, job: SampleJob, lora: dict | None) -> None:
         params = job.params.to_wire()
         self._send(op="sample", id=request_id, prompt=job.prompt, n=job.num_samples, params=params, lora=lora)
+
+    def exited(self) -> SessError:
+        return SessError(f"the vLLM sampler's worker for {self.model} exited; see {self.log_path}")
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -183,11 +186,19 @@ class VllmBatch:
 
     def step(self, wait_s: float = 0.05) -> None:
         """Send waiting jobs; finish those the worker answered (waiting up to ``wait_s`` for one)."""
+        if self.worker.process.poll() is not None and self.worker.results.empty():
+            self.fail_all(self.worker.exited())
+            return
         for job, lora in self.waiting:
             request_id = str(next(self._ids))
             self.running[request_id] = (job, time.perf_counter())
-            self.worker.sample(request_id, job, lora)
-        self.waiting.clear()
+            try:
+                self.worker.sample(request_id, job, lora)
+            except (OSError, ValueError):  # its pipe is closed: the worker exited (answered below)
+                break
+        self.waiting = [
+            (j, lora) for j, lora in self.waiting if all(j is not r for r, _ in self.running.values())
+        ]
         try:
             message = self.worker.results.get(timeout=wait_s)
         except queue.Empty:
@@ -198,7 +209,7 @@ class VllmBatch:
                 message = self.worker.results.get_nowait()
             except queue.Empty:
                 return
-        self.fail_all(SessError("the vLLM sampler's worker exited; see " + str(self.worker.log_path)))
+        self.fail_all(self.worker.exited())
 
     def _finish(self, message: dict) -> None:
         job, started = self.running.pop(message["id"], (None, 0.0))

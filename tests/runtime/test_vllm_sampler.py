@@ -160,7 +160,11 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
         overrides += ["data.eval_size=2", "model.lora.rank=8"]
         env = {**os.environ, "SESS_HOME": str(home)}
         done = subprocess.run(
-            ["sess", "run", *overrides], env=env, capture_output=True, text=True, timeout=1800
+            [str(Path(sys.executable).parent / "sess"), "run", *overrides],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         (run_dir,) = (tmp_path / "runs").iterdir()
