@@ -17,6 +17,8 @@ sessions Interrupted when any host dies; another host's agent only reports.
 
 from __future__ import annotations
 
+import os
+
 import logging
 import sys
 from pathlib import Path
@@ -87,13 +89,12 @@ def follow_rank(
 
 def start_node(home: Path, host: str, port: int, device: str, extra: list[str], detach: bool) -> str:
     """``sess engine up`` on a host other than node 0: its agent and ranks, in the foreground (this
-    process becomes the agent; it returns when they stop) or, with ``detach``, in the background
+    process becomes the agent) or, with ``detach``, in the background
     with their output in HOME/engine-node-K.log. What to print."""
     import subprocess
 
-    from sess.engine.runtime.memory import engine_env, exec_as_engine
+    from sess.engine.runtime.memory import engine_env
     from sess.engine.sdk.local_engine import server_command
-    from sess.engine.server.serve import main
 
     command = server_command(home, host, port, device, extra)
     if detach:
@@ -108,6 +109,4 @@ def start_node(home: Path, host: str, port: int, device: str, extra: list[str], 
                 env=engine_env(device=device),
             )
         return f"engine node started (agent pid {process.pid}, log {log_path}); node 0 serves the engine"
-    exec_as_engine(command, device)
-    main(command[3:])  # exits
-    return ""
+    os.execve(command[0], command, engine_env(device=device))  # this process becomes the node's agent
