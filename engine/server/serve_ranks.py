@@ -17,9 +17,8 @@ sessions Interrupted when any host dies; another host's agent only reports.
 
 from __future__ import annotations
 
-import os
-
 import logging
+import os
 import sys
 from pathlib import Path
 
