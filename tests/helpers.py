@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -197,3 +198,16 @@ def assert_same_samples(svc, got, alone) -> None:
     for a, b in zip(got, alone):
         same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
         assert max((abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])), default=0) < 1e-5
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (reaping it first if it is this process's exited child)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 
-from helpers import SENTENCES, ce_datum
+from helpers import SENTENCES, ce_datum, process_alive
 
 STEPS = 3
 # A LoRA learning rate of the usual size. AdamW divides each element's gradient by its own size, so
@@ -274,11 +274,11 @@ def test_two_ranks_train_and_sample_like_one_and_a_dead_rank_interrupts(tmp_path
         two_sampled = _sample_checkpoint(two["url"], home, double["sampler"])
         os.kill(two["rank_pids"][1], signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and _alive(two["pid"]):
+        while time.monotonic() < deadline and process_alive(two["pid"]):
             time.sleep(0.2)
-        assert not _alive(two["pid"]), "the engine kept running with a dead rank"
+        assert not process_alive(two["pid"]), "the engine kept running with a dead rank"
     finally:
-        if _alive(two["pid"]):
+        if process_alive(two["pid"]):
             stop_engine(home)
     stopped = [
         line for line in (home / "engine.log").read_text().splitlines() if line.startswith("sess engine: ")
@@ -406,18 +406,6 @@ def test_nproc_beyond_the_cores_is_refused_naming_the_limit(tmp_path):
     assert done.returncode != 0
     assert f"this machine has {cores} CPU cores, so at most --nproc {cores}" in done.stderr
     assert not (tmp_path / "engine.json").exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _spread_phase(url: str, home) -> dict:

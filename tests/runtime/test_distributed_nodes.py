@@ -21,7 +21,7 @@ from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 
-from helpers import SENTENCES, ce_datum
+from helpers import SENTENCES, ce_datum, process_alive
 
 ADAM = AdamParams(learning_rate=2e-3, weight_decay=0.01, grad_clip_norm=1.0)
 PROMPT = "Two plus three"
@@ -162,18 +162,6 @@ def _max_diff(a, b) -> float:
     return abs(float(a) - float(b)) / max(1.0, abs(float(a)))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 def test_two_hosts_train_and_sample_like_one_rank_and_a_dead_host_interrupts(tmp_path, monkeypatch):
     """Node 1 and node 0 each started as `sess engine up --nnodes 2` would (one rank each, the same
@@ -200,11 +188,11 @@ def test_two_hosts_train_and_sample_like_one_rank_and_a_dead_host_interrupts(tmp
             assert all(rows > 0 for rows in double["spread"]["rows_decoded"]), double["spread"]
             os.killpg(node1.pid, signal.SIGKILL)  # the host's agent and its rank
             deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and _alive(two["pid"]):
+            while time.monotonic() < deadline and process_alive(two["pid"]):
                 time.sleep(0.2)
-            assert not _alive(two["pid"]), "node 0 kept serving without node 1"
+            assert not process_alive(two["pid"]), "node 0 kept serving without node 1"
         finally:
-            if _alive(two["pid"]):
+            if process_alive(two["pid"]):
                 stop_engine(home)
     finally:
         if node1.poll() is None:
