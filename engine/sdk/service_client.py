@@ -276,10 +276,11 @@ class ServiceClient:
         with self._tokenizer_lock:
             if base_model not in self._tokenizers:
                 files = self._call("tokenizer_files", rq.TokenizerFiles(base_model=base_model))
-                directory = Path(tempfile.mkdtemp(prefix="sess-tokenizer-"))
-                for name, text in files.items():
-                    (directory / Path(name).name).write_text(text)
-                self._tokenizers[base_model] = load_tokenizer(directory)
+                # the tokenizer reads its files once, at load: they need not outlive it
+                with tempfile.TemporaryDirectory(prefix="sess-tokenizer-") as directory:
+                    for name, text in files.items():
+                        (Path(directory) / Path(name).name).write_text(text)
+                    self._tokenizers[base_model] = load_tokenizer(directory)
             return self._tokenizers[base_model]
 
     def close(self) -> None:
