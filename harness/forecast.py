@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from sess.rl import rendering
 from sess.rl.data import Data
-from sess.rl.rollouts import DEFAULT_MAX_TURNS, MAX_OBSERVATION_TOKENS
+from sess.rl.rollout_workers import check_requeue_limit
+from sess.rl.rollouts import DEFAULT_MAX_TURNS, MAX_OBSERVATION_TOKENS, check_observation_cap
 from sess.tasks import sources
 
 ENV_LOOPS = ("grpo", "code_rl")
@@ -82,6 +83,10 @@ def _prompt_tokens(tok, make_env) -> tuple[int, bool]:
 def forecast(cfg, tok, data: Data | None = None) -> Forecast:
     """The upper bound of the run ``cfg`` (a resolved config), its prompts tokenized by ``tok``."""
     loop = cfg.loop
+    if loop.get("max_observation_tokens") is not None:  # the limits the bound rests on, checked first
+        check_observation_cap(loop.max_observation_tokens)
+    if loop.get("max_requeues") is not None:
+        check_requeue_limit(loop.max_requeues)
     data = data or sources.load(cfg.data, int(cfg.seed), cfg.grader)
     fc = Forecast()
     steps, batch = int(loop.steps), int(loop.batch_size)

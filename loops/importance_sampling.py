@@ -47,7 +47,7 @@ from sess.rl import drift, rollouts
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
-from sess.rl.rollout_workers import RolloutWorkers
+from sess.rl.rollout_workers import RolloutWorkers, check_requeue_limit
 
 LOSSES = ("importance_sampling", "cispo", "ppo", "dro")
 
@@ -85,8 +85,7 @@ def check(cfg: Config) -> None:
         raise ValueError(f"loop.stale_policy: expected requeue or discard, got {cfg.stale_policy!r}")
     if cfg.rollout_workers < 1 or cfg.max_steps_off_policy < 0:
         raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
-    if isinstance(cfg.max_requeues, bool) or not isinstance(cfg.max_requeues, int) or cfg.max_requeues < 0:
-        raise ValueError(f"loop.max_requeues: expected an integer >= 0, got {cfg.max_requeues!r}")
+    check_requeue_limit(cfg.max_requeues)
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"loop.max_turns: expected 1 or more, got {cfg.max_turns}")
     rollouts.check_observation_cap(cfg.max_observation_tokens)

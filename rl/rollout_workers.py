@@ -26,6 +26,12 @@ from .env import EnvFactory
 from .rollouts import Group, derive_seed
 
 
+def check_requeue_limit(value) -> None:
+    """Refuse a ``loop.max_requeues`` that is not an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"loop.max_requeues: expected an integer >= 0, got {value!r}")
+
+
 class RolloutWorkers:
     def __init__(
         self,

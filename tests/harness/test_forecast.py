@@ -16,7 +16,8 @@ from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.sdk.prices import billed_tokens
-from sess.harness.forecast import evaluations
+from sess.harness import config
+from sess.harness.forecast import evaluations, forecast
 from sess.harness.records import read_jsonl
 
 cli = CliRunner()
@@ -42,6 +43,20 @@ def priced(tmp_path_factory):
     info = start_engine(home, extra_args=["--prices", str(tmp / "prices.yaml")])
     yield {"home": home, "url": info["url"], "env": {"SESS_HOME": str(home)}}
     stop_engine(home)
+
+
+@pytest.mark.parametrize(
+    ("loop", "field", "bad"),
+    [
+        ("code_rl", "max_requeues", -1),
+        ("grpo", "max_observation_tokens", 0),
+        ("code_rl", "max_observation_tokens", -5),
+    ],
+)
+def test_the_limits_the_bound_rests_on_are_checked(loop, field, bad):
+    cfg = config.compose(["model=tiny-llama", f"loop={loop}", f"loop.{field}={bad}"])
+    with pytest.raises(ValueError, match=f"loop.{field}: expected an integer"):
+        forecast(cfg, tok=None)
 
 
 def test_evaluations_follow_the_runner():
