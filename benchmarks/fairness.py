@@ -9,6 +9,13 @@ most about one heavy op" can be read off the table. Target: with fair queues, th
 under the flood is at most about one heavy op plus its quiet latency; with arrival order it waits
 for the whole queue.
 
+The heavy op's time under the flood is not the time it takes alone when other work shares the
+machine, so each light op is also matched with the engine's own record of the ops (its registry:
+when each finished, how long it ran): how many heavy ops finished while it waited, and its latency
+over the engine time of the heavy op that was running when it was sent. A second table splits the
+fair queue's waits into that heavy op's remaining time, the light op's own engine time, and the
+rest (HTTP, queueing, recording).
+
     python benchmarks/fairness.py                         # tiny-llama, 50 x (8 x 512)
     python benchmarks/fairness.py --flood 20 --samples 5  # quicker
     (in arrival order each light op waits for the whole queue: --arrival-samples of them, 3 by default)
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import statistics
 import tempfile
 import threading
@@ -60,6 +68,32 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def behind(home: Path, op_id: str, called: float, latency: float) -> dict:
+    """What a light op sent at ``called`` (wall clock) waited behind, from the engine's registry: the
+    heavy ops that finished while it waited, the one running when it was sent, and its own time."""
+    db = sqlite3.connect(f"file:{home / 'registry.db'}?mode=ro", uri=True)
+    try:
+        finished, own = db.execute(
+            "SELECT finished, wall_time_s FROM operations WHERE id = ?", (op_id,)
+        ).fetchone()
+        heavy = db.execute(
+            "SELECT finished, wall_time_s FROM operations WHERE name = 'forward_backward' "
+            "AND finished > ? AND finished <= ? ORDER BY finished",
+            (called, finished),
+        ).fetchall()
+    finally:
+        db.close()
+    running = heavy[0] if heavy else (called, float("nan"))  # the first to finish ran when it came
+    remaining = running[0] - called
+    return {
+        "ops_behind": len(heavy),
+        "ratio": latency / running[1],
+        "remaining_s": remaining,
+        "own_s": own,
+        "rest_s": latency - own - (heavy[-1][0] - called if heavy else 0.0),
+    }
+
+
 def measure(policy: str, args) -> dict:
     home = Path(tempfile.mkdtemp(prefix=f"fairness-{policy}-"))
     keys = KeyStore(home)
@@ -94,12 +128,17 @@ def measure(policy: str, args) -> dict:
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
         time.sleep(2.0)  # the queue is full
-        loaded = []
+        loaded, sent = [], []
         for _ in range(args.samples if policy == "fair" else args.arrival_samples):
-            loaded.append(timed(lambda: light.forward(light_data).result()))
+            called = time.time()
+            future = light.forward(light_data)
+            future.result()
+            loaded.append(time.time() - called)
+            sent.append((future.operation_id, called, loaded[-1]))
             time.sleep(0.2)
         stop.set()  # the queued flood is dropped with the engine below, not waited for
-        return {"policy": policy, "heavy_s": heavy_s, "quiet": quiet, "loaded": loaded}
+        waits = [behind(home, op_id, called, latency) for op_id, called, latency in sent]
+        return {"policy": policy, "heavy_s": heavy_s, "quiet": quiet, "loaded": loaded, "waits": waits}
     finally:
         heavy_svc.close()
         light_svc.close()
@@ -129,6 +168,8 @@ def main() -> None:
         "light p50 flood",
         "light p95 flood",
         "p95 flood / heavy op",
+        "heavy ops behind, max",
+        "p95 of wait / heavy op running",
         title=f"light tenant's latency (s) while another key keeps {args.flood} x forward_backward "
         f"of {args.batch} x {args.length} tokens queued ({args.model})",
     )
@@ -141,8 +182,26 @@ def main() -> None:
             f"{percentile(r['loaded'], 50):.3f}",
             f"{percentile(r['loaded'], 95):.3f}",
             f"{percentile(r['loaded'], 95) / r['heavy_s']:.2f}",
+            str(max(w["ops_behind"] for w in r["waits"])),
+            f"{percentile([w['ratio'] for w in r['waits']], 95):.2f}",
         )
-    Console().print(table)
+    console = Console(width=170)
+    console.print(table)
+    fair = results[0]["waits"]
+    parts = Table(
+        "part of the wait (s)",
+        "p50",
+        "max",
+        title="where the light op's wait under the flood goes (fair queues)",
+    )
+    for key, label in (
+        ("remaining_s", "the heavy op running when it was sent, until it finished"),
+        ("own_s", "the light op's own engine time"),
+        ("rest_s", "the rest: HTTP, queueing, recording"),
+    ):
+        values = [w[key] for w in fair]
+        parts.add_row(label, f"{percentile(values, 50):.3f}", f"{max(values):.3f}")
+    console.print(parts)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,4 @@ def forecast_lines(cfg) -> dict[str, str]:
         prices = table.prices_for(cfg.model.base_model)
         pico = sum(getattr(fc, kind) * getattr(prices, kind) for kind in KINDS)
         lines["cost"] = f"at most {format_cost(pico)} {table.currency}"
-    for note in fc.notes:
-        lines.setdefault("assumes", note)
     return lines

@@ -7,27 +7,32 @@ taken for each request), and every sampled reply is taken at ``loop.max_tokens``
 - grpo and code_rl: ``batch_size`` groups, each one sample request
   (the prompt prefilled once, ``group_size`` replies sampled), further turns one request per episode
   (prefill: the episode so far); one ``forward_backward`` over every episode in full (trained).
-  code_rl samples ahead and requeues stale groups: counted as up to ``batch_size *
-  (max_steps_off_policy + 1)`` groups ahead plus each problem sampled at most twice.
+  code_rl samples ahead and resamples or drops stale groups, bounded by its config
+  (:meth:`sess.rl.rollout_workers.RolloutWorkers.take_fresh` proves it): with ``C = batch_size *
+  (max_steps_off_policy + 1)`` groups pending at most, at most ``steps * batch_size + (steps + 1) *
+  C`` groups, and with ``stale_policy=requeue`` also at most ``(steps * batch_size + C) *
+  (max_requeues + 1)``, whichever is less.
 - sft: ``batch_size`` rendered chats, trained. Other loops get no forecast yet.
 - evaluations (at the start, every ``eval_every`` steps, at the end): one greedy episode per held-out
   env (and ``eval_samples`` sampled ones), or a forward over the held-out chats.
 
 Turns: ``loop.max_turns`` where the loop has it; otherwise one for an env that offers no tools (the
 embedded arithmetic and GSM8K envs answer in one reply) and the rollouts' cap for the others. Later
-turns add an observation, bounded by ``OBSERVATION_TOKENS`` (an assumption: envs choose it).
+turns add an observation of at most ``loop.max_observation_tokens`` tokens (the rollouts' default
+where the loop has none): past it the rollouts end the episode (:mod:`sess.rl.rollouts`), so every
+figure here is a bound the run cannot exceed, not an estimate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sess.rl import rendering
 from sess.rl.data import Data
-from sess.rl.rollouts import DEFAULT_MAX_TURNS
+from sess.rl.rollout_workers import check_requeue_limit
+from sess.rl.rollouts import DEFAULT_MAX_TURNS, MAX_OBSERVATION_TOKENS, check_observation_cap
 from sess.tasks import sources
 
-OBSERVATION_TOKENS = 512
 ENV_LOOPS = ("grpo", "code_rl")
 
 
@@ -36,7 +41,6 @@ class Forecast:
     prefill: int = 0
     sampled: int = 0
     trained: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def usage(self) -> dict:
         """As the engine's usage counts a sample of it (forward's tokens as prefill)."""
@@ -56,13 +60,14 @@ def evaluations(steps: int, eval_every: int) -> int:
     return 2 + sum(1 for done in range(1, steps) if eval_every and done % eval_every == 0)
 
 
-def _episodes(fc: Forecast, prompt: int, members: int, max_tokens: int, turns: int) -> int:
-    """Add one group's sampling (``members`` episodes of at most ``turns`` replies); its longest episode."""
+def _episodes(fc: Forecast, prompt: int, members: int, max_tokens: int, turns: tuple[int, int]) -> int:
+    """Add one group's sampling (``members`` episodes of at most ``turns[0]`` replies, each later one
+    after an observation of at most ``turns[1]`` tokens); its longest episode."""
     fc.prefill += prompt
     fc.sampled += members * max_tokens
     longest = prompt + max_tokens
-    for _ in range(1, turns):
-        longest += OBSERVATION_TOKENS
+    for _ in range(1, turns[0]):
+        longest += turns[1]
         fc.prefill += members * longest
         fc.sampled += members * max_tokens
         longest += max_tokens
@@ -78,37 +83,43 @@ def _prompt_tokens(tok, make_env) -> tuple[int, bool]:
 def forecast(cfg, tok, data: Data | None = None) -> Forecast:
     """The upper bound of the run ``cfg`` (a resolved config), its prompts tokenized by ``tok``."""
     loop = cfg.loop
+    if loop.get("max_observation_tokens") is not None:  # the limits the bound rests on, checked first
+        check_observation_cap(loop.max_observation_tokens)
+    if loop.get("max_requeues") is not None:
+        check_requeue_limit(loop.max_requeues)
     data = data or sources.load(cfg.data, int(cfg.seed), cfg.grader)
     fc = Forecast()
     steps, batch = int(loop.steps), int(loop.batch_size)
     evals = evaluations(steps, int(cfg.get("eval_every") or 0))
     cap = loop.get("max_turns")
+    observation = int(loop.get("max_observation_tokens") or MAX_OBSERVATION_TOKENS)
     if loop.name in ENV_LOOPS:
         envs = data.need("envs", loop.name)
         group, max_tokens = int(loop.group_size), int(loop.max_tokens)
-        groups = steps * batch
-        if loop.name == "code_rl":
-            groups = 2 * groups + batch * (int(loop.max_steps_off_policy) + 1)
-            fc.notes.append("code_rl: each problem sampled at most twice (stale groups requeued)")
-        items = range(groups)
-        prompts = [_prompt_tokens(tok, envs.train(k)) for k in items]
+        samples = problems = steps * batch
+        if loop.name == "code_rl":  # sampled ahead (the pool's capacity), stale ones again or dropped
+            capacity = batch * (int(loop.max_steps_off_policy) + 1)
+            samples = problems = steps * batch + (steps + 1) * capacity
+            if loop.stale_policy == "requeue":  # a problem is sampled again, not a new one drawn
+                problems = steps * batch + capacity
+                samples = min(samples, problems * (int(loop.max_requeues) + 1))
+        prompts = [_prompt_tokens(tok, envs.train(k)) for k in range(problems)]
         prompt = max(p for p, _ in prompts)
         turns = int(cap) if cap else (DEFAULT_MAX_TURNS if any(t for _, t in prompts) else 1)
+        turns = (turns, observation)
         longest = 0
-        for _ in items:
+        for _ in range(samples):
             longest = _episodes(fc, prompt, group, max_tokens, turns)
         fc.trained += steps * batch * group * longest
         held = [_prompt_tokens(tok, make_env) for make_env in envs.held_out]
         if held:
             held_prompt = max(p for p, _ in held)
-            samples = 1 + int(cfg.get("eval_samples") or 0)
+            sampled = int(cfg.get("eval_samples") or 0)
             for _ in range(evals):
                 for _ in envs.held_out:
                     _episodes(fc, held_prompt, 1, max_tokens, turns)
-                    if samples > 1:
-                        _episodes(fc, held_prompt, samples - 1, max_tokens, turns)
-        if turns > 1:
-            fc.notes.append(f"{turns} turns, observations counted as {OBSERVATION_TOKENS} tokens at most")
+                    if sampled:
+                        _episodes(fc, held_prompt, sampled, max_tokens, turns)
         return fc
     if loop.name != "sft":
         raise ValueError(f"loop {loop.name}: forecasts cover sft, grpo and code_rl")
@@ -120,7 +131,7 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
     if data.envs is not None:  # the runner evaluates on envs when the data has them
         for make_env in data.envs.held_out:
             prompt, tools = _prompt_tokens(tok, make_env)
-            turns = int(cap) if cap else (DEFAULT_MAX_TURNS if tools else 1)
+            turns = (int(cap) if cap else (DEFAULT_MAX_TURNS if tools else 1), observation)
             for _ in range(evals):
                 _episodes(fc, prompt, 1, int(loop.max_tokens), turns)
     elif data.chats is not None:

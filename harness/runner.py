@@ -187,14 +187,13 @@ def env_evaluation(cfg: DictConfig, tc: TrainingClient, envs: list, done: int, t
     """The held-out episodes of a run of ``cfg`` after ``done`` steps, at most ``turns`` replies each:
     greedy, and ``eval_samples`` sampled answers a problem at the loop's temperature when set
     (:mod:`sess.rl.evaluation`)."""
-    loop = cfg.loop
+    loop, cap = cfg.loop, cfg.loop.get("max_observation_tokens")  # None: the rollouts' default
     seeds = [derive_seed(cfg.seed, "sample", done, i) for i in range(len(envs))]
-    metrics = evaluation.greedy_episodes(tc, envs, loop.max_tokens, seeds, turns)
+    metrics = evaluation.greedy_episodes(tc, envs, loop.max_tokens, seeds, turns, cap)
     if samples := cfg.eval_samples:
         seeds = [derive_seed(cfg.seed, "eval-sampled", i) for i in range(len(envs))]
-        metrics.update(
-            evaluation.sampled_episodes(tc, envs, loop.max_tokens, loop.temperature, samples, seeds, turns)
-        )
+        args = (loop.max_tokens, loop.temperature, samples, seeds, turns, cap)
+        metrics.update(evaluation.sampled_episodes(tc, envs, *args))
     return metrics
 
 

@@ -51,6 +51,7 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
@@ -62,6 +63,7 @@ def check(cfg: Config) -> None:
         raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
+    rollouts.check_observation_cap(cfg.max_observation_tokens)
 
 
 def train(
@@ -86,7 +88,14 @@ def train(
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
         groups_P = rollouts.rollout_groups(
-            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+            sc,
+            tok,
+            envs_P_G,
+            sampling,
+            seeds_P,
+            policy_step=step,
+            max_turns=cfg.max_turns,
+            max_observation_tokens=cfg.max_observation_tokens,
         )
         metrics = rollouts.batch_metrics(groups_P)
         # 2. Datums: group-relative advantages (a group whose rewards are all equal has no signal), each

@@ -7,8 +7,11 @@ wrong 0, unparseable ``-data.format_penalty``) and hand the group to the trainer
 policy's step. At most ``batch_size * (max_steps_off_policy + 1)`` groups are sampled ahead of the
 trainer. Each training step takes ``batch_size`` groups; a group sampled by policy step ``v`` at
 training step ``s`` is used when ``s - v <= max_steps_off_policy``, otherwise ``stale_policy`` says
-what happens to it: ``requeue`` (resample the same problem from the newest policy) or ``discard``.
-Each group's staleness ``s - v`` is recorded.
+what happens to it: ``requeue`` (resample the same problem from the newest policy, at most
+``max_requeues`` times: a problem resampled that often is used at its lag, which the loss's ratio
+corrects) or ``discard``. Each group's staleness ``s - v`` is recorded. The sampling this allows is
+bounded by the config (:meth:`sess.rl.rollout_workers.RolloutWorkers.take_fresh` says how), the
+bound ``sess run --dry-run`` forecasts.
 
 Advantages are group-relative (``A_g = r_g - mean(r)`` over the group, divided by ``std(r)`` with
 ``scale_by_std``); a group whose rewards are all equal has no signal and sends nothing. Two ways to
@@ -44,7 +47,7 @@ from sess.rl import drift, rollouts
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
-from sess.rl.rollout_workers import RolloutWorkers
+from sess.rl.rollout_workers import RolloutWorkers, check_requeue_limit
 
 LOSSES = ("importance_sampling", "cispo", "ppo", "dro")
 
@@ -62,12 +65,14 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
     loss: str = "importance_sampling"  # importance_sampling | cispo | ppo | dro
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
     scale_by_std: bool = False
     rollout_workers: int = 2  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
+    max_requeues: int = 1  # times a stale problem is resampled (requeue); then it is used at its lag
     stream: bool = False  # true: each group goes to forward_backward as soon as it is taken
 
 
@@ -80,8 +85,10 @@ def check(cfg: Config) -> None:
         raise ValueError(f"loop.stale_policy: expected requeue or discard, got {cfg.stale_policy!r}")
     if cfg.rollout_workers < 1 or cfg.max_steps_off_policy < 0:
         raise ValueError("loop.rollout_workers must be >= 1 and loop.max_steps_off_policy >= 0")
+    check_requeue_limit(cfg.max_requeues)
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"loop.max_turns: expected 1 or more, got {cfg.max_turns}")
+    rollouts.check_observation_cap(cfg.max_observation_tokens)
 
 
 def train(
@@ -109,6 +116,7 @@ def train(
         sampler=tc.save_weights_and_get_sampling_client(),
         policy_step=start_step,
         max_turns=cfg.max_turns,
+        max_observation_tokens=cfg.max_observation_tokens,
     )
     try:
         for step in range(start_step, cfg.steps):
@@ -118,7 +126,10 @@ def train(
             groups_P, staleness_P, stale, passes, datums = [], [], 0, [], []
             while len(groups_P) < cfg.batch_size:
                 group, lag, skipped = pool.take_fresh(
-                    step, cfg.max_steps_off_policy, requeue=cfg.stale_policy == "requeue"
+                    step,
+                    cfg.max_steps_off_policy,
+                    requeue=cfg.stale_policy == "requeue",
+                    max_requeues=cfg.max_requeues,
                 )
                 stale += skipped
                 groups_P.append(group)

@@ -46,6 +46,7 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
@@ -74,6 +75,7 @@ def train(
     start_step: int = 0,
 ) -> int:
     """Train steps ``start_step ..``; returns the number of steps done (``cfg.steps``)."""
+    rollouts.check_observation_cap(cfg.max_observation_tokens)
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
@@ -87,7 +89,14 @@ def train(
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
         groups_P = rollouts.rollout_groups(
-            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+            sc,
+            tok,
+            envs_P_G,
+            sampling,
+            seeds_P,
+            policy_step=step,
+            max_turns=cfg.max_turns,
+            max_observation_tokens=cfg.max_observation_tokens,
         )
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))

@@ -27,11 +27,14 @@ def greedy_episodes(
     max_tokens: int,
     seeds: list[int],
     max_turns: int | None = None,
+    max_observation_tokens: int | None = None,
 ) -> dict:
     """Mean reward and env metrics of one greedy episode per env, sampled from the session's weights
     (at most ``max_turns`` replies each; None: the rollouts' default)."""
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return _episode_metrics(tc, envs, greedy, seeds, max_turns, samples=1, prefix="eval/")
+    return _episode_metrics(
+        tc, envs, greedy, seeds, (max_turns, max_observation_tokens), samples=1, prefix="eval/"
+    )
 
 
 def sampled_episodes(
@@ -42,13 +45,16 @@ def sampled_episodes(
     samples: int,
     seeds: list[int],
     max_turns: int | None = None,
+    max_observation_tokens: int | None = None,
 ) -> dict:
     """The same means over ``samples`` episodes per env at ``temperature`` (``eval/sampled/...``)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    return _episode_metrics(tc, envs, params, seeds, max_turns, samples, prefix="eval/sampled/")
+    caps = (max_turns, max_observation_tokens)
+    return _episode_metrics(tc, envs, params, seeds, caps, samples, prefix="eval/sampled/")
 
 
-def _episode_metrics(tc, envs, params, seeds, max_turns, samples: int, prefix: str) -> dict:
+def _episode_metrics(tc, envs, params, seeds, caps, samples: int, prefix: str) -> dict:
+    """``caps``: the episodes' (max_turns, max_observation_tokens), None for the rollouts' default."""
     sc = tc.create_sampling_client()
     groups = rollouts.rollout_groups(
         sc,
@@ -56,7 +62,8 @@ def _episode_metrics(tc, envs, params, seeds, max_turns, samples: int, prefix: s
         [[make_env() for _ in range(samples)] for make_env in envs],
         params,
         seeds,
-        max_turns=max_turns,
+        max_turns=caps[0],
+        max_observation_tokens=caps[1],
     )
     episodes = [e for g in groups for e in g.episodes_G]  # an env that failed to open has none
     metrics = {}

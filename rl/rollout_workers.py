@@ -6,7 +6,7 @@ it is done, the group tagged with the policy's step. ``capacity`` bounds how man
 ahead of the trainer (the loops use ``batch_size * (max_steps_off_policy + 1)``), so a slow trainer
 does not let the workers run arbitrarily far ahead on old weights. The trainer ``take``s groups (``take_fresh``: no more than a given lag behind),
 ``publish``es each new policy and ``requeue``s a group that came back too stale, which samples that
-problem again (attempt + 1) from the newest policy. Problem k's attempt a samples with the seed
+problem again (attempt + 1) from the newest policy, up to a limit of resamples per problem. Problem k's attempt a samples with the seed
 (run seed, k, a). An error in a worker (the engine failed; envs' own errors stay in their episodes, see
 :mod:`.rollouts`) is raised in the trainer at its next ``take``.
 """
@@ -26,6 +26,12 @@ from .env import EnvFactory
 from .rollouts import Group, derive_seed
 
 
+def check_requeue_limit(value) -> None:
+    """Refuse a ``loop.max_requeues`` that is not an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"loop.max_requeues: expected an integer >= 0, got {value!r}")
+
+
 class RolloutWorkers:
     def __init__(
         self,
@@ -41,9 +47,11 @@ class RolloutWorkers:
         sampler,
         policy_step: int,
         max_turns: int | None = None,
+        max_observation_tokens: int | None = None,
     ):
         self.tok, self.envs, self.seed, self.group_size = tok, envs, seed, group_size
         self.sampling, self.max_turns = sampling, max_turns
+        self.max_observation_tokens = max_observation_tokens
         self.next_index = first_index
         self.requeued: deque[tuple[int, int]] = deque()
         self.policy = (policy_step, sampler)
@@ -81,15 +89,23 @@ class RolloutWorkers:
             self.room.release()
             return item
 
-    def take_fresh(self, step: int, max_lag: int, requeue: bool) -> tuple[Group, int, int]:
+    def take_fresh(self, step: int, max_lag: int, requeue: bool, max_requeues: int) -> tuple[Group, int, int]:
         """The next finished group sampled at most ``max_lag`` policy steps before ``step``, as
         ``(group, lag, stale)``: ``stale`` groups came back older and were requeued (``requeue``,
-        sampled again from the newest policy) or dropped on the way."""
+        sampled again from the newest policy) or dropped on the way.
+
+        ``max_requeues`` bounds the resampling: a problem already sampled again that many times is
+        taken at whatever lag it has. What the run samples is then bounded by its config (what ``sess
+        run --dry-run`` forecasts): problems are started only while fewer than ``capacity`` are
+        pending (sampling, done, or requeued), so each problem trained on, plus at most ``capacity``
+        left at the end, is sampled at most ``max_requeues + 1`` times; and since a group started
+        after policy ``s`` is published is fresh at step ``s``, each step takes at most ``capacity``
+        stale groups (the bound for ``discard``, which drops every stale group)."""
         stale = 0
         while True:
             k, attempt, group = self.take()
             lag = step - group.policy_step
-            if lag <= max_lag:
+            if lag <= max_lag or (requeue and attempt >= max_requeues):
                 return group, lag, stale
             stale += 1
             if requeue:
@@ -124,6 +140,7 @@ class RolloutWorkers:
                     [seed],
                     policy_step=policy_step,
                     max_turns=self.max_turns,
+                    max_observation_tokens=self.max_observation_tokens,
                 )
             except BaseException as exc:  # surfaced to the trainer at its next take()
                 self.errors.append(exc)

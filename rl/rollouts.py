@@ -20,6 +20,13 @@ finite number, leaves its episode with an ``error`` and no reward of its own: in
 stands at its group's mean, so it carries no advantage and is not trained on. An env whose
 ``initial_observation`` raises leaves an empty group with the ``error``. An env that ends its episode
 with a ``failure`` (a malformed tool call, a solution that hung) keeps the reward it gave.
+
+Observations are capped: the tokens between one reply and the next turn (end of turn, observation
+messages, the next generation prompt) may number at most ``max_observation_tokens`` (default
+:data:`MAX_OBSERVATION_TOKENS`, ``loop.max_observation_tokens``). An env that answers with more ends
+its episode there, as the turn cap does (its rewards so far stand), with a ``failure`` that says
+so. So an episode's length is bounded by its prompt, ``max_tokens`` per reply and the cap per
+observation, which is what ``sess run --dry-run`` forecasts.
 :func:`batch_metrics` counts both and keeps their reasons, which the loops record with the step.
 """
 
@@ -39,7 +46,14 @@ from . import rendering
 from .env import Env, Messages
 
 DEFAULT_MAX_TURNS = 16  # replies per episode when a loop sets no cap of its own
+MAX_OBSERVATION_TOKENS = 512  # tokens between a reply and the next turn, when a loop sets no cap
 STEP_THREADS = 8  # envs stepped at once within a rollout
+
+
+def check_observation_cap(value: Any) -> None:
+    """Refuse a ``loop.max_observation_tokens`` that is not a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"loop.max_observation_tokens: expected an integer >= 1, got {value!r}")
 
 
 def derive_seed(*parts: Any) -> int:
@@ -111,13 +125,16 @@ def rollout_groups(
     *,
     policy_step: int = 0,
     max_turns: int | None = None,
+    max_observation_tokens: int | None = None,
 ) -> list[Group]:
     """One episode per env; the envs of a group must open with the same observation and tools.
 
     ``params`` gives max_tokens and temperature per turn; an env still talking after ``max_turns``
-    replies (default :data:`DEFAULT_MAX_TURNS`) is cut off there (its rewards so far stand).
+    replies (default :data:`DEFAULT_MAX_TURNS`) is cut off there (its rewards so far stand), and so
+    is one whose observation is over ``max_observation_tokens`` (default :data:`MAX_OBSERVATION_TOKENS`).
     """
     max_turns = max_turns or DEFAULT_MAX_TURNS
+    cap = max_observation_tokens or MAX_OBSERVATION_TOKENS
     groups_P, live_P_G, futures_P = [], [], []
     for envs_G, seed in zip(envs_P_G, seeds_P):
         # First turn: one request per group; its G samples are the members' first replies.
@@ -146,7 +163,7 @@ def rollout_groups(
         # that go on get their observation and sample again.
         last = turn == max_turns
         with ThreadPoolExecutor(max(1, min(len(replies), STEP_THREADS))) as pool:
-            goes = list(pool.map(lambda r: _take_turn(tok, *r, last=last), replies))  # noqa: B023
+            goes = list(pool.map(lambda r: _take_turn(tok, *r, last=last, cap=cap), replies))  # noqa: B023
         going = [item for (item, _), go in zip(replies, goes) if go]
         if not going:
             break
@@ -162,7 +179,7 @@ def rollout_groups(
     return groups_P
 
 
-def _take_turn(tok, item: _Live, sequence, *, last: bool) -> bool:
+def _take_turn(tok, item: _Live, sequence, *, last: bool, cap: int) -> bool:
     """Append a sampled reply, let the env answer it, append its observation; True if the episode goes on."""
     episode = item.episode
     text = tok.decode(sequence.tokens, skip_special_tokens=True)
@@ -191,7 +208,14 @@ def _take_turn(tok, item: _Live, sequence, *, last: bool) -> bool:
     observation_T = rendering.observation_tokens(
         tok, episode.messages, result.observation, stop_text=stopped_on, tools=item.tools
     )
-    episode.messages += [{"role": "assistant", "content": text}, *result.observation]
+    episode.messages.append({"role": "assistant", "content": text})
+    if len(observation_T) > cap:  # the episode ends before an observation past the cap
+        episode.failure = (
+            f"observation of {len(observation_T)} tokens is over loop.max_observation_tokens={cap}: "
+            "episode ended before it"
+        )
+        return False
+    episode.messages += result.observation
     episode.tokens_T += observation_T
     episode.sampled_T += [False] * len(observation_T)
     episode.logprobs_T += [0.0] * len(observation_T)

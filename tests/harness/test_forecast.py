@@ -1,5 +1,6 @@
 """`sess run --dry-run`'s forecast is an upper bound: grpo, sft and code_rl runs on tiny-llama against a
-priced engine use at most the forecast tokens of each kind, and cost at most the forecast cost."""
+priced engine use at most the forecast tokens of each kind, and cost at most the forecast cost;
+code_rl also with every group sampled ahead going stale (requeued up to twice, or dropped)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.sdk.prices import billed_tokens
-from sess.harness.forecast import evaluations
+from sess.harness import config
+from sess.harness.forecast import evaluations, forecast
+from sess.harness.records import read_jsonl
 
 cli = CliRunner()
 PRICES = "currency: USD\nmodels:\n  default: {prefill: 0.7, sampled: 1.9, trained: 2.3}\n"
 TINY = ["model=tiny-llama", "data.eval_size=4", "loop.max_tokens=8", "loop.batch_size=2", "loop.steps=2"]
-LOOPS = {"sft": [], "grpo": ["loop.group_size=4"], "code_rl": ["loop.group_size=2", "loop.rollout_workers=2"]}
+CODE_RL = ["loop=code_rl", "loop.group_size=2", "loop.rollout_workers=2"]
+STALE = [*CODE_RL, "loop.max_steps_off_policy=0"]  # what the workers sample ahead goes stale
+LOOPS = {
+    "sft": ["loop=sft"],
+    "grpo": ["loop=grpo", "loop.group_size=4"],
+    "code_rl": CODE_RL,
+    "code_rl-requeue": [*STALE, "loop.max_requeues=2"],
+    "code_rl-discard": [*STALE, "loop.stale_policy=discard"],
+}
 FORECAST = re.compile(r"tokens: at most (\d+) \(prefill (\d+), sampled (\d+), trained (\d+)\)")
 
 
@@ -34,6 +45,20 @@ def priced(tmp_path_factory):
     stop_engine(home)
 
 
+@pytest.mark.parametrize(
+    ("loop", "field", "bad"),
+    [
+        ("code_rl", "max_requeues", -1),
+        ("grpo", "max_observation_tokens", 0),
+        ("code_rl", "max_observation_tokens", -5),
+    ],
+)
+def test_the_limits_the_bound_rests_on_are_checked(loop, field, bad):
+    cfg = config.compose(["model=tiny-llama", f"loop={loop}", f"loop.{field}={bad}"])
+    with pytest.raises(ValueError, match=f"loop.{field}: expected an integer"):
+        forecast(cfg, tok=None)
+
+
 def test_evaluations_follow_the_runner():
     assert evaluations(2, 10) == 2 and evaluations(20, 10) == 3 and evaluations(5, 0) == 2
 
@@ -41,9 +66,10 @@ def test_evaluations_follow_the_runner():
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_runs_usage_is_within_its_forecast(priced, tmp_path, loop):
     engine = ["engine=remote", f"engine.url={priced['url']}", f"runs_dir={tmp_path}"]
-    args = ["run", *TINY, f"loop={loop}", *LOOPS[loop], *engine]
+    args = ["run", *TINY, *LOOPS[loop], *engine]
     dry = cli.invoke(app, [*args, "--dry-run"], env=priced["env"])
     assert dry.exit_code == 0, dry.output
+    assert "assumes" not in dry.output  # a bound by construction, with no caveat
     total, prefill, sampled, trained = map(int, FORECAST.search(dry.output).groups())
     cost = Decimal(re.search(r"cost: at most ([0-9.]+) USD", dry.output).group(1))
     ran = cli.invoke(app, args, env=priced["env"])
@@ -65,4 +91,7 @@ def test_a_runs_usage_is_within_its_forecast(priced, tmp_path, loop):
         actual[k] <= v for k, v in (("prefill", prefill), ("sampled", sampled), ("trained", trained))
     ), (actual, dry.output)
     assert sum(actual.values()) <= total
+    if loop in ("code_rl-requeue", "code_rl-discard"):  # the stale groups this case is about happened
+        train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+        assert sum(r["stale_groups"] for r in train) > 0
     assert Decimal(usage["cost"]) <= cost and usage["currency"] == "USD"

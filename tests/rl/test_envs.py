@@ -171,3 +171,48 @@ def test_the_readme_environment_talks_over_several_turns(tmp_path, tok):
     (episode,) = group.episodes_G
     assert episode.turns == 2 and episode.reward == 1.0 and episode.metrics["solved"] == 1.0
     assert "higher" in episode.messages[2]["content"] or "lower" in episode.messages[2]["content"]
+
+
+class Verbose(Scripted):
+    """Scripted, with a follow-up question of ``words`` words."""
+
+    def __init__(self, words: int):
+        super().__init__()
+        self.words = words
+
+    def step(self, message):
+        result = super().step(message)
+        if not result.done:
+            text = "Now add 4. " + "And then some more. " * self.words
+            result = StepResult(result.reward, done=False, observation=[{"role": "user", "content": text}])
+        return result
+
+
+def test_an_observation_past_the_cap_ends_the_episode_before_it(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    first = encode(tok, "It is 3.") + [end]
+    params, prompt_T = (
+        SamplingParams(max_tokens=8),
+        rendering.prompt_tokens(tok, Scripted().initial_observation()),
+    )
+    sampler = ScriptedSampler([(first, "stop"), (encode(tok, "7"), "stop")])
+    (group,) = rollouts.rollout_groups(sampler, tok, [[Verbose(2)]], params, [3], max_observation_tokens=64)
+    (short,) = group.episodes_G
+    assert short.turns == 2 and not short.failure  # under the cap: the episode goes on
+    sampler = ScriptedSampler([(first, "stop")])
+    (group,) = rollouts.rollout_groups(sampler, tok, [[Verbose(200)]], params, [3], max_observation_tokens=64)
+    (long,) = group.episodes_G
+    assert long.tokens_T == prompt_T + first and len(sampler.prompts) == 1  # no observation, no turn 2
+    assert (long.turns, long.reward) == (1, 0.5)  # its reward so far stands
+    assert "max_observation_tokens=64" in long.failure and group.reasons == [long.failure]
+    assert long.messages[-1] == {"role": "assistant", "content": "It is 3."}
+    # The default cap applies where a loop sets none.
+    sampler = ScriptedSampler([(first, "stop")])
+    (group,) = rollouts.rollout_groups(sampler, tok, [[Verbose(400)]], params, [3])
+    assert f"={rollouts.MAX_OBSERVATION_TOKENS}:" in group.episodes_G[0].failure
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "64", 1.5])
+def test_a_bad_observation_cap_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="loop.max_observation_tokens"):
+        rollouts.check_observation_cap(bad)
