@@ -50,11 +50,12 @@ A CPU engine's OpenMP threads also wait passively (:data:`OPENMP`): between two 
 a thread of torch's OpenMP runtime (libgomp) otherwise spins for up to ~300,000 iterations before
 it sleeps. On a machine whose cores other processes use too, the spinning threads take the cores
 from the one thread that still has work, and every region waits out a scheduler slice: on 2 shared
-cores a sampler's 64-row matmul took 46 ms instead of 6.5 ms, and a tinker-cookbook multi-turn RL
-step (samples of 8 tokens, a training step of ~5,000 tokens) ~10 minutes instead of ~2. On an idle
-machine a sleeping thread wakes within microseconds, which a step of the sizes the engine runs
-does not notice. libgomp reads the policy when it loads (with torch), so it goes into the engine's
-environment too; an in-process engine keeps its process's own setting.
+cores a sampler's 64-row matmul took 46 ms instead of 6.5 ms, and tinker-cookbook's multi-turn
+``guess_number`` step (20 samples of 8 tokens, a training step of ~5,000 tokens) 580 s instead of
+~250 s, its samples 29 s instead of 7-10 s on average. Where the cores are free, a sleeping thread
+costs a wake-up (microseconds) per parallel region instead. libgomp reads the policy when it loads
+(with torch), so it goes into the engine's environment; an in-process engine keeps its process's own
+setting.
 """
 
 from __future__ import annotations
