@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sess.engine.runtime.memory import ENGINE_MALLOC, ONEDNN_CACHES, engine_env, jemalloc_library
+from sess.engine.runtime.memory import ENGINE_MALLOC, ONEDNN_CACHES, OPENMP, engine_env, jemalloc_library
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -187,8 +187,39 @@ def test_an_idle_executor_calls_its_idle_hook_once_per_quiet_spell(tmp_path):
 @linux
 def test_engine_process_starts_with_the_settings(http_engine):
     environ = open(f"/proc/{http_engine['pid']}/environ", "rb").read().split(b"\0")
-    for key, value in ENGINE_MALLOC.items():
+    for key, value in {**ENGINE_MALLOC, **OPENMP}.items():
         assert f"{key}={value}".encode() in environ
+
+
+# libgomp reports the spin count it runs with (torch's OpenMP on Linux; other runtimes say nothing)
+SPIN_PROBE = "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"
+
+
+def _spin_count(env: dict[str, str]) -> str | None:
+    out = subprocess.run(
+        [sys.executable, "-c", SPIN_PROBE],
+        env={**env, "OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    line = next((line for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line), None)
+    return line.split("=")[1].strip().strip("'") if line else None
+
+
+def test_an_engine_s_openmp_threads_sleep_instead_of_spinning():
+    """Between parallel regions libgomp's threads spin (300,000 iterations) before they sleep; on
+    shared cores the spinning takes the cores from the thread with work, and every region of a
+    sampler's prefill waited out a scheduler slice (a sample of 8 tokens took 30-60 s). An engine's
+    threads sleep at once; a user's own choice stays."""
+    plain = {k: v for k, v in os.environ.items() if k not in OPENMP and k != "GOMP_SPINCOUNT"}
+    default = _spin_count(plain)
+    if default is None:
+        pytest.skip("torch's OpenMP runtime is not libgomp: it does not report its spin count")
+    assert int(default) > 0
+    assert _spin_count(engine_env(plain)) == "0"
+    assert engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert not set(OPENMP) & set(engine_env({}, device="cuda"))
 
 
 @linux

@@ -159,7 +159,8 @@ def test_multi_turn_guess_number_recipe_through_tinker_base_url(cookbook, engine
         f"log_path={log}",
         "behavior_if_log_dir_exists=delete",
     ]
-    # a step trains on ~5,000 tokens (each turn carries the game so far): ~10 minutes on 2 busy cores
+    # a step samples 20 turns of 8 tokens and trains on ~5,000 tokens (each turn carries the game so
+    # far): ~4 minutes on 2 busy cores (load 9-14), plus ~5 for the cookbook's venv
     _run(cookbook, "multiplayer_rl.guess_number", url, key, *options, by_env=True, timeout=3600)
     metrics = _lines(log / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
