@@ -16,8 +16,8 @@ from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.runtime import catalog
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session_ops import create_session
-from sess.engine.runtime.vllm_sampler import VllmSampler
+from sess.engine.runtime.session_ops import create_session, delete_session
+from sess.engine.runtime.vllm_sampler import VllmBatch, VllmSampler
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
@@ -194,3 +194,26 @@ def test_a_rank_above_the_vllm_samplers_limit_is_refused_at_session_creation(ses
     with pytest.raises(InvalidRequest, match="^rank: 32 is above the vLLM sampler's limit of 16 "):
         create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=32))
     assert runtime.sessions == {} and runtime.vllm.workers == {}
+
+
+def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(sess_home):
+    """The vLLM sampler's exports of a live session go with the session: at once, or, for one a
+    request still running in the worker reads, when the worker answers it; another session's stay."""
+    runtime = Runtime(sess_home)
+    names = [
+        create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=4, seed=s))["name"]
+        for s in (1, 2)
+    ]
+    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=8)  # no worker started
+    gone, kept = (Path(runtime.vllm.lora(runtime, runtime.sessions[n], None)["path"]) for n in names)
+    assert (gone / "adapter_model.safetensors").is_file() and kept.is_dir()
+    delete = rq.DeleteSession(name=names[0], stop_if_active=True)
+    delete_session(runtime, "local", delete)
+    assert not gone.exists() and kept.is_dir()
+    # a request the worker still runs reads the kept session's export: removed when it is answered
+    batch = runtime.batches["tiny-llama"] = VllmBatch(runtime.vllm.workers.get("tiny-llama"))
+    batch.running["0"] = (None, 0.0, {"id": 1, "name": names[1], "path": str(kept)})
+    delete_session(runtime, "local", rq.DeleteSession(name=names[1], stop_if_active=True))
+    assert kept.is_dir()
+    batch._finish({"id": "0", "sequences": []})
+    assert not kept.exists() and not batch.doomed
