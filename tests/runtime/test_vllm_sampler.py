@@ -164,10 +164,20 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
             f"vLLM-CPU vs trainer over {len(diffs)} tokens: mean |dlogp| {mean_abs:.2e}, max {max(map(abs, diffs)):.2e}"
         )
         assert mean_abs < DRIFT_BOUND
+        # the same drift from the response itself: the trainer's logprobs next to vLLM's
+        asked = sc.sample(prompts[2], 4, hot, include_trainer_logprobs=True).result().sequences
+        assert [s.tokens for s in asked] == [s.tokens for s in first.sequences]
+        for seq in asked:  # the trainer's side is forward's
+            trainer = forward_logprobs(tc, prompts[2], seq.tokens)
+            assert max(abs(a - b) for a, b in zip(seq.trainer_logprobs, trainer)) < 1e-5
+        carried = [a - b for s in asked for a, b in zip(s.logprobs, s.trainer_logprobs)]
+        assert len(carried) == len(diffs) and sum(map(abs, carried)) / len(carried) < DRIFT_BOUND
+        assert sc.sample(prompts[2], 1, hot).result().sequences[0].trainer_logprobs is None
+        exported = list((home / "vllm" / "live").iterdir())  # the live session's, so far the only one
         # `sess run` GRPO with the engine's vLLM sampler records the drift each step
         overrides = ["loop=grpo", "model=smollm2-135m", "engine=local", f"runs_dir={tmp_path / 'runs'}"]
         overrides += ["loop.steps=3", "loop.batch_size=2", "loop.group_size=2", "loop.max_tokens=8"]
-        overrides += ["data.eval_size=2", "model.lora.rank=8"]
+        overrides += ["data.eval_size=2", "model.lora.rank=8", "loop.trainer_logprobs=true"]
         env = {**os.environ, "SESS_HOME": str(home)}
         done = subprocess.run(
             [str(Path(sys.executable).parent / "sess"), "run", *overrides],
@@ -183,6 +193,13 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
         for row in (r for r in rows if "drift/logprob_abs_diff" in r):
             print(f"grpo step {row['step']}: drift {row['drift/logprob_abs_diff']:.2e}")
             assert row["drift/logprob_abs_diff"] < DRIFT_BOUND, row
+        for row in rows:  # the drift at sampling, from the trainer logprobs the samples carried
+            print(f"grpo step {row['step']}: at sampling {row['drift/at_sampling/logprob_abs_diff']:.2e}")
+            assert row["drift/at_sampling/logprob_abs_diff"] < DRIFT_BOUND, row
+        # a deleted session's live exports go with it
+        assert exported and all(p.exists() for p in exported)
+        svc.delete_session(tc.name, stop_if_active=True)
+        assert not any(p.exists() for p in exported)
     finally:
         svc.close()
         stop_engine(home)
