@@ -6,7 +6,10 @@ P sample requests at once (K samples x T new tokens each, temperature 1, seeded)
 weights, a warm-up round first; it prints new tokens/s (best of the rounds), their ratio, whether
 the two engines sampled the same tokens, and each rank's KV cache peak as the engine reports it
 (``/healthz`` ``sampling_ranks``) against what one rank's cache held for all the rows (the same
-bytes per row, measured on the two-rank engine, times every row).
+bytes per row, measured on the two-rank engine, times every row). Then it sends ``compute_logprobs``
+of every sampled sequence (prompt + completion) at once, a warm-up round first, and prints the
+tokens scored per second (best of the rounds), their ratio, each rank's share of the requests and
+how far the two engines' logprobs are apart.
 
     python benchmarks/ranks_sampling.py                       # smollm2-135m, 8 x 4 x 32
     python benchmarks/ranks_sampling.py --model tiny-llama    # a quick check
@@ -66,12 +69,36 @@ def run(home: str, nproc: int, threads: int, args) -> dict:
             if round_:  # the first round warms up (calibration, prepacking)
                 rates.append(new / seconds)
             tokens = [[s.tokens for s in r.sequences] for r in results]
+        scored, scoring = _score(live, prompts, tokens, args.rounds)
         with urllib.request.urlopen(f"{engine['url']}/healthz", timeout=10) as response:
             health = json.loads(response.read())
         svc.close()
-        return {"rate": max(rates), "tokens": tokens, "ranks": health.get("sampling_ranks")}
+        return {
+            "rate": max(rates),
+            "tokens": tokens,
+            "ranks": health.get("sampling_ranks"),
+            "score_rate": scoring,
+            "scored": scored,
+        }
     finally:
         stop_engine(home)
+
+
+def _score(live, prompts, tokens, rounds: int) -> tuple[list, float]:
+    """``compute_logprobs`` of every sampled sequence (prompt + completion), all sent at once: the
+    logprobs, and the prompt tokens scored per second (best of ``rounds`` after a warm-up)."""
+    sequences = [p + t for p, row in zip(prompts, tokens) for t in row]
+    rates, scored = [], []
+    for round_ in range(rounds + 1):
+        started = time.perf_counter()
+        scored = [f.result() for f in [live.compute_logprobs(s) for s in sequences]]
+        if round_:
+            rates.append(sum(map(len, sequences)) / (time.perf_counter() - started))
+    return scored, max(rates)
+
+
+def _diff(a: list, b: list) -> float:
+    return max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p[1:], q[1:]))
 
 
 def main() -> None:
@@ -91,7 +118,7 @@ def main() -> None:
     table = Table(
         title=f"{args.model}: {args.prompts} requests x {args.samples} samples x {args.tokens} tokens"
     )
-    for column in ("engine", "new tokens/s", "ratio", "KV cache peak per rank"):
+    for column in ("engine", "new tokens/s", "ratio", "KV cache peak per rank", "scored tokens/s", "ratio"):
         table.add_column(column)
     spread = two["ranks"]
     rows = sum(spread["rows_decoded"]) // (args.rounds + 1)
@@ -100,12 +127,28 @@ def main() -> None:
     per_row = max(p * rounds / r for p, r in zip(spread["peak_kv_cache_bytes"], spread["rows_decoded"]) if r)
     peaks = ", ".join(f"{p / 1e6:.2f} MB" for p in spread["peak_kv_cache_bytes"])
     table.add_row(
-        "1 rank x 2 threads", f"{one['rate']:.1f}", "1.00", f"{rows * per_row / 1e6:.2f} MB (all {rows} rows)"
+        "1 rank x 2 threads",
+        f"{one['rate']:.1f}",
+        "1.00",
+        f"{rows * per_row / 1e6:.2f} MB (all {rows} rows)",
+        f"{one['score_rate']:.1f}",
+        "1.00",
     )
-    table.add_row("2 ranks x 1 thread", f"{two['rate']:.1f}", f"{two['rate'] / one['rate']:.2f}", peaks)
+    table.add_row(
+        "2 ranks x 1 thread",
+        f"{two['rate']:.1f}",
+        f"{two['rate'] / one['rate']:.2f}",
+        peaks,
+        f"{two['score_rate']:.1f}",
+        f"{two['score_rate'] / one['score_rate']:.2f}",
+    )
     Console().print(table)
     print(
         f"rows decoded per rank (all rounds): {spread['rows_decoded']}; same tokens: {one['tokens'] == two['tokens']}"
+    )
+    print(
+        f"compute_logprobs requests per rank (all rounds): {spread['logprob_requests']}; "
+        f"max |logprob difference| from one rank: {_diff(one['scored'], two['scored']):.1e}"
     )
 
 

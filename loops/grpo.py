@@ -52,6 +52,9 @@ class Config:
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
     max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
@@ -96,6 +99,7 @@ def train(
             policy_step=step,
             max_turns=cfg.max_turns,
             max_observation_tokens=cfg.max_observation_tokens,
+            trainer_logprobs=cfg.trainer_logprobs,
         )
         metrics = rollouts.batch_metrics(groups_P)
         # 2. Datums: group-relative advantages (a group whose rewards are all equal has no signal), each

@@ -66,6 +66,9 @@ class Config:
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
     max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     loss: str = "importance_sampling"  # importance_sampling | cispo | ppo | dro
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
     scale_by_std: bool = False
@@ -117,6 +120,7 @@ def train(
         policy_step=start_step,
         max_turns=cfg.max_turns,
         max_observation_tokens=cfg.max_observation_tokens,
+        trainer_logprobs=cfg.trainer_logprobs,
     )
     try:
         for step in range(start_step, cfg.steps):

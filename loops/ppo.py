@@ -47,6 +47,9 @@ class Config:
         None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
     )
     max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
@@ -97,6 +100,7 @@ def train(
             policy_step=step,
             max_turns=cfg.max_turns,
             max_observation_tokens=cfg.max_observation_tokens,
+            trainer_logprobs=cfg.trainer_logprobs,
         )
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))

@@ -9,6 +9,10 @@ extra pass: over the sampled tokens (sampler logprob or advantage non-zero), wit
 ``drift/kl_sample_train`` is mean d, the sampled estimate of KL(sampler || trainer). On-policy (GRPO, a
 PPO step's first minibatch) it measures the kernels alone; where sampling lags the weights
 (importance sampling) it includes the lag. The built-in sampler's drift is ~1e-6 (float32).
+
+The same two figures at sampling time, lag-free in every loop (``drift/at_sampling/...``), come from
+sample responses that carry the trainer's logprobs of their tokens (a loop's
+``trainer_logprobs=true`` asks for them: one more forward pass per sample, none when not asked).
 """
 
 from __future__ import annotations
@@ -35,3 +39,22 @@ def sample_train_drift(datums: list, loss_fn_outputs: list[dict]) -> dict[str, f
     if d.size == 0:
         return {}
     return {"drift/logprob_abs_diff": float(np.abs(d).mean()), "drift/kl_sample_train": float(d.mean())}
+
+
+def rollout_drift(episodes: list) -> dict[str, float]:
+    """``drift/at_sampling/logprob_abs_diff`` and ``drift/at_sampling/kl_sample_train`` over the sampled
+    tokens of the episodes that carry the trainer's logprobs of them (``Episode.trainer_logprobs``, from
+    the sample responses), against the sampler's; nothing when none does."""
+    diffs = []
+    for episode in episodes:
+        if not episode.trainer_logprobs:
+            continue
+        sampler = [lp for lp, sampled in zip(episode.logprobs_T, episode.sampled_T) if sampled]
+        diffs.append(_array(sampler) - _array(episode.trainer_logprobs))
+    if not diffs:
+        return {}
+    d = np.concatenate(diffs)
+    return {
+        "drift/at_sampling/logprob_abs_diff": float(np.abs(d).mean()),
+        "drift/at_sampling/kl_sample_train": float(d.mean()),
+    }

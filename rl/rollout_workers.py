@@ -48,9 +48,10 @@ class RolloutWorkers:
         policy_step: int,
         max_turns: int | None = None,
         max_observation_tokens: int | None = None,
+        trainer_logprobs: bool = False,
     ):
         self.tok, self.envs, self.seed, self.group_size = tok, envs, seed, group_size
-        self.sampling, self.max_turns = sampling, max_turns
+        self.sampling, self.max_turns, self.trainer_logprobs = sampling, max_turns, trainer_logprobs
         self.max_observation_tokens = max_observation_tokens
         self.next_index = first_index
         self.requeued: deque[tuple[int, int]] = deque()
@@ -141,6 +142,7 @@ class RolloutWorkers:
                     policy_step=policy_step,
                     max_turns=self.max_turns,
                     max_observation_tokens=self.max_observation_tokens,
+                    trainer_logprobs=self.trainer_logprobs,
                 )
             except BaseException as exc:  # surfaced to the trainer at its next take()
                 self.errors.append(exc)

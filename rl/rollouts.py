@@ -42,7 +42,7 @@ import numpy as np
 
 from sess.engine import Datum, SamplingClient, SamplingParams
 
-from . import rendering
+from . import drift, rendering
 from .env import Env, Messages
 
 DEFAULT_MAX_TURNS = 16  # replies per episode when a loop sets no cap of its own
@@ -73,6 +73,8 @@ class Episode:
     turns: int = 0
     error: str = ""  # the env raised or gave a non-finite reward: no reward, no advantage
     failure: str = ""  # the env ended the episode badly, and said why (its reward stands)
+    # the trainer's logprob of each sampled token, in order, when the rollout asked the sampler for it
+    trainer_logprobs: list[float] = field(default_factory=list)
 
     @classmethod
     def opening(cls, prompt_T: list[int], messages: Messages) -> Episode:
@@ -126,13 +128,18 @@ def rollout_groups(
     policy_step: int = 0,
     max_turns: int | None = None,
     max_observation_tokens: int | None = None,
+    trainer_logprobs: bool = False,
 ) -> list[Group]:
     """One episode per env; the envs of a group must open with the same observation and tools.
 
     ``params`` gives max_tokens and temperature per turn; an env still talking after ``max_turns``
     replies (default :data:`DEFAULT_MAX_TURNS`) is cut off there (its rewards so far stand), and so
     is one whose observation is over ``max_observation_tokens`` (default :data:`MAX_OBSERVATION_TOKENS`).
+    ``trainer_logprobs``: each sample request also asks for the trainer's logprobs of its tokens
+    (``include_trainer_logprobs``, one more forward pass each), which :func:`batch_metrics` turns
+    into the drift at sampling (:func:`.drift.rollout_drift`).
     """
+    asked = {"include_trainer_logprobs": True} if trainer_logprobs else {}
     max_turns = max_turns or DEFAULT_MAX_TURNS
     cap = max_observation_tokens or MAX_OBSERVATION_TOKENS
     groups_P, live_P_G, futures_P = [], [], []
@@ -154,7 +161,7 @@ def rollout_groups(
         episodes_G = [Episode.opening(prompt_T, first) for _ in envs_G]
         groups_P.append(Group(episodes_G, policy_step))
         live_P_G.append([_Live(e, env, tools, seed, g) for g, (e, env) in enumerate(zip(episodes_G, envs_G))])
-        futures_P.append(sc.sample(prompt_T, len(envs_G), replace(params, seed=seed)))
+        futures_P.append(sc.sample(prompt_T, len(envs_G), replace(params, seed=seed), **asked))
     replies = [
         (item, s) for live_G, f in zip(live_P_G, futures_P) for item, s in zip(live_G, f.result().sequences)
     ]
@@ -172,6 +179,7 @@ def rollout_groups(
                 item.episode.tokens_T,
                 1,
                 replace(params, seed=derive_seed(item.group_seed, item.member, turn)),
+                **asked,
             )
             for item in going
         ]
@@ -186,6 +194,8 @@ def _take_turn(tok, item: _Live, sequence, *, last: bool, cap: int) -> bool:
     episode.tokens_T += sequence.tokens
     episode.sampled_T += [True] * len(sequence.tokens)
     episode.logprobs_T += [float(x) for x in sequence.logprobs]
+    if getattr(sequence, "trainer_logprobs", None) is not None:
+        episode.trainer_logprobs += [float(x) for x in sequence.trainer_logprobs]
     episode.turns += 1
     try:
         result = item.env.step(text)
@@ -266,7 +276,8 @@ def group_datums(group: Group, batch_size: int, scale_by_std: bool = False) -> l
 
 def batch_metrics(groups_P: list[Group]) -> dict:
     """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode; the
-    count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines)."""
+    count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines);
+    the drift at sampling where the episodes carry the trainer's logprobs."""
     episodes = [e for g in groups_P for e in g.episodes_G]
     scored = [e for e in episodes if not e.error]
     metrics = {"reward/mean": float(np.mean([e.reward for e in scored])) if scored else 0.0}
@@ -281,6 +292,7 @@ def batch_metrics(groups_P: list[Group]) -> dict:
         )
         metrics["episodes/failed"] = sum(bool(e.failure) and not e.error for e in episodes)
         metrics["failures"] = list(dict.fromkeys(reasons))[:MAX_REASONS]
+    metrics.update(drift.rollout_drift(episodes))
     return metrics
 
 

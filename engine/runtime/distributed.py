@@ -16,7 +16,8 @@ Sampling runs on every rank with every weight gathered (:meth:`Ranks.full_weight
 all-gather every rank joins and keeps until the next followed op): rank 0 hands whole sample
 requests to the ranks and gathers back what they finished (:mod:`.distributed_sampling`); the
 sampler's batch invariance makes that exactly what one rank gives for the same seed.
-``compute_logprobs`` runs on rank 0 alone on the same gathered weights. Checkpoints
+``compute_logprobs`` requests waiting together are handed out the same way, whole, on the same
+gathered weights (:mod:`.distributed_logprobs`). Checkpoints
 (adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
 helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
 same files as one process writes, and loading one gives each rank its share.
@@ -106,6 +107,7 @@ class Ranks:
         self.modules: list[Any] = []  # every FSDP module of every base model, in load order
         self.adapters = AdapterShards(self)
         self.spreads: list = []  # rank 0: each base model's sample requests over the ranks (distributed_sampling)
+        self.scored = None  # rank 0: compute_logprobs requests and tokens per rank (distributed_logprobs)
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
@@ -248,8 +250,8 @@ class Ranks:
     def forget_forward_order(self) -> None:
         """Every rank, before a followed op: drop what FSDP2 recorded of the forward passes since the
         last backward pass. It prefetches a backward pass's all-gathers in the reverse order of the
-        forward passes it recorded, and rank 0 alone runs forward passes through the units (a
-        ``compute_logprobs`` on the gathered weights), so without this the ranks' next backward
+        forward passes it recorded, and ranks run forward passes through the units that the others do not
+        (``compute_logprobs`` requests on the gathered weights), so without this the ranks' next backward
         passes would prefetch different units and their all-gathers would not pair (rank 0 hung
         in an idle round's prefetch while rank 1 reduce-scattered)."""
         units = self.modules + [shard.unit for shard in self.adapters.shards.values()]

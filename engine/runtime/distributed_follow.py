@@ -4,7 +4,8 @@ Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner
 the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``; a follower keeps the whole
 weights, as rank 0 does, until a message that needs the shards), decode steps with the sample
 requests handed to each rank (``{"decode", "jobs"}``) and checkpoint adapters to load for them
-(``{"sampler"}``, :mod:`.distributed_sampling`), gathers of a session's whole
+(``{"sampler"}``, :mod:`.distributed_sampling`), ``compute_logprobs`` requests handed to each rank
+(``{"logprobs"}``, :mod:`.distributed_logprobs`), gathers of a session's whole
 adapter for a checkpoint it writes (``{"collect", "optimizer", "merge"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
 (:func:`session_snapshot`), so an op that rank 0 refuses (an unknown or stopped session, a name
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from sess.engine.runtime.checkpoint_ops import whole_adapter
 from sess.engine.runtime.distributed import RankFailed, Ranks
+from sess.engine.runtime.distributed_logprobs import follow_group
 from sess.engine.runtime.distributed_sampling import Decoding, load_sampler
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
@@ -77,6 +79,9 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
             return
         if "decode" in message:  # a decode step, with the sample requests this rank joins to it
             decoding.step(message)
+            continue
+        if "logprobs" in message:  # compute_logprobs requests, some of them this rank's
+            follow_group(runtime, message)
             continue
         if "sampler" in message:  # rank 0 loaded a checkpoint's adapter to sample from
             load_sampler(runtime, message)

@@ -303,6 +303,8 @@ class Executor:
                 idle = self._idle_due()
                 samples = self._ready.take(lambda op: op.name and OPS[op.name].kind is Kind.BATCHED)
                 op = self._ready.popleft() if self._ready else None
+                if op is not None and op.name == "compute_logprobs" and self.runtime.ranks is not None:
+                    op = [op, *self._ready.take(lambda other: other.name == "compute_logprobs")]
             if idle:
                 self._idle_since_work = True
                 try:
@@ -312,7 +314,9 @@ class Executor:
                 continue
             for sample in samples:
                 self._guarded(sample, self._start_sample)
-            if op is not None:
+            if isinstance(op, list):  # several ranks score them at once
+                self._score_over_ranks(op)
+            elif op is not None:
                 started = time.perf_counter()
                 self._guarded(op, self._execute)
                 with self._cv:  # the owner's share of the engine: what its next op waits behind
@@ -374,6 +378,32 @@ class Executor:
             self._forget_order(result["name"])
         op.usage = usage_of(op.request, result, time.perf_counter() - started)
         self._finish(op, result=result)
+
+    def _score_over_ranks(self, ops: list[Operation]) -> None:
+        """Several ranks: the ``compute_logprobs`` requests waiting together, split over the ranks
+        (:mod:`.distributed_logprobs`); each owner is charged its own requests' seconds."""
+        from sess.engine.runtime.distributed_logprobs import run_group
+
+        admitted = []
+        for op in ops:
+            try:
+                if not op.done.is_set():  # refused at submit: only its observers, below
+                    self.admit(op)
+                    admitted.append(op)
+                    continue
+            except SessError as exc:
+                op.finish(error=exc)
+            self._guarded(op, lambda _: None)
+        try:
+            outcomes = run_group(self.runtime, [(op.owner, op.request) for op in admitted])
+        except Exception as exc:  # a rank failed: every request of the group ends with it
+            error = exc if isinstance(exc, SessError) else internal_error(admitted[0], exc)
+            outcomes = [(None, error, 0.0)] * len(admitted)
+        for op, (result, error, seconds) in zip(admitted, outcomes):
+            op.usage = usage_of(op.request, result, seconds)
+            self._finish(op, result=result, error=error)
+            with self._cv:
+                self._ready.charge(op.owner, seconds)
 
     def _start_sample(self, op: Operation) -> None:
         def done(result, error, usage) -> None:

@@ -2,11 +2,14 @@
 
 A target is a live session's current weights, a checkpoint (its adapter loaded once and kept, LRU
 bounded) or a base model with no adapter. A sample request is checked at once and then finishes
-from the decode loop: its callback runs on the executor thread when its last row is done.
+from the decode loop: its callback runs on the executor thread when its last row is done. A request
+with ``include_trainer_logprobs`` gets the trainer's logprobs of its sampled tokens there, before
+it answers (:func:`add_trainer_logprobs`); without it, no extra pass.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
@@ -60,6 +63,11 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         )
 
     def finished(sequences, error) -> None:
+        if error is None and request.include_trainer_logprobs:
+            try:
+                job.seconds += add_trainer_logprobs(runtime, host, job.adapter, prompt, sequences)
+            except Exception as exc:  # this request fails (the executor names an engine bug), not the step
+                error = exc
         if error is not None:
             on_done(None, error, Usage(wall_time_s=job.seconds, operations=1))
             return
@@ -132,6 +140,24 @@ def _start_vllm_sample(
             topk = request.topk_prompt_logprobs or None
             job.prompt_result = prompt_logprobs(model, job.prompt, topk, runtime.memory_budget)
     runtime.vllm.batch(runtime.batches, host).submit(job, lora)
+
+
+def add_trainer_logprobs(
+    runtime: Runtime, host: ModelHost, adapter: str | None, prompt: list[int], sequences: list
+) -> float:
+    """Give each sampled sequence the trainer's logprobs of its tokens: one forward pass of prompt +
+    tokens through the training path (:func:`prompt_logprobs`, as ``compute_logprobs``), through
+    ``adapter`` as it is now. Runs on the executor thread as the request finishes, inside a decode
+    step, where the weights are gathered already (several ranks). Returns the seconds it took."""
+    started = time.perf_counter()
+    with host.activate(adapter) as model:
+        for sequence in sequences:
+            if not sequence.tokens:
+                sequence.trainer_logprobs = []
+                continue
+            logprobs, _ = prompt_logprobs(model, prompt + sequence.tokens, None, runtime.memory_budget)
+            sequence.trainer_logprobs = logprobs[len(prompt) :]
+    return time.perf_counter() - started
 
 
 def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) -> dict:

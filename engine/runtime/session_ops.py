@@ -195,6 +195,8 @@ def delete_session(runtime: Runtime, owner: str, request: rq.DeleteSession) -> d
         stop_session(runtime, owner, rq.SessionName(name=session.name))
     del runtime.sessions[session.name]
     checkpoint_ops.delete_checkpoints(runtime, session)
+    if runtime.vllm is not None:  # its live weights exported for vLLM
+        runtime.vllm.forget(session.name, runtime.batches)
     return session.summary()
 
 

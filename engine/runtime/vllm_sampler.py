@@ -5,7 +5,8 @@ Python of an environment that has it (``--sampler-python``) and spoken to in JSO
 (:mod:`.vllm_worker`). One worker per base model loads the model's directory once; each sampler
 version is a LoRA that vLLM loads from PEFT files by path: a checkpoint's own files, or, for a live
 session, its current adapter written to ``<home>/vllm/live/`` whenever its weights changed since the
-last such export. Training, ``forward`` and ``compute_logprobs`` stay with the engine's own model;
+last such export (the exports of a deleted session are removed with it, and those of an earlier
+engine run when the sampler starts). Training, ``forward`` and ``compute_logprobs`` stay with the engine's own model;
 prompt logprobs asked of a sample request come from it too.
 
 The worker's requests finish from the executor's decode loop like the built-in batch's do: a
@@ -169,7 +170,10 @@ class VllmBatch:
     def __init__(self, worker: Worker):
         self.worker = worker
         self.waiting: list[tuple[SampleJob, dict | None]] = []
-        self.running: dict[str, tuple[SampleJob, float]] = {}
+        # request id -> (job, started, LoRA); job None: failed here (its session stopped) while the
+        # worker still has it
+        self.running: dict[str, tuple[SampleJob | None, float, dict | None]] = {}
+        self.doomed: set[str] = set()  # LoRA directories to remove once no request in the worker reads them
         self._ids = itertools.count()
 
     @property
@@ -177,9 +181,17 @@ class VllmBatch:
         return bool(self.waiting or self.running)
 
     def adapters_in_use(self) -> set[str]:
-        return {j.adapter for j, _ in self.running.values() if j.adapter} | {
+        return {j.adapter for j, _, _ in self.running.values() if j and j.adapter} | {
             j.adapter for j, _ in self.waiting if j.adapter
         }
+
+    def paths_in_flight(self) -> set[str]:
+        return {lora["path"] for _, _, lora in self.running.values() if lora}
+
+    def _sweep(self) -> None:
+        for path in self.doomed - self.paths_in_flight():
+            remove_dir(path)
+            self.doomed.discard(path)
 
     def submit(self, job: SampleJob, lora: dict | None = None) -> None:
         self.waiting.append((job, lora))
@@ -191,13 +203,13 @@ class VllmBatch:
             return
         for job, lora in self.waiting:
             request_id = str(next(self._ids))
-            self.running[request_id] = (job, time.perf_counter())
+            self.running[request_id] = (job, time.perf_counter(), lora)
             try:
                 self.worker.sample(request_id, job, lora)
             except (OSError, ValueError):  # its pipe is closed: the worker exited (answered below)
                 break
         self.waiting = [
-            (j, lora) for j, lora in self.waiting if all(j is not r for r, _ in self.running.values())
+            (j, lora) for j, lora in self.waiting if all(j is not r for r, _, _ in self.running.values())
         ]
         try:
             message = self.worker.results.get(timeout=wait_s)
@@ -212,7 +224,8 @@ class VllmBatch:
         self.fail_all(self.worker.exited())
 
     def _finish(self, message: dict) -> None:
-        job, started = self.running.pop(message["id"], (None, 0.0))
+        job, started, _ = self.running.pop(message["id"], (None, 0.0, None))
+        self._sweep()
         if job is None:  # its request was failed meanwhile (its session stopped)
             return
         job.seconds = time.perf_counter() - started
@@ -226,15 +239,17 @@ class VllmBatch:
         job.on_done(job.results, None)
 
     def fail_all(self, error: BaseException) -> None:
-        for job, _ in [*self.running.values(), *self.waiting]:
-            job.on_done(None, error)
+        for job in [j for j, _, _ in self.running.values()] + [j for j, _ in self.waiting]:
+            if job is not None:
+                job.on_done(None, error)
         self.running.clear()
         self.waiting.clear()
+        self._sweep()
 
     def fail_adapter(self, adapter: str, error: BaseException) -> None:
-        for request_id, (job, _) in list(self.running.items()):
-            if job.adapter == adapter:
-                del self.running[request_id]  # the worker's answer is dropped when it comes
+        for request_id, (job, started, lora) in list(self.running.items()):
+            if job is not None and job.adapter == adapter:
+                self.running[request_id] = (None, started, lora)  # its answer is dropped when it comes
                 job.on_done(None, error)
         for job, lora in list(self.waiting):
             if job.adapter == adapter:
@@ -253,6 +268,7 @@ class VllmSampler:
         self.workers: dict[str, Worker] = {}
         self._lora_ids: dict[tuple, int] = {}  # (files, version) -> vLLM's LoRA id
         self._live: dict[str, list[tuple[tuple, Path]]] = {}  # session -> its exports, newest last
+        remove_dir(self.home / "vllm" / "live")  # an earlier engine's exports: no request reads them
 
     def check_session(self, host: ModelHost, lora: dict) -> None:
         """Refuse, at session creation, a session vLLM could not sample: a rank above the one the
@@ -300,6 +316,17 @@ class VllmSampler:
                 remove_dir(old)
             del exports[:-KEEP_LIVE]
         return self._lora(session.name, version, exports[-1][1])
+
+    def forget(self, session: str, batches: dict) -> None:
+        """Remove a deleted session's live exports: at once, or, where a request the worker still
+        runs reads one (the session was stopped while it sampled), once the worker answers it."""
+        vllm_batches = [b for b in batches.values() if isinstance(b, VllmBatch)]
+        for _, directory in self._live.pop(session, []):
+            holder = next((b for b in vllm_batches if str(directory) in b.paths_in_flight()), None)
+            if holder is None:
+                remove_dir(directory)
+            else:
+                holder.doomed.add(str(directory))
 
     def _lora(self, name: str, version: tuple, directory: Path) -> dict:
         key = (name, version)

@@ -218,6 +218,8 @@ class SampleRequest(Request):
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int | None = bounded(None, 1, 1024)
+    # each sequence also carries the trainer's logprobs of its tokens (``trainer_logprobs``)
+    include_trainer_logprobs: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,7 @@ class SamplingClient:
         *,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int | None = None,
+        include_trainer_logprobs: bool = False,
     ) -> APIFuture[SampleResponse]:
         """Sample ``num_samples`` completions of ``prompt``; the request joins the engine's decode batch.
 
@@ -66,6 +67,10 @@ class SamplingClient:
             sampling_params: max_tokens, temperature, top_p, top_k, seed, stop; None: defaults.
             include_prompt_logprobs: also return each prompt token's logprob.
             topk_prompt_logprobs: also return the k most likely tokens at each prompt position.
+            include_trainer_logprobs: each sequence also carries ``trainer_logprobs``: the trainer's
+                logprob of each sampled token (one forward pass of prompt + tokens through the
+                training path, on the target's weights when the request finishes), next to the
+                sampler's ``logprobs``; what the two differ by is the sampler's drift.
 
         Returns:
             A future of a :class:`SampleResponse`: each sequence's tokens, logprobs and stop reason."""
@@ -76,6 +81,7 @@ class SamplingClient:
             sampling_params=sampling_params or SamplingParams(),
             include_prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            include_trainer_logprobs=include_trainer_logprobs,
         )
         request.check()
         return self.service._submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)

@@ -302,8 +302,11 @@ class OptimStepResponse:
 @dataclass
 class SampledSequence:
     tokens: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # the sampler's logprob of each token
     stop_reason: str  # "stop" | "length"
+    # asked for (``include_trainer_logprobs``): the trainer's logprob of each token, from one forward
+    # pass of prompt + tokens through the training path; absent from the wire otherwise
+    trainer_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -313,7 +316,11 @@ class SampleResponse:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        wire = asdict(self)
+        for sequence in wire["sequences"]:
+            if sequence["trainer_logprobs"] is None:
+                del sequence["trainer_logprobs"]
+        return wire
 
     @classmethod
     def from_wire(cls, wire: dict) -> SampleResponse:

