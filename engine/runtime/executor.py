@@ -20,57 +20,25 @@ import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.fair_queue import ReadyQueue
+from sess.engine.runtime.operation import Operation, internal_error
 from sess.engine.runtime.ops import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
+from sess.engine.runtime.session_order import SequenceOrder
 from sess.engine.runtime.usage import session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.requests import Request
 from sess.engine.sdk.types import Usage
 
 log = logging.getLogger("sess.engine")
 T = TypeVar("T")
-SEQUENCE_WAIT_S = 120.0  # how long an op may wait for an earlier sequence number to arrive
 KEEP_RESULTS = 20_000
 
 
-@dataclass
-class Operation:
-    id: str
-    owner: str
-    name: str  # a key of OPS, or "" for a callable of the engine's own (``run``)
-    request: Request | None = None
-    session: str | None = None
-    seq: int | None = None
-    fn: Callable[[Runtime], Any] | None = None  # ``run``'s callable: never built from client input
-    created: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: SessError | None = None
-    usage: Usage | None = None  # what it cost: tokens and engine seconds (see usage.py)
-    refused: bool = False  # its request was refused on reading, before it was queued
-    saved: str | None = None  # a stop_session's state save, made before the session stopped
-
-    def finish(self, result: Any = None, error: SessError | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
-
-
-def internal_error(op: Operation, exc: BaseException) -> SessError:
-    """A 500 naming what failed inside the engine (a bug of its own, not the client's input); the
-    traceback goes to the engine's log."""
-    log.error("op %s failed:\n%s", op.name or "internal", "".join(traceback.format_exception(exc)))
-    return SessError(
-        f"{op.name or 'internal op'} failed inside the engine: {type(exc).__name__}: {exc}", status=500
-    )
-
-
-class Executor:
+class Executor(SequenceOrder):
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
 
@@ -236,43 +204,6 @@ class Executor:
         if op.error is not None:
             raise op.error
         return op.result
-
-    def _order(self, op: Operation) -> None:
-        expected = self._next_seq.get(op.session, 1)
-        if op.seq < expected or op.seq in self._parked.get(op.session, {}):
-            raise InvalidRequest(
-                f"seq: sequence number {op.seq} of session {op.session!r} was already used "
-                f"(next expected {expected}); resubmit with the same client token to fetch its result",
-                status=409,
-            )
-        parked = self._parked.setdefault(op.session, {})
-        parked[op.seq] = op
-        while expected in parked:
-            self._ready.append(parked.pop(expected))
-            expected += 1
-        self._next_seq[op.session] = expected
-
-    def _forget_order(self, session: str) -> None:
-        """A deleted session's ordering ends with it: a new session of the same name starts at
-        sequence number 1, and ops still parked for the old one are refused."""
-        with self._cv:
-            self._next_seq.pop(session, None)
-            parked = self._parked.pop(session, {})
-        for op in parked.values():
-            self._finish(op, error=NotFound(f"session {session!r} was deleted before op {op.seq} could run"))
-
-    def _expire_parked(self) -> None:
-        now = time.monotonic()
-        for session, parked in self._parked.items():
-            for seq, op in list(parked.items()):
-                if now - op.created > SEQUENCE_WAIT_S:
-                    del parked[seq]
-                    expected = self._next_seq.get(session, 1)
-                    error = InvalidRequest(
-                        f"seq: op {seq} of session {session!r} waited for {expected}, which never arrived",
-                        status=409,
-                    )
-                    self._finish(op, error=error)
 
     def _remember(self, op: Operation, client_token: str | None) -> None:
         self._ops[op.id] = op
