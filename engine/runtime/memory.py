@@ -46,16 +46,16 @@ and on glibc between the phases of a training op's micro-batches where the op's 
 grown past its memory budget, and always between a checkpointed micro-batch's, whose long datum's
 blocks fit the holes earlier steps left badly (``training_ops._Heap``).
 
-A CPU engine's OpenMP threads also wait passively (:data:`OPENMP`): between two parallel regions
-a thread of torch's OpenMP runtime (libgomp) otherwise spins for up to ~300,000 iterations before
-it sleeps. On a machine whose cores other processes use too, the spinning threads take the cores
-from the one thread that still has work, and every region waits out a scheduler slice: on 2 shared
-cores a sampler's 64-row matmul took 46 ms instead of 6.5 ms, and tinker-cookbook's multi-turn
-``guess_number`` step (20 samples of 8 tokens, a training step of ~5,000 tokens) 580 s instead of
-~250 s, its samples 29 s instead of 7-10 s on average. Where the cores are free, a sleeping thread
-costs a wake-up (microseconds) per parallel region instead. libgomp reads the policy when it loads
-(with torch), so it goes into the engine's environment; an in-process engine keeps its process's own
-setting.
+A CPU engine's OpenMP threads also spin less (:data:`OPENMP`). Between two parallel regions a
+thread of torch's OpenMP runtime (libgomp) spins for up to ~300,000 iterations before it sleeps. On
+cores that other processes use too (a loop's own client, a test run, a shared host), the spinning
+threads take the cores from the one thread that still has work, and every region can wait out a
+scheduler slice. Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) is the other extreme: each region
+then pays a wake-up, which on free cores costs a decode step more than the spinning saves. A short
+spin keeps the speed of free cores and most of the gain on shared ones (the figures:
+benchmarks/README.md, "The engine's OpenMP spin"). A user's own ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` wins. libgomp reads them when it loads (with torch), so they go into the engine's
+environment; an in-process engine keeps its process's own setting.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ _MALLOPT = ((-8, 1), (-3, MMAP_FROM), (-1, KEEP))
 # entries each of oneDNN's primitive caches keeps (torch's ideep, oneDNN's own); both read at first use
 ONEDNN_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 
-# OpenMP threads sleep at once when they run out of work instead of spinning (libgomp reads it at load)
-OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+# spins of an OpenMP thread out of work before it sleeps (libgomp reads it at load; its own default
+# is 300,000, PASSIVE is 0); set unless the user set either variable
+OPENMP = {"GOMP_SPINCOUNT": "3000"}
+OPENMP_USER = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 # jemalloc (SESS_MALLOC=jemalloc): freed pages go back after ~2 s, by its own thread, and at once
 # (muzzy 0: not lazily with MADV_FREE, which would leave them counted in the engine's RSS)
@@ -123,13 +125,12 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
     """The environment for an engine process on ``device``: ``base`` (default: this process's)
     plus the malloc settings above, unless turned off, already set, or the engine is not on CPU.
     With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing). A
-    CPU engine's oneDNN caches are capped (:data:`ONEDNN_CACHES`) and its OpenMP threads wait
-    passively (:data:`OPENMP`) whatever its malloc."""
+    CPU engine's oneDNN caches are capped (:data:`ONEDNN_CACHES`) and its OpenMP threads spin
+    briefly (:data:`OPENMP`) whatever its malloc."""
     env = dict(os.environ if base is None else base)
     _cap_onednn(env, device)
-    if device == "cpu":
-        for key, value in OPENMP.items():
-            env.setdefault(key, value)
+    if device == "cpu" and not any(key in env for key in OPENMP_USER):
+        env.update(OPENMP)
     malloc = _engine_malloc(env, device)
     if malloc == "jemalloc":
         library = jemalloc_library()

@@ -9,7 +9,14 @@ import sys
 import pytest
 import torch
 
-from sess.engine.runtime.memory import ENGINE_MALLOC, ONEDNN_CACHES, OPENMP, engine_env, jemalloc_library
+from sess.engine.runtime.memory import (
+    ENGINE_MALLOC,
+    ONEDNN_CACHES,
+    OPENMP,
+    OPENMP_USER,
+    engine_env,
+    jemalloc_library,
+)
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -207,18 +214,20 @@ def _spin_count(env: dict[str, str]) -> str | None:
     return line.split("=")[1].strip().strip("'") if line else None
 
 
-def test_an_engine_s_openmp_threads_sleep_instead_of_spinning():
+def test_an_engine_s_openmp_threads_spin_briefly():
     """Between parallel regions libgomp's threads spin (300,000 iterations) before they sleep; on
-    shared cores the spinning takes the cores from the thread with work, and every region of a
-    sampler's prefill waited out a scheduler slice (a sample of 8 tokens took 30-60 s). An engine's
-    threads sleep at once; a user's own choice stays."""
-    plain = {k: v for k, v in os.environ.items() if k not in OPENMP and k != "GOMP_SPINCOUNT"}
+    shared cores the spinning takes the cores from the thread with work. An engine's threads spin
+    :data:`OPENMP`'s count, a short one; a user's own policy or count stays."""
+    plain = {k: v for k, v in os.environ.items() if k not in OPENMP_USER}
     default = _spin_count(plain)
     if default is None:
         pytest.skip("torch's OpenMP runtime is not libgomp: it does not report its spin count")
-    assert int(default) > 0
-    assert _spin_count(engine_env(plain)) == "0"
+    assert int(default) > int(OPENMP["GOMP_SPINCOUNT"]) > 0
+    assert _spin_count(engine_env(plain)) == OPENMP["GOMP_SPINCOUNT"]
+    assert _spin_count(engine_env({**plain, "OMP_WAIT_POLICY": "PASSIVE"})) == "0"
     assert engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in engine_env({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert engine_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
     assert not set(OPENMP) & set(engine_env({}, device="cuda"))
 
 
