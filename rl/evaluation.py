@@ -32,9 +32,8 @@ def greedy_episodes(
     """Mean reward and env metrics of one greedy episode per env, sampled from the session's weights
     (at most ``max_turns`` replies each; None: the rollouts' default)."""
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return _episode_metrics(
-        tc, envs, greedy, seeds, (max_turns, max_observation_tokens), samples=1, prefix="eval/"
-    )
+    caps = {"max_turns": max_turns, "max_observation_tokens": max_observation_tokens}
+    return _episode_metrics(tc, envs, greedy, seeds, caps, samples=1, prefix="eval/")
 
 
 def sampled_episodes(
@@ -49,12 +48,12 @@ def sampled_episodes(
 ) -> dict:
     """The same means over ``samples`` episodes per env at ``temperature`` (``eval/sampled/...``)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    caps = (max_turns, max_observation_tokens)
+    caps = {"max_turns": max_turns, "max_observation_tokens": max_observation_tokens}
     return _episode_metrics(tc, envs, params, seeds, caps, samples, prefix="eval/sampled/")
 
 
 def _episode_metrics(tc, envs, params, seeds, caps, samples: int, prefix: str) -> dict:
-    """``caps``: the episodes' (max_turns, max_observation_tokens), None for the rollouts' default."""
+    """``caps``: the rollouts' ``max_turns`` and ``max_observation_tokens`` (None: their default)."""
     sc = tc.create_sampling_client()
     groups = rollouts.rollout_groups(
         sc,
@@ -62,8 +61,7 @@ def _episode_metrics(tc, envs, params, seeds, caps, samples: int, prefix: str) -
         [[make_env() for _ in range(samples)] for make_env in envs],
         params,
         seeds,
-        max_turns=caps[0],
-        max_observation_tokens=caps[1],
+        **caps,
     )
     episodes = [e for g in groups for e in g.episodes_G]  # an env that failed to open has none
     metrics = {}

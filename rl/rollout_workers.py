@@ -23,13 +23,12 @@ from sess.engine import SamplingParams
 from . import rollouts
 from .data import Dataset
 from .env import EnvFactory
-from .rollouts import Group, derive_seed
+from .rollouts import Group, check_count, derive_seed
 
 
 def check_requeue_limit(value) -> None:
     """Refuse a ``loop.max_requeues`` that is not an integer >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"loop.max_requeues: expected an integer >= 0, got {value!r}")
+    check_count("loop.max_requeues", value, 0)
 
 
 class RolloutWorkers:

@@ -50,10 +50,15 @@ MAX_OBSERVATION_TOKENS = 512  # tokens between a reply and the next turn, when a
 STEP_THREADS = 8  # envs stepped at once within a rollout
 
 
+def check_count(name: str, value: Any, least: int) -> None:
+    """Refuse a config value ``name`` that is not an integer of at least ``least`` (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+
+
 def check_observation_cap(value: Any) -> None:
     """Refuse a ``loop.max_observation_tokens`` that is not a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"loop.max_observation_tokens: expected an integer >= 1, got {value!r}")
+    check_count("loop.max_observation_tokens", value, 1)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -194,7 +199,7 @@ def _take_turn(tok, item: _Live, sequence, *, last: bool, cap: int) -> bool:
     episode.tokens_T += sequence.tokens
     episode.sampled_T += [True] * len(sequence.tokens)
     episode.logprobs_T += [float(x) for x in sequence.logprobs]
-    if getattr(sequence, "trainer_logprobs", None) is not None:
+    if sequence.trainer_logprobs is not None:
         episode.trainer_logprobs += [float(x) for x in sequence.trainer_logprobs]
     episode.turns += 1
     try:

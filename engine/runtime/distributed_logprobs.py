@@ -44,7 +44,7 @@ class Scored:
 
 
 def scored(ranks: Ranks) -> Scored:
-    if getattr(ranks, "scored", None) is None:
+    if ranks.scored is None:
         ranks.scored = Scored(ranks.world)
     return ranks.scored
 
