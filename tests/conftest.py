@@ -46,6 +46,15 @@ def svc(request, sess_home):
     client.close()
 
 
+@pytest.fixture()
+def tc(svc):
+    """A fresh LoRA session on tiny-llama (rank 8, alpha 16, seed 0) over each transport; a test file
+    that needs another session defines its own ``tc``."""
+    client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=0)
+    yield client
+    client.stop()
+
+
 @pytest.fixture(scope="session")
 def runtime(svc):
     """The in-process runtime behind ``svc``: lets tests read gradients the SDK does not expose."""

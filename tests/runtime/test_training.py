@@ -21,13 +21,6 @@ from helpers import (
 )
 
 
-@pytest.fixture()
-def tc(svc):
-    client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=0)
-    yield client
-    client.stop()
-
-
 def test_sft_loss_halves_within_30_steps(tc):
     tok = tc.get_tokenizer()
     data = [ce_datum(tok.encode(s)) for s in SENTENCES[:4]]

@@ -24,13 +24,6 @@ from helpers import (
 )
 
 
-@pytest.fixture()
-def tc(svc):
-    client = svc.create_lora_training_client("tiny-llama", rank=8, alpha=16, seed=0)
-    yield client
-    client.stop()
-
-
 def gspo_reference(lp: torch.Tensor, x: dict[str, torch.Tensor], lo: float, hi: float) -> torch.Tensor:
     """GSPO-token as Tinker's documentation writes it, for one sequence."""
     marks = x.get("sequence_ratio_mask", x["advantages"])
