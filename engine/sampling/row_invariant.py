@@ -174,6 +174,8 @@ def rowwise(fn, x: torch.Tensor, counts: RowCounts, out_features: int) -> torch.
     flat = x.reshape(rows, x.shape[-1])
     if not flat.is_contiguous() or flat.data_ptr() % 64:  # as calibrated: dense, aligned rows
         flat = flat.clone(memory_format=torch.contiguous_format)
+    if 0 < rows <= CHUNK and counts.padded[rows - 1] == rows:  # one call as it is (most decode steps)
+        return fn(flat).reshape(*x.shape[:-1], out_features)
     outs = []
     for start in range(0, rows, CHUNK):
         part = flat[start : start + CHUNK]
@@ -215,11 +217,12 @@ def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A LoRA matmul (weights that change, so never prepacked): through the BLAS where it is
     row-invariant at this shape, else through oneDNN where that is."""
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available()
-    shape = (x.shape[-1], weight.shape[0], x, False)
-    if cpu_fp32 and not row_counts("blas", *shape).exact and row_counts("onednn", *shape).exact:
-        return packed_linear(x, weight, packed=False)
-    return blas_linear(x, weight)
+    counts = row_counts("blas", x.shape[-1], weight.shape[0], x, False)
+    if not counts.exact and x.is_cpu and x.dtype == torch.float32 and onednn_available():
+        onednn = row_counts("onednn", x.shape[-1], weight.shape[0], x, False)
+        if onednn.exact:
+            return rowwise(lambda rows: _onednn_linear(rows, weight, None), x, onednn, weight.shape[0])
+    return rowwise(lambda rows: F.linear(rows, weight), x, counts, weight.shape[0])
 
 
 @cache
