@@ -60,16 +60,18 @@ def evaluations(steps: int, eval_every: int) -> int:
     return 2 + sum(1 for done in range(1, steps) if eval_every and done % eval_every == 0)
 
 
-def _episodes(fc: Forecast, prompt: int, members: int, max_tokens: int, turns: int, observation: int) -> int:
-    """Add one group's sampling (``members`` episodes of at most ``turns`` replies, each later one
-    after an observation of at most ``observation`` tokens); its longest episode."""
-    fc.prefill += prompt
-    fc.sampled += members * max_tokens
+def _episodes(
+    fc: Forecast, prompt: int, members: int, max_tokens: int, turns: int, observation: int, times: int = 1
+) -> int:
+    """Add ``times`` groups' sampling (each ``members`` episodes of at most ``turns`` replies, each
+    later one after an observation of at most ``observation`` tokens); a group's longest episode."""
+    fc.prefill += times * prompt
+    fc.sampled += times * members * max_tokens
     longest = prompt + max_tokens
     for _ in range(1, turns):
         longest += observation
-        fc.prefill += members * longest
-        fc.sampled += members * max_tokens
+        fc.prefill += times * members * longest
+        fc.sampled += times * members * max_tokens
         longest += max_tokens
     return longest
 
@@ -106,19 +108,16 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
         prompts = [_prompt_tokens(tok, envs.train(k)) for k in range(problems)]
         prompt = max(p for p, _ in prompts)
         turns = int(cap) if cap else (DEFAULT_MAX_TURNS if any(t for _, t in prompts) else 1)
-        longest = 0
-        for _ in range(samples):
-            longest = _episodes(fc, prompt, group, max_tokens, turns, observation)
+        longest = _episodes(fc, prompt, group, max_tokens, turns, observation, times=samples)
         fc.trained += steps * batch * group * longest
         held = [_prompt_tokens(tok, make_env) for make_env in envs.held_out]
         if held:
             held_prompt = max(p for p, _ in held)
             sampled = int(cfg.get("eval_samples") or 0)
-            for _ in range(evals):
-                for _ in envs.held_out:
-                    _episodes(fc, held_prompt, 1, max_tokens, turns, observation)
-                    if sampled:
-                        _episodes(fc, held_prompt, sampled, max_tokens, turns, observation)
+            times = evals * len(held)
+            _episodes(fc, held_prompt, 1, max_tokens, turns, observation, times=times)
+            if sampled:
+                _episodes(fc, held_prompt, sampled, max_tokens, turns, observation, times=times)
         return fc
     if loop.name != "sft":
         raise ValueError(f"loop {loop.name}: forecasts cover sft, grpo and code_rl")
@@ -131,8 +130,7 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
         for make_env in data.envs.held_out:
             prompt, tools = _prompt_tokens(tok, make_env)
             turns = int(cap) if cap else (DEFAULT_MAX_TURNS if tools else 1)
-            for _ in range(evals):
-                _episodes(fc, prompt, 1, int(loop.max_tokens), turns, observation)
+            _episodes(fc, prompt, 1, int(loop.max_tokens), turns, observation, times=evals)
     elif data.chats is not None:
         held = sum(len(rendering.chat_tokens(tok, chat)[0]) for chat in data.chats.held_out)
         fc.prefill += evals * held
