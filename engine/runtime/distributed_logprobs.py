@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.distributed import RankFailed
-from sess.engine.runtime.distributed_sampling import _adapter, exchange
+from sess.engine.runtime.distributed_sampling import adapter_of, exchange
 from sess.engine.sdk.errors import SessError
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def run_group(runtime: Runtime, items: list[tuple[str, rq.ComputeLogprobs]]) -> 
     """Rank 0: score ``items`` ((owner, request) pairs) over the ranks. Returns, per item in order,
     ``(result, error, seconds)``: the op's result dict or None, a SessError or None, and the seconds
     its scoring took (0.0 for one refused before)."""
-    from sess.engine.runtime.sampling_ops import _target_wire, check_prompt, resolve_target
+    from sess.engine.runtime.sampling_ops import check_prompt, resolve_target, target_wire
 
     ranks = runtime.ranks
     outcomes: list = [None] * len(items)
@@ -86,7 +86,7 @@ def run_group(runtime: Runtime, items: list[tuple[str, rq.ComputeLogprobs]]) -> 
                     "rank": rank,
                     "base_model": host.name,
                     "prompt": list(request.prompt),
-                    "target": _target_wire(request.target, host.name),
+                    "target": target_wire(request.target, host.name),
                 }
             )
     if handed:
@@ -129,7 +129,7 @@ def follow_group(runtime: Runtime, message: dict) -> None:
             continue
         host = runtime.hosts[wire["base_model"]]
         try:
-            adapter = _adapter(runtime, host, wire["target"])
+            adapter = adapter_of(runtime, host, wire["target"])
         except SessError as exc:
             result, error, seconds = None, exc, 0.0
         else:

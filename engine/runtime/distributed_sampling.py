@@ -111,7 +111,7 @@ class Spread:
         self.elsewhere.clear()
 
 
-def _adapter(runtime: Runtime, host, target: dict) -> str | None:
+def adapter_of(runtime: Runtime, host, target: dict) -> str | None:
     """The adapter of a request's target on this rank: a live session's (followed, so here too), a
     checkpoint's (loaded here when rank 0 loaded it: never alone, which would leave this rank's
     FSDP2 units unlike the others'), or None for the base model."""
@@ -169,7 +169,7 @@ class Decoding:
             if wire["rank"] != self.ranks.rank:
                 continue
             try:
-                adapter = _adapter(runtime, host, wire["target"])
+                adapter = adapter_of(runtime, host, wire["target"])
             except SessError as exc:
                 self._done(wire["id"], None, None, exc)
                 continue

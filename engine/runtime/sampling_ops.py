@@ -96,7 +96,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         stopper=StopChecker(params.stop, host.eos_ids, host.tokenizer.decode),
         on_done=finished,
         prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
-        target=_target_wire(request.target, host.name),
+        target=target_wire(request.target, host.name),
     )
     batch = runtime.batch(host)
     if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed_sampling.py
@@ -106,7 +106,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
     batch.submit(job)
 
 
-def _target_wire(target: rq.Target, base_model: str) -> dict:
+def target_wire(target: rq.Target, base_model: str) -> dict:
     """The request's target as another rank finds it: a session by name, a checkpoint by its path."""
     if target.session is not None:
         return {"session": target.session}
