@@ -211,18 +211,18 @@ def packed_linear(
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (the BLAS), each row computed as in any other batch."""
     counts = row_counts("blas", x.shape[-1], weight.shape[0], x, bias is not None)
-    return rowwise(lambda rows: F.linear(rows, weight, bias), x, counts, weight.shape[0])
+    return rowwise(_kernel("blas", weight, bias), x, counts, weight.shape[0])
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A LoRA matmul (weights that change, so never prepacked): through the BLAS where it is
     row-invariant at this shape, else through oneDNN where that is."""
-    counts = row_counts("blas", x.shape[-1], weight.shape[0], x, False)
+    kernel, counts = "blas", row_counts("blas", x.shape[-1], weight.shape[0], x, False)
     if not counts.exact and x.is_cpu and x.dtype == torch.float32 and onednn_available():
         onednn = row_counts("onednn", x.shape[-1], weight.shape[0], x, False)
         if onednn.exact:
-            return rowwise(lambda rows: _onednn_linear(rows, weight, None), x, onednn, weight.shape[0])
-    return rowwise(lambda rows: F.linear(rows, weight), x, counts, weight.shape[0])
+            kernel, counts = "onednn", onednn
+    return rowwise(_kernel(kernel, weight, None), x, counts, weight.shape[0])
 
 
 @cache
