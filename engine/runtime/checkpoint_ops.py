@@ -2,9 +2,10 @@
 
 Paths are ``sess://<session>/<kind>/<name>``; a checkpoint of another key's session is not found.
 Transient ``sampler`` saves (``save_weights_and_get_sampling_client`` without a name) are loaded
-for sampling at once, leave memory when a newer one comes (loaded again if asked for), and are
-deleted once a session has more than :data:`~.checkpoints.KEEP_SAMPLERS` newer ones, unless a
-request still samples from them.
+for sampling at once and leave memory when a newer one comes (loaded again from disk if asked for,
+however many newer ones exist); their files live as long as their session: they are deleted when
+it stops. On an engine of several ranks every change to the set of checkpoint adapters held for
+sampling goes to the other ranks (:meth:`~.distributed.Ranks.share_samplers`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ def delete_checkpoint(runtime: Runtime, owner: str, request: rq.DeleteCheckpoint
     if host is not None:
         host.release_checkpoints([ref.uri])
     ckpt.remove(ref, runtime.home)
+    _share(runtime, host)
     return {"path": ref.uri}
+
+
+def _share(runtime: Runtime, host: ModelHost) -> None:
+    """Several ranks: the others hold the checkpoint adapters this rank holds now."""
+    if runtime.ranks is not None:
+        runtime.ranks.share_samplers(host)
 
 
 def _new_ref(session: Session, kind: str, name: str | None) -> CheckpointRef:
@@ -72,7 +80,8 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
     """Save the session's adapter for sampling (``merge``: as a merged model too).
 
     ``transient`` (unnamed, unmerged only): a ``sampler`` save, which the engine loads for sampling
-    at once; ``released`` lists the older transient saves deleted now."""
+    at once (the older ones leave memory, not the disk); ``released`` lists transient saves deleted
+    now (none: they go when their session stops)."""
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     kind = "sampler" if request.transient else "merged" if request.merge else "weights"
@@ -90,7 +99,10 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
     result = {"path": ref.uri}
     if request.transient:
         host.checkpoint_adapter(ref.uri, whole.state, config)  # its sampler needs no read from disk
-        result["released"] = _release_samplers(runtime, session, host)
+        older = [r.uri for r in ckpt.saved(session.name, runtime.home, "sampler") if r.uri != ref.uri]
+        host.release_checkpoints(older)  # from memory: one still sampled from stays until a later save
+        result["released"] = []
+    _share(runtime, host)
     return result
 
 
@@ -136,19 +148,18 @@ def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bo
     return whole
 
 
-def _release_samplers(runtime: Runtime, session: Session, host: ModelHost) -> list[str]:
-    """After a transient sampler save: only the newest stays in memory, and saves beyond the newest
-    KEEP_SAMPLERS are deleted; a save a request samples from stays in both until a later save.
-
-    The older saves kept on disk are loaded again if asked for (:func:`checkpoint_sampler`): an RL
-    loop samples from the newest, and each adapter held in memory costs its weights and the
-    sampler's copies of them (~90 MB for smollm2 at rank 32, so 0.3 GB for three)."""
-    saved = ckpt.saved(session.name, runtime.home, "sampler")
-    in_use = host.release_checkpoints([ref.uri for ref in saved[:-1]])
-    released = [ref for ref in saved[: -ckpt.KEEP_SAMPLERS] if ref.uri not in in_use]
-    for ref in released:
+def drop_transient_samplers(runtime: Runtime, session: Session) -> list[str]:
+    """A session that stops: its transient sampler saves leave the disk, and memory too but for one
+    a request still samples from (that request finishes from memory; the adapter goes with a later
+    release). Returns the paths deleted."""
+    refs = ckpt.saved(session.name, runtime.home, "sampler")
+    host = runtime.hosts.get(session.base_model)
+    if host is not None:
+        host.release_checkpoints([r.uri for r in refs])
+        _share(runtime, host)
+    for ref in refs:
         ckpt.remove(ref, runtime.home)
-    return [ref.uri for ref in released]
+    return [ref.uri for ref in refs]
 
 
 def checkpoint_sampler(runtime: Runtime, host: ModelHost, ref: CheckpointRef) -> str:
@@ -161,8 +172,8 @@ def checkpoint_sampler(runtime: Runtime, host: ModelHost, ref: CheckpointRef) ->
         if ref.kind != "sampler":
             raise
         raise NotFound(
-            f"model_path: {ref.uri} was a transient sampler save; the engine keeps a session's "
-            f"newest {ckpt.KEEP_SAMPLERS} and deleted it. Keep weights with "
+            f"model_path: {ref.uri} was a transient sampler save, kept while its session lives; "
+            "the session has stopped, so it is gone. Keep weights beyond a session with "
             "save_weights_for_sampler or save_weights_and_get_sampling_client(name=...)"
         ) from None
     state, config = ckpt.read_adapter(directory)
@@ -176,6 +187,7 @@ def delete_checkpoints(runtime: Runtime, session: Session) -> None:
     if host is not None:
         prefix = f"sess://{session.name}/"
         host.release_checkpoints([uri for uri in host.checkpoint_adapters if uri.startswith(prefix)])
+        _share(runtime, host)
     remove_dir(runtime.home / "checkpoints" / session.name)
 
 

@@ -8,9 +8,9 @@ A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
   is kept under ``adapter/``, so the engine can sample from it cheaply);
 - ``state``: the adapter plus AdamW moments (``optimizer.safetensors``) and ``state.json``;
 - ``sampler``: a PEFT adapter like ``weights``, written by ``save_weights_and_get_sampling_client``
-  without a name. These are transient: the engine keeps each session's newest
-  :data:`KEEP_SAMPLERS` and deletes older ones that no running request uses, so an RL loop that
-  publishes a sampler every step does not fill the disk (``save_weights_for_sampler`` keeps its
+  without a name. These are transient: they live as long as their session and are deleted when it
+  stops, so a client may keep sampling from any of them while the session runs, and an RL loop
+  that publishes a sampler every step leaves nothing behind (``save_weights_for_sampler`` keeps its
   ``weights`` for good).
 
 Every directory is written through :func:`sess.engine.sdk.home.atomic_dir`; nothing is pickled.
@@ -29,7 +29,6 @@ from sess.engine.sdk.checkpoint_paths import CheckpointRef
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import atomic_dir, remove_dir
 
-KEEP_SAMPLERS = 3  # transient sampler saves kept per session (the newest)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

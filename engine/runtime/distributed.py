@@ -108,6 +108,7 @@ class Ranks:
         self.adapters = AdapterShards(self)
         self.spreads: list = []  # rank 0: each base model's sample requests over the ranks (distributed_sampling)
         self.scored = None  # rank 0: compute_logprobs requests and tokens per rank (distributed_logprobs)
+        self.samplers_sent: dict[str, set[str]] = {}  # rank 0: base model -> checkpoint adapters the followers hold
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False
@@ -343,6 +344,20 @@ class Ranks:
             start += length
         self.collective("gathering logprobs", lambda: dist.all_reduce(flat))
         return [part.cpu() if self.device == "cpu" else part for part in flat.split(lengths)]
+
+    def share_samplers(self, host) -> None:
+        """Rank 0: after its set of checkpoint adapters for sampling (``host.checkpoint_adapters``)
+        changed, give every follower the same set (``{"samplers", "base_model"}``; a follower loads
+        what it lacks from the shared home and drops what rank 0 dropped), so any rank handed a
+        request for a checkpoint (named, transient or opened by path) can serve it. Every rank
+        reshards first: loading an adapter reads the model's state dict, which hands FSDP2 units
+        their shards back, and the next gather must find every rank alike."""
+        uris = list(host.checkpoint_adapters)
+        if not self.leader or self.samplers_sent.get(host.name, set()) == set(uris):
+            return
+        self.sharded()
+        self.send({"samplers": uris, "base_model": host.name})
+        self.samplers_sent[host.name] = set(uris)
 
     def announce(self, message: dict) -> None:
         """Rank 0: tell the followers to join a gather of whole tensors (``{"collect": ...}``, see

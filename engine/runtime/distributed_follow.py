@@ -3,8 +3,8 @@
 Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner", "request"}``,
 the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``; a follower keeps the whole
 weights, as rank 0 does, until a message that needs the shards), decode steps with the sample
-requests handed to each rank (``{"decode", "jobs"}``) and checkpoint adapters to load for them
-(``{"sampler"}``, :mod:`.distributed_sampling`), ``compute_logprobs`` requests handed to each rank
+requests handed to each rank (``{"decode", "jobs"}``), the checkpoint adapters to hold for them
+(``{"samplers"}``, :mod:`.distributed_sampling`), ``compute_logprobs`` requests handed to each rank
 (``{"logprobs"}``, :mod:`.distributed_logprobs`), gathers of a session's whole
 adapter for a checkpoint it writes (``{"collect", "optimizer", "merge"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
@@ -23,7 +23,7 @@ from pathlib import Path
 from sess.engine.runtime.checkpoint_ops import whole_adapter
 from sess.engine.runtime.distributed import RankFailed, Ranks
 from sess.engine.runtime.distributed_logprobs import follow_group
-from sess.engine.runtime.distributed_sampling import Decoding, load_sampler
+from sess.engine.runtime.distributed_sampling import Decoding, follow_samplers
 from sess.engine.runtime.ops import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -83,8 +83,9 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
         if "logprobs" in message:  # compute_logprobs requests, some of them this rank's
             follow_group(runtime, message)
             continue
-        if "sampler" in message:  # rank 0 loaded a checkpoint's adapter to sample from
-            load_sampler(runtime, message)
+        if "samplers" in message:  # rank 0's checkpoint adapters for sampling changed
+            ranks.sharded()  # as rank 0 before it sent this
+            follow_samplers(runtime, message)
             continue
         if message.get("gather"):
             ranks.join_gather()

@@ -14,8 +14,9 @@ step is broadcast only while another rank has rows or gets new ones.
 A request keeps its rows together (its prompt is prefilled once, on one rank), and the llama
 decoder gives a row the same bits in any batch (:mod:`sess.engine.sampling.row_invariant`), so a
 seeded request returns the tokens and logprobs it returns on one rank, whichever rank decodes it.
-Each rank's KV cache holds only its own rows. A checkpoint's adapter is loaded on every rank when
-rank 0 loads it (``{"sampler"}``, before the request that needs it is handed out), so every rank's
+Each rank's KV cache holds only its own rows. Every rank holds the checkpoint adapters rank 0 holds
+(``{"samplers"}``, sent whenever rank 0's set changes: a transient save, a checkpoint opened for
+sampling, a release or a delete; before the request that needs one is handed out), so every rank's
 FSDP2 units change alike (peft's state-dict load gives them their shards back).
 """
 
@@ -130,12 +131,22 @@ def adapter_of(runtime: Runtime, host, target: dict) -> str | None:
     return None
 
 
-def load_sampler(runtime: Runtime, message: dict) -> None:
-    """A follower: load the checkpoint adapter rank 0 just loaded (``{"sampler", "base_model"}``)."""
+def follow_samplers(runtime: Runtime, message: dict) -> None:
+    """A follower: hold the checkpoint adapters rank 0 holds for base model ``message["base_model"]``
+    (:meth:`~.distributed.Ranks.share_samplers`): drop the others, load the missing ones from the
+    shared home. Rank 0 never drops one a request still samples from on any rank (its decode
+    batch pins the requests handed out too), and this rank evicts nothing on its own: its set is
+    rank 0's, at most as large."""
     from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
     from sess.engine.sdk.checkpoint_paths import parse_path
 
-    checkpoint_sampler(runtime, runtime.hosts[message["base_model"]], parse_path(message["sampler"]))
+    host = runtime.hosts[message["base_model"]]
+    wanted = message["samplers"]
+    for uri in [u for u in host.checkpoint_adapters if u not in wanted]:
+        host.release_checkpoint(uri)
+    host.max_checkpoint_adapters = max(host.max_checkpoint_adapters, len(wanted))
+    for uri in wanted:
+        checkpoint_sampler(runtime, host, parse_path(uri))
 
 
 def _nothing(*args) -> None:

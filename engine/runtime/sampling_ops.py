@@ -38,10 +38,9 @@ def resolve_target(
         ref = parse_path(target.model_path, field="model_path")
         session = runtime.session(owner, ref.session, live=False)
         host = runtime.host(session.base_model)
-        loaded = ref.uri in host.checkpoint_adapters
         adapter = checkpoint_sampler(runtime, host, ref)
-        if not loaded and runtime.ranks is not None:  # every rank loads it: distributed_sampling.py
-            runtime.ranks.send({"sampler": ref.uri, "base_model": host.name})
+        if runtime.ranks is not None:  # every rank holds it: distributed_sampling.py
+            runtime.ranks.share_samplers(host)
         return host, adapter, session
     return runtime.host(target.base_model), None, None
 

@@ -180,6 +180,8 @@ def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
         runtime.hosts[session.base_model].remove_adapter(session.adapter)
         session.optimizer, session.params, session.shard, session.flat = None, {}, None, None
         session.status = SessionStatus.Stopped
+        if runtime.ranks is None or runtime.ranks.leader:  # files are rank 0's; it tells the others
+            checkpoint_ops.drop_transient_samplers(runtime, session)
     return session.summary()
 
 

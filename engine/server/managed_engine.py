@@ -166,6 +166,8 @@ class ManagedEngine(Executor):
             session = None
         if spec.removes_checkpoint and op.error is None:
             self.registry.remove_checkpoint(op.result["path"])
+        if session is not None and not session.live:
+            self._forget_gone_checkpoints(name)
         if session is not None:
             before = self.registry.session(name) if op.name == "create_session_from_state" else None
             if before is not None and op.error is None:  # a stopped session continued under its name
@@ -186,6 +188,13 @@ class ManagedEngine(Executor):
         self.registry.record_operation(
             op.id, op.owner, op.name, name if session else None, error, usage, cost
         )
+
+    def _forget_gone_checkpoints(self, session: str) -> None:
+        """Registry rows of ``session``'s checkpoints whose files are gone (a stopped session's
+        transient samplers)."""
+        for row in self.registry.checkpoints(session):
+            if not parse_path(row["path"]).directory(self.runtime.home).exists():
+                self.registry.remove_checkpoint(row["path"])
 
     def idle(self) -> None:
         """No work for a while: drop sampling's packed weight copies and hand free memory back (the
@@ -229,6 +238,7 @@ class ManagedEngine(Executor):
         runtime.prepare("stop_session", owner, stop)  # other ranks stop it too
         session_ops.stop_session(runtime, owner, stop)
         self.registry.save_session(session.summary(), owner)
+        self._forget_gone_checkpoints(name)
         log.warning(
             "session %s was idle for over %.0f s: state saved, session stopped", name, self.idle_timeout
         )

@@ -129,37 +129,38 @@ def test_checkpoint_listing_and_no_partial_directories(svc, sess_home):
     assert leftovers == []
 
 
-def test_transient_sampler_saves_keep_the_newest_three_and_serve_their_own_weights(svc, sess_home):
-    """save_weights_and_get_sampling_client without a name writes a `sampler` save; older ones than
-    the session's newest three are deleted (files, listing and registry), and a sampler of a deleted
-    one says so. Each sampler serves the weights of its own save, including those whose adapter
-    slot was reused from a deleted save."""
+def test_transient_sampler_saves_serve_their_own_weights_while_the_session_lives(svc, sess_home):
+    """save_weights_and_get_sampling_client without a name writes a `sampler` save. Every one serves
+    the weights of its own save for as long as the session lives, however many newer ones exist
+    (the oldest loads again from disk, into an adapter slot reused from a newer save); when the
+    session stops they are deleted (files, listing and registry), and a sampler of one says so."""
     with svc.create_lora_training_client("tiny-llama", rank=4, seed=3) as tc:
         tok = tc.get_tokenizer()
         prompt = tok.encode("Question: what is 3 + 4? Answer:")
         target = tok.encode(" seven")
-        samplers = []
+        samplers, expected = [], []
         for step in range(6):
             train_steps(tc, SENTENCES, 2e-2)
             samplers.append(tc.save_weights_and_get_sampling_client())
-            expected = forward_logprobs(tc, prompt, target)
+            expected.append(forward_logprobs(tc, prompt, target))
             got = samplers[-1].compute_logprobs(prompt + target).result()[len(prompt) :]
-            assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, f"save {step}"
+            assert max(abs(a - b) for a, b in zip(got, expected[-1])) < 1e-5, f"save {step}"
         named = tc.save_weights_and_get_sampling_client(name="kept")
+        for step in (0, 2):  # older than the newest three: still there, with their own weights
+            got = samplers[step].compute_logprobs(prompt + target).result()[len(prompt) :]
+            assert max(abs(a - b) for a, b in zip(got, expected[step])) < 1e-5, f"save {step} again"
         listed = [c["path"] for c in svc.list_checkpoints(tc.name)]
         paths = [sc.model_path for sc in samplers]
         assert all(f"sess://{tc.name}/sampler/" in p for p in paths)
         assert named.model_path == f"sess://{tc.name}/weights/kept"
-        assert listed == paths[-3:] + [named.model_path]
-        assert sorted(p.name for p in (sess_home / "checkpoints" / tc.name / "sampler").iterdir()) == sorted(
-            p.rsplit("/", 1)[1] for p in paths[-3:]
-        )
-        with pytest.raises(NotFound, match="transient sampler save"):
-            samplers[0].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
-        samplers[-3].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
+        assert listed == paths + [named.model_path]
     # the stop saved the state of the six steps taken since the session's last save_state (none)
     stopped = [c["path"] for c in svc.list_checkpoints(tc.name)]
-    assert stopped == listed + [f"sess://{tc.name}/state/stop-step000006-008"]
+    assert stopped == [named.model_path, f"sess://{tc.name}/state/stop-step000006-008"]
+    assert list((sess_home / "checkpoints" / tc.name / "sampler").iterdir()) == []
+    with pytest.raises(NotFound, match="transient sampler save"):
+        samplers[-1].sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
+    named.sample(prompt, sampling_params=SamplingParams(max_tokens=2)).result()
     if not hasattr(svc.transport, "engine"):  # the server's registry lists what is on disk
         with sqlite3.connect(sess_home / "registry.db") as db:
             rows = db.execute("SELECT path FROM checkpoints WHERE session=?", (tc.name,)).fetchall()
@@ -193,23 +194,25 @@ def test_only_the_newest_transient_save_stays_in_memory_and_older_ones_load_agai
     assert max(abs(a - b) for a, b in zip(again, first_answers[0])) < 1e-6
 
 
-def test_a_transient_save_in_use_outlives_newer_saves_until_its_request_ends(svc):
-    with svc.create_lora_training_client("tiny-llama", rank=4, seed=4) as tc:
-        tok = tc.get_tokenizer()
-        prompt = tok.encode("Once upon a time")
-        first = tc.save_weights_and_get_sampling_client()
-        running = first.sample(
-            prompt, num_samples=8, sampling_params=SamplingParams(max_tokens=400, temperature=1.0, seed=1)
-        )
-        for _ in range(4):  # each save would delete `first` if no request were sampling from it
-            tc.save_weights_and_get_sampling_client()
-        still = [c["path"] for c in svc.list_checkpoints(tc.name)]
-        result = running.result()
+def test_a_transient_save_in_use_when_its_session_stops_finishes_its_request(svc):
+    """The stop deletes the session's transient saves; a request sampling from one finishes from
+    memory, and newer saves never release it while it runs."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=4)
+    tok = tc.get_tokenizer()
+    prompt = tok.encode("Once upon a time")
+    first = tc.save_weights_and_get_sampling_client()
+    running = first.sample(
+        prompt, num_samples=8, sampling_params=SamplingParams(max_tokens=400, temperature=1.0, seed=1)
+    )
+    for _ in range(4):
         tc.save_weights_and_get_sampling_client()
-        after = [c["path"] for c in svc.list_checkpoints(tc.name)]
-    assert first.model_path in still, "deleted while a request sampled from it"
-    assert sum(len(s.tokens) for s in result.sequences) > 0
-    assert first.model_path not in after and len(after) == 3
+    still = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    tc.stop()
+    result = running.result()
+    after = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    assert first.model_path in still and len(still) == 5
+    assert len(result.sequences) == 8 and all(s.tokens for s in result.sequences)
+    assert [p for p in after if "/sampler/" in p] == []
 
 
 def test_a_deleted_sessions_name_can_be_used_again_from_sequence_number_one(svc):
