@@ -42,6 +42,11 @@ class EngineConfig:
     # local: leave an engine this run had to start running afterwards (the next run reuses it);
     # false stops it at the end. An engine that was already running is never stopped by a run.
     keep: bool = True
+    # a run that outlives its engine (sess.harness.recovery): a local engine that dies is started
+    # again, a remote one waited for (up to wait_s seconds), and the run resumes from its last saved
+    # state, at most `restarts` times (0: the run stops and names the command that continues it)
+    restarts: int = 3
+    wait_s: float = 600.0
 
 
 @dataclass
@@ -301,6 +306,10 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"seed: expected a non-negative integer, got {cfg.seed!r}")
     if cfg.engine.kind not in ENGINE_KINDS:
         raise ConfigError(f"engine.kind: expected one of {', '.join(ENGINE_KINDS)}, got {cfg.engine.kind!r}")
+    if not isinstance(cfg.engine.restarts, int) or cfg.engine.restarts < 0:
+        raise ConfigError(f"engine.restarts: expected an integer >= 0, got {cfg.engine.restarts!r}")
+    if cfg.engine.wait_s < 0:
+        raise ConfigError(f"engine.wait_s: expected seconds >= 0, got {cfg.engine.wait_s!r}")
     if cfg.engine.kind == "remote" and not cfg.engine.url:
         raise ConfigError("engine.url: a remote engine needs its address; set engine.url=http://host:port")
     if cfg.engine.url is not None and (problem := engine_url_problem(cfg.engine.url)):

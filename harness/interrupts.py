@@ -14,6 +14,7 @@ import signal
 import threading
 
 from .records import RunRecord
+from .recovery import run_usage
 
 WIND_DOWN_S = 60.0  # after Ctrl-C, the most that saving the state and stopping the session may take
 
@@ -54,7 +55,7 @@ def wind_down(svc, tc, hooks, record: RunRecord, *, keep_session: bool) -> list[
             except Exception as exc:
                 undone.append(f"saving step {hooks.done} failed ({exc})")
         with contextlib.suppress(Exception):
-            record.write_usage(svc.get_usage(tc.name).to_wire())
+            record.write_usage(run_usage(svc, record).to_wire())
         if not keep_session:
             try:
                 tc.stop()

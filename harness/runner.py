@@ -39,6 +39,7 @@ from sess.rl.rollouts import derive_seed
 from sess.tasks import sources
 
 from . import config as config_mod
+from . import recovery
 from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
@@ -177,8 +178,11 @@ class RunHooks:
         return metrics
 
     def save(self, done: int) -> str:
+        """Save state at step ``done``; the record keeps the session's usage then, so a resume knows
+        what the work after it cost (what a crash loses, at most ``save_every`` steps)."""
         path = self.tc.save_state(name=f"step{done:06d}").result().path
-        self.record.append("checkpoints.jsonl", {"step": done, "kind": "state", "path": path})
+        usage = self.tc.service.get_usage(self.tc.name).to_wire()
+        self.record.append("checkpoints.jsonl", {"step": done, "kind": "state", "path": path, "usage": usage})
         self.last_saved = done
         return path
 
@@ -219,7 +223,7 @@ def start(
     data = _load_data(cfg)  # before the run directory: a data error leaves nothing behind
     run_dir = new_run_dir(cfg.runs_dir, cfg.loop.name, cfg.model.name)
     record = RunRecord.create(run_dir, config_mod.to_yaml(cfg), overrides, _meta(cfg))
-    _execute(cfg, data, record, start_step=0, resume_from=None, on_step=on_step, show_progress=show_progress)
+    _run(cfg, data, record, 0, None, on_step=on_step, show_progress=show_progress)
     return run_dir
 
 
@@ -241,26 +245,22 @@ def resume(
         )
     cfg = config_mod.load(record.path / "config.yaml")
     data = _load_data(cfg)
-    state = record.last_state()
-    if state is None:
+    if record.last_state() is None:
         raise ValueError(
             f"--resume: {run_dir} has no saved state to resume from (checkpoints.jsonl is empty)"
         )
-    record.truncate_after(state["step"])
-    resumes = [*meta.get("resumes", []), {"step": state["step"], "path": state["path"]}]
-    record.write_meta(
-        {**{k: v for k, v in meta.items() if k != "error"}, "status": "running", "resumes": resumes}
-    )
-    _execute(
-        cfg,
-        data,
-        record,
-        start_step=state["step"],
-        resume_from=state["path"],
-        on_step=on_step,
-        show_progress=show_progress,
-    )
+    step, path = recovery.resume_point(record, "sess run --resume")
+    _run(cfg, data, record, step, path, on_step=on_step, show_progress=show_progress)
     return record.path
+
+
+def _run(cfg, data: Data, record: RunRecord, start_step: int, resume_from: str | None, **options) -> None:
+    """:func:`_execute`, brought back after its engine goes away (:func:`.recovery.run_recovering`)."""
+
+    def execute(step: int, path: str | None) -> None:
+        _execute(cfg, data, record, start_step=step, resume_from=path, **options)
+
+    recovery.run_recovering(cfg, record, execute, start_step, resume_from, passes=(RunInterrupted,))
 
 
 def _meta(cfg: DictConfig) -> dict:
@@ -322,7 +322,10 @@ def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_
             # the first time, the engine fetches and converts the model here (about a minute for smollm2)
             with progress.status(f"starting a session on {cfg.model.base_model}"):
                 tc = _open_session(svc, cfg, record, resume_from)
-            record.update_meta(session=tc.name, engine={"kind": cfg.engine.kind, "url": svc.url})
+            sessions = [*(n for n in record.meta.get("sessions", []) if n != tc.name), tc.name]
+            record.update_meta(
+                session=tc.name, sessions=sessions, engine={"kind": cfg.engine.kind, "url": svc.url}
+            )
             hooks = RunHooks(
                 cfg,
                 loop,
@@ -370,7 +373,7 @@ def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_
             logger.close(status)
         if tc is not None and status != "interrupted":
             try:
-                record.write_usage(svc.get_usage(tc.name).to_wire())
+                record.write_usage(recovery.run_usage(svc, record).to_wire())
             except Exception:  # usage is a record, not a reason to hide the run's own error
                 pass
             if not cfg.keep_session:

@@ -30,3 +30,10 @@ def run(tmp_path, *overrides: str) -> Path:
 def train_rows(run_dir: Path) -> list[dict]:
     """The run's per-step training records."""
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Rows without wall time: what two runs of one config must record alike, to the bit (sampling is
+    batch-invariant, so thread timing cannot leak in)."""
+    drop = {"time", "seconds", "eval/seconds"}
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]

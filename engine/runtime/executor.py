@@ -357,10 +357,14 @@ class Executor(SequenceOrder):
             ) from None
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
+        # counted and recorded before its answer is out: a client that reads the answer and then
+        # loses the engine (kill -9) finds the op in the registry, counted once
+        op.result, op.error = result, error
+        self._observe(op, wake=False)
         op.finish(result, error)
-        self._observe(op)
+        self._wake(op)
 
-    def _observe(self, op: Operation) -> None:
+    def _observe(self, op: Operation, wake: bool = True) -> None:
         if op.name and OPS[op.name].kind is Kind.BATCHED and op.usage is not None:
             with self._cv:  # a sample's share of the decode steps it was part of
                 self._ready.charge(op.owner, op.usage.wall_time_s)
@@ -374,6 +378,11 @@ class Executor(SequenceOrder):
                 self.finished(op)
             except Exception:  # an observer must never take the executor down
                 log.exception("observing op %s failed", op.name)
+        if wake:
+            self._wake(op)
+
+    def _wake(self, op: Operation) -> None:
+        """Answer the long-polls waiting on ``op``."""
         with self._cv:
             waiters = self._waiters.pop(op.id, [])
         for loop, future in waiters:

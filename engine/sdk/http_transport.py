@@ -22,6 +22,7 @@ import ssl
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,18 @@ def _tls_failure(exc: BaseException) -> bool:
 
 
 class HttpTransport:
-    def __init__(self, url: str, api_key: str | None = None, *, home: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        home: str | os.PathLike | None = None,
+        gone: Callable[[], str | None] | None = None,
+    ):
+        """``gone``: says why the engine can no longer answer (its process exited), or None; a
+        connection failure then ends at once instead of retrying for ``SESS_RETRY_DEADLINE_S``."""
         self.url = url.rstrip("/")
+        self.gone = gone
         self.api_key = api_key or os.environ.get("SESS_API_KEY") or read_local_key(home)
         headers = {"content-type": "application/json"}
         if self.api_key:
@@ -155,6 +166,9 @@ class HttpTransport:
                         f"lost the connection to the engine at {self.url}: {exc}"
                     ) from None
                 failure = exc
+            why = self.gone() if self.gone is not None and not isinstance(failure, SessError) else None
+            if why:
+                raise EngineUnavailable(f"cannot reach the engine at {self.url}: {why}") from None
             if time.monotonic() + delay > deadline:
                 if isinstance(failure, SessError):
                     raise failure

@@ -20,6 +20,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -193,6 +194,21 @@ def ensure_local_engine(home: str | os.PathLike | None = None, **start_options) 
                 flush=True,
             )
     return info["url"]
+
+
+def engine_gone_probe(home: str | os.PathLike | None = None) -> Callable[[], str | None]:
+    """For a client of the local engine of ``home`` now running: a call that says why that engine
+    can no longer answer (its process has exited) or None while it runs, so a client fails at once
+    instead of retrying a dead address (:class:`~.http_transport.HttpTransport`)."""
+    info = json.loads((sess_home(home) / ENGINE_FILE).read_text())
+    pid = int(info["pid"])
+
+    def gone() -> str | None:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)  # this process started it: reap it, or it lingers as a zombie
+        return None if _alive(pid) else f"the local engine (pid {pid}) has exited"
+
+    return gone
 
 
 def stop_engine(home: str | os.PathLike | None = None, *, timeout: float = 20.0) -> dict | None:

@@ -20,7 +20,7 @@ from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import Submitter
 from sess.engine.sdk.http_transport import HttpTransport
-from sess.engine.sdk.local_engine import ensure_local_engine
+from sess.engine.sdk.local_engine import engine_gone_probe, ensure_local_engine
 from sess.engine.sdk.sampling_client import SamplingClient
 from sess.engine.sdk.training_client import TrainingClient
 from sess.engine.sdk.transport import Transport, in_process_transport
@@ -48,13 +48,15 @@ class ServiceClient:
     ):
         url = url or os.environ.get("SESS_ENGINE_URL") or "local"
         api_key = api_key or os.environ.get("SESS_API_KEY")
+        gone = None
         if url == "local":  # the engine of SESS_HOME, started in the background if none runs
             url = ensure_local_engine(home)
+            gone = engine_gone_probe(home)
         self.url = url
         if url == "inproc":
             self.transport: Transport = in_process_transport(home, owner=api_key or "local")
         else:
-            self.transport = HttpTransport(url, api_key=api_key, home=home)
+            self.transport = HttpTransport(url, api_key=api_key, home=home, gone=gone)
         self._submitter = Submitter(self.transport)
         self._tokenizers: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()

@@ -13,7 +13,7 @@ from sess.cli.main import app
 from sess.harness import runner
 from sess.harness.records import RECORD_FILES, read_jsonl
 
-from run_helpers import GROUPS, TINY, cli, run
+from run_helpers import GROUPS, TINY, cli, comparable, run
 
 
 def _train_rows(run_dir: Path) -> list[dict]:
@@ -24,12 +24,7 @@ def _assert_same(rows_a: list[dict], rows_b: list[dict]) -> None:
     """Every recorded value but wall time is identical: samples, rewards, token counts, and loss and
     grad norm to the last bit (sampling is batch-invariant, so thread timing cannot leak in)."""
     assert len(rows_a) == len(rows_b)
-    assert _comparable(rows_a) == _comparable(rows_b)
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    drop = {"time", "seconds", "eval/seconds"}
-    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+    assert comparable(rows_a) == comparable(rows_b)
 
 
 @pytest.mark.parametrize("loop", ["sft", "grpo", "ppo", "importance_sampling", "kto"])
@@ -116,7 +111,7 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(sess_home, tmp_path):
     assert result.exit_code == 0, result.output + repr(result.exception)
     _assert_same(_train_rows(killed), _train_rows(whole))
     evals = [
-        _comparable([r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "eval"])
+        comparable([r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "eval"])
         for d in (killed, whole)
     ]
     assert evals[0] == evals[1]
