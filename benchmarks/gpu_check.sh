@@ -99,6 +99,27 @@ if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
 else
   skipped+=("vllm sampler: $VLLM_PY cannot import vllm; set VLLM_PYTHON to the Python of a venv with it (pip install vllm)")
 fi
+echo "== 5. sess run on each engine shape this machine has: one rank, every GPU as a rank, --sampler vllm"
+SESS_BIN=$(dirname "$(command -v "$PY")")/sess  # the console script of the same environment
+shape() {  # shape NAME ENGINE-ARGS...: GRPO and code_rl, two steps on tiny-llama, on an engine of that shape
+  local name=$1
+  shift
+  local home
+  home=$(mktemp -d -t sess-shape-XXXX)
+  if ! SESS_HOME=$home timeout 300 "$SESS_BIN" engine up --detach --device "$DEVICE" "$@"; then
+    failed+=("shape $name: the engine did not start")
+    return
+  fi
+  for loop in grpo code_rl; do
+    SESS_HOME=$home step "shape $name $loop" 300 "$SESS_BIN" run model=tiny-llama loop=$loop \
+      loop.steps=2 loop.group_size=2 data.eval_size=4 runs_dir="$home/runs"
+  done
+  SESS_HOME=$home "$SESS_BIN" engine down || true
+}
+shape "one rank"
+GPUS=$([[ "$DEVICE" == cuda* ]] && "$PY" -c "import torch; print(torch.cuda.device_count())" || echo 2)
+if ((GPUS > 1)); then shape "--nproc $GPUS" --nproc "$GPUS"; fi
+if "$VLLM_PY" -c "import vllm" 2>/dev/null; then shape "--sampler vllm" --sampler vllm --sampler-python "$VLLM_PY"; fi
 echo "== done in $(($(date +%s) - started)) s; report: $REPORT"
 if ((${#skipped[@]})); then
   printf 'skipped: %s\n' "${skipped[@]}"

@@ -1,7 +1,8 @@
 """A run that outlives its engine: when the engine goes away mid-run, bring it back and resume.
 
-After a run fails, :func:`engine_down` asks whether its engine still answers. If it does, the
-failure was the run's own and stands. If it does not, the runner (:mod:`.runner`) brings it back
+After a run that had opened its session fails, :func:`engine_down` asks whether its engine went
+away: it does not answer, or it answers as a new process that found the run's session Interrupted.
+If not, the failure was the run's own and stands. If so, the runner (:mod:`.runner`) brings it back
 (:func:`bring_back`: a local engine is started again on the same home; a remote one is waited for,
 with backoff, for up to ``engine.wait_s``) and resumes the run from its last saved state, exactly as
 ``sess run --resume RUN_DIR`` would, at most ``engine.restarts`` times, saying so in one line each
@@ -40,15 +41,31 @@ def continue_hint(run_dir: Path) -> str:
     return f"continue it with: sess run --resume {shlex.quote(str(run_dir))}"
 
 
-def engine_down(cfg: DictConfig, url: str | None) -> str | None:
-    """Why the run's engine does not answer now, or None when it does (or runs in this process)."""
+def engine_down(cfg: DictConfig, url: str | None, session: str | None) -> str | None:
+    """Why the run's engine has gone away, or None when it has not (or runs in this process): it
+    does not answer now, or it answers as a new process that found ``session`` live and marked it
+    Interrupted (an engine restarted under the run, by a supervisor or by hand)."""
     if cfg.engine.kind == "inprocess":
         return None
-    if cfg.engine.kind == "local" and url is None:
-        return None if engine_info() is not None else "the local engine is not running"
-    return (
-        None if _answers(url or cfg.engine.url) else f"the engine at {url or cfg.engine.url} does not answer"
-    )
+    if url is None and engine_info() is None:
+        return "the local engine is not running"
+    if url is not None and not _answers(url):
+        return f"the engine at {url} does not answer"
+    if session is not None and _interrupted(cfg, url, session):
+        where = "the local engine" if url is None else f"the engine at {url}"
+        return f"{where} restarted (session {session} was interrupted)"
+    return None
+
+
+def _interrupted(cfg: DictConfig, url: str | None, session: str) -> bool:
+    svc = ServiceClient(url, cfg.engine.api_key) if url is not None else ServiceClient()
+    try:
+        found = [s for s in svc.list_sessions(name_contains=session) if s.name == session]
+    except Exception:  # it stopped answering again: the next attempt finds out
+        return False
+    finally:
+        svc.close()
+    return bool(found) and found[0].status.value == "Interrupted"
 
 
 def _answers(url: str) -> bool:
@@ -61,10 +78,10 @@ def _answers(url: str) -> bool:
 def bring_back(cfg: DictConfig, url: str | None, say: Callable[[str], None] = print) -> None:
     """Start the local engine again, or wait for a remote one (:class:`EngineLost` past
     ``engine.wait_s``)."""
-    if cfg.engine.kind == "local" and url is None:
+    if url is None:
         ensure_local_engine()
         return
-    target = url or cfg.engine.url
+    target = url
     started, delay, last_said = time.monotonic(), WAIT_FIRST_S, -1.0
     while not _answers(target):
         waited = time.monotonic() - started
@@ -134,7 +151,7 @@ def run_recovering(
         except Exception as exc:
             if len(record.meta.get("sessions", [])) == opened:
                 raise  # it never got a session: an engine it cannot reach is the error, not a loss
-            why = engine_down(cfg, url)
+            why = engine_down(cfg, url, record.meta.get("session"))
             if why is None:
                 raise
             if restart == cfg.engine.restarts:
@@ -146,11 +163,9 @@ def run_recovering(
             except EngineLost as lost:
                 raise EngineLost(f"{lost}; {continue_hint(record.path)}") from exc
             start_step, resume_from = resume_point(record, why)
+            back = "started it again" if url is None and "not running" in why else "it is back"
             _say(
-                f"{why} (at step {done}): started it again and resuming from step {start_step} "
-                f"(recovery {restart + 1} of {cfg.engine.restarts})"
-                if url is None
-                else f"{why} (at step {done}): it is back; resuming from step {start_step} "
+                f"{why} (at step {done}): {back} and resuming from step {start_step} "
                 f"(recovery {restart + 1} of {cfg.engine.restarts})"
             )
 

