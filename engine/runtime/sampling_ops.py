@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
+from sess.engine.runtime.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
@@ -36,13 +37,13 @@ def resolve_target(
         return runtime.hosts[session.base_model], session.adapter, session
     if target.model_path is not None:
         ref = parse_path(target.model_path, field="model_path")
-        session = runtime.session(owner, ref.session, live=False)
+        session = readable_session(runtime, owner, ref)  # owner's, or another key's published one
         host = runtime.host(session.base_model)
         loaded = ref.uri in host.checkpoint_adapters
         adapter = checkpoint_sampler(runtime, host, ref)
         if not loaded and runtime.ranks is not None:  # every rank loads it: distributed_sampling.py
             runtime.ranks.send({"sampler": ref.uri, "base_model": host.name})
-        return host, adapter, session
+        return host, adapter, session if session.owner == owner else None
     return runtime.host(target.base_model), None, None
 
 
