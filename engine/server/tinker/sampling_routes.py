@@ -53,11 +53,7 @@ def add_routes(route, tinker: Tinker) -> None:
     async def get_sampler(request: Request) -> Response:
         owner = tinker.owner(request)
         sampler = tinker.sampler(owner, request.path_params["sampler_id"])
-        if sampler.session is not None:
-            name, summary, facts = await tinker.model(owner, sampler.session)
-            base_model = tinker.client_model_name(name, summary, facts)
-        else:
-            base_model = sampler.target["base_model"]
+        base_model = await tinker.sampler_base_model(owner, sampler)
         return json_response(
             {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
         )

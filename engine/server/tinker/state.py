@@ -217,6 +217,18 @@ class Tinker:
             self._model_facts[(owner, info["name"])] = await self.facts(owner, info["base_model"])
         return info["name"]
 
+    async def sampler_base_model(self, owner: str, sampler: Sampler) -> str:
+        """The base model of what ``sampler`` samples, as its client names it (:meth:`client_model_name`);
+        a sampler of another key's published checkpoint gets it from the checkpoint."""
+        if sampler.session is None:
+            return sampler.target["base_model"]
+        if self.engine.runtime.find_session(owner, sampler.session) is None:
+            info = await self.call(owner, "checkpoint_info", {"path": sampler.target["model_path"]})
+            facts = await self.facts(owner, info["base_model"])
+            return self.client_model_name(info["name"], {"base_model": info["base_model"]}, facts)
+        name, summary, facts = await self.model(owner, sampler.session)
+        return self.client_model_name(name, summary, facts)
+
     def client_model_name(self, name: str, summary: dict, facts: dict) -> str:
         """The base model as the client named it; a bare catalog name becomes the engine's directory
         of it, which ``AutoTokenizer.from_pretrained`` loads (a client on another machine names

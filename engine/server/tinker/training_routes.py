@@ -116,6 +116,11 @@ def add_routes(route, tinker: Tinker) -> None:
 
         async def checked_path(owner: str) -> str:
             _optimizer(body, "optimizer_config")
+            if body.get("weights_access_token") is not None:
+                raise InvalidRequest(
+                    "weights_access_token: access tokens are not used by this engine; the checkpoint's "
+                    "owner publishes it (publish_checkpoint_from_tinker_path) for every key to load"
+                )
             path = ids.to_sess_path(field_of(body, "path", str))
             # another key's checkpoint, or none at all, is a 404 now rather than a failed future
             await tinker.call(owner, "checkpoint_files", {"path": path})
