@@ -172,6 +172,8 @@ class ManagedEngine(Executor):
         if spec.forgets_session and op.error is None:
             self.registry.forget_session(name)
             self.registry.add_audit(op.owner, "session_deleted", session=name)
+            # a later session of the same name must not find its checkpoints published
+            self.runtime.published -= {p for p in self.runtime.published if p.startswith(f"sess://{name}/")}
             session = None
         if spec.removes_checkpoint and op.error is None:
             self.registry.remove_checkpoint(op.result["path"])
@@ -182,13 +184,16 @@ class ManagedEngine(Executor):
                 self.registry.add_resume(before, op.request.path, session.step)
                 self.registry.add_audit(op.owner, "session_resumed", session=name, path=op.request.path)
             elif spec.starts_session and op.error is None:
-                self.registry.add_audit(op.owner, "session_created", session=name, base_model=session.base_model)
+                self.registry.add_audit(
+                    op.owner, "session_created", session=name, base_model=session.base_model
+                )
             self.registry.save_session(session.summary(), session.owner)
             if op.saved:
                 self.registry.add_checkpoint(op.saved, name, op.owner, "state")
             if op.error is None and spec.adds_checkpoint:
                 ref = parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
+                self.runtime.published.discard(ref.uri)  # saved again under its name: private again
                 self.lifecycle.saved(op)
                 for released in op.result.get("released", []):
                     self.registry.remove_checkpoint(released)
