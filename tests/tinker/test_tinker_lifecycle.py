@@ -111,7 +111,8 @@ def test_a_published_checkpoint_is_read_by_another_key_and_changed_only_by_its_o
     )
     assert outcome["after_b"]["public"] is True and outcome["after_b"]["expires_at"] is None
     copy = outcome["copy_listed"][outcome["copy"]]
-    assert copy["expires_at"] == pytest.approx(time.time() + 7200, abs=600) and copy["public"] is False
+    assert outcome["before"] + 7200 <= copy["expires_at"] <= outcome["before"] + 7200 + 300
+    assert copy["public"] is False
     assert outcome["copy_in_project_b"] is True and outcome["copy_samples_same"] is True
     assert outcome["b_after_unpublish"]["status"] == 404
 
@@ -121,7 +122,9 @@ def test_the_session_trace_has_one_slice_per_op_and_others_cannot_read_it(outcom
     slices = [e for e in events if e["ph"] == "X"]
     names = [s["name"] for s in slices]
     assert names.count("forward_backward") == 1 and names.count("optim_step") == 1
-    assert names.count("save_state") >= 2 and "compute_logprobs" not in names  # samplers: no session op
+    assert names.count("save_state") == 3 and names.count("save_weights") == 5
+    # alice's three scorings of her own checkpoints; bob's of the published one are his, not her run's
+    assert names.count("sample") == 3 and names.count("create_session_from_state") == 1
     for piece in slices:
         args = piece["args"]
         assert piece["dur"] == pytest.approx((args["queue_wait_s"] + args["run_s"]) * 1e6, abs=1)
