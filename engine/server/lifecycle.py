@@ -163,7 +163,14 @@ class Lifecycle:
                 log.exception("asking which checkpoints are in use failed")
 
         def remove(runtime) -> list[str]:
-            return [row["path"] for row in expired if lc.remove_expired(runtime, row["path"], in_use)]
+            removed = []
+            for row in expired:
+                try:
+                    if lc.remove_expired(runtime, row["path"], in_use):
+                        removed.append(row["path"])
+                except Exception:  # one checkpoint failing must not keep the others forever
+                    log.exception("deleting expired checkpoint %s failed", row["path"])
+            return removed
 
         removed = self._run(remove)
         for path in removed:

@@ -223,6 +223,20 @@ def test_storage_per_key_and_session_and_the_operators_audit_log(engine, trained
     assert result.exit_code == 0 and "key_budget_set" in result.output and "session_created" in result.output
 
 
+def test_creating_stopping_resuming_and_deleting_a_session_are_audited(engine):
+    alice = engine["alice"]
+    tc = alice.create_lora_training_client("tiny-llama", rank=4, seed=1, training_session_name="audited")
+    state = tc.save_state(name="s").result().path
+    alice.stop_session("audited")
+    alice.create_training_client_from_state(state, training_session_name="audited")  # continues it
+    alice.delete_session("audited", stop_if_active=True)
+    events = [
+        (e["event"], e["details"]) for e in alice.audit_log() if e["details"].get("session") == "audited"
+    ]
+    assert [event for event, _ in events] == ["session_created", "session_resumed", "session_deleted"]
+    assert events[1][1]["path"] == state and events[0][1]["base_model"] == "tiny-llama"
+
+
 def test_the_cli_lists_expiry_and_metadata_and_publishes(engine, trained):
     path = trained.save_state(name="cli-state", ttl_seconds=3600, user_metadata={"note": "cli"}).result().path
     env = _env(engine, "alice")
