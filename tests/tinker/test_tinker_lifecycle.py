@@ -115,6 +115,10 @@ def test_a_published_checkpoint_is_read_by_another_key_and_changed_only_by_its_o
     assert copy["public"] is False
     assert outcome["copy_in_project_b"] is True and outcome["copy_samples_same"] is True
     assert outcome["b_after_unpublish"]["status"] == 404
+    # a published training state loads into a run of bob's own: the weights alice saved
+    assert outcome["b_load_private"]["status"] == 404
+    assert outcome["b_loaded_run"].startswith("tk-") and outcome["b_loaded_run"] != outcome["run"]
+    assert outcome["b_loaded_loss"] == pytest.approx(outcome["a_loss"], rel=1e-5)
 
 
 def test_the_session_trace_has_one_slice_per_op_and_others_cannot_read_it(outcome):

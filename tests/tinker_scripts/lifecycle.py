@@ -159,6 +159,15 @@ out["copy_samples_same"] = (
     .result()
     == mine
 )
+out["b_load_private"] = outcome(lambda: b.create_training_client_from_state(state).result().model_id)
+rest.publish_checkpoint_from_tinker_path(state).result()
+loaded = b.create_training_client_from_state(state).result()
+out["b_loaded_run"] = loaded.model_id
+out["b_loaded_loss"] = (
+    loaded.forward_backward([datum(spec["tokens"])], "cross_entropy").result().metrics["loss:sum"]
+)
+out["a_loss"] = tc.forward([datum(spec["tokens"])], "cross_entropy").result().metrics["loss:sum"]
+rest.unpublish_checkpoint_from_tinker_path(state).result()
 rest.unpublish_checkpoint_from_tinker_path(shared).result()
 out["b_after_unpublish"] = outcome(lambda: rest_b.get_weights_info_by_tinker_path(shared).result())
 
