@@ -61,7 +61,6 @@ def delete_checkpoint(runtime: Runtime, owner: str, request: rq.DeleteCheckpoint
     if host is not None:
         host.release_checkpoints([ref.uri])
     ckpt.remove(ref, runtime.home)
-    runtime.published.discard(ref.uri)
     return {"path": ref.uri}
 
 

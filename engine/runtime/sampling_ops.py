@@ -37,13 +37,14 @@ def resolve_target(
         return runtime.hosts[session.base_model], session.adapter, session
     if target.model_path is not None:
         ref = parse_path(target.model_path, field="model_path")
-        session = readable_session(runtime, owner, ref)  # owner's, or another key's published one
+        # owner's, or another key's published one (its usage is the caller's: see usage.session_of)
+        session = readable_session(runtime, owner, ref)
         host = runtime.host(session.base_model)
         loaded = ref.uri in host.checkpoint_adapters
         adapter = checkpoint_sampler(runtime, host, ref)
         if not loaded and runtime.ranks is not None:  # every rank loads it: distributed_sampling.py
             runtime.ranks.send({"sampler": ref.uri, "base_model": host.name})
-        return host, adapter, session if session.owner == owner else None
+        return host, adapter, session
     return runtime.host(target.base_model), None, None
 
 

@@ -176,8 +176,9 @@ class ManagedEngine(Executor):
             self.runtime.published -= {p for p in self.runtime.published if p.startswith(f"sess://{name}/")}
             session = None
         if spec.removes_checkpoint and op.error is None:
-            self.registry.remove_checkpoint(op.result["path"])
             self.registry.add_audit(op.owner, "checkpoint_deleted", path=op.result["path"])
+            self.runtime.published.discard(op.result["path"])
+            self.registry.remove_checkpoint(op.result["path"])
         if session is not None:
             before = self.registry.session(name) if op.name == "create_session_from_state" else None
             if before is not None and op.error is None:  # a stopped session continued under its name
