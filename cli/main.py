@@ -13,6 +13,7 @@ from sess.cli.app import app, report
 from sess.cli import engine_cmds  # noqa: F401
 from sess.cli import keys_cmds  # noqa: F401
 from sess.cli import session_cmds  # noqa: F401
+from sess.cli import checkpoint_cmds  # noqa: F401
 from sess.cli import run_cmds  # noqa: F401
 from sess.cli import runs_cmds  # noqa: F401
 from sess.cli import attach_cmd  # noqa: F401

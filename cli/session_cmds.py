@@ -1,4 +1,4 @@
-"""Session lifecycle: ``sess start|list|stop|resume|delete|usage|checkpoints``.
+"""Session lifecycle: ``sess start|list|stop|resume|delete|usage`` (``checkpoints``: :mod:`.checkpoint_cmds`).
 
 Each command talks to the engine through the SDK: the local engine of ``SESS_HOME``, or
 ``engine=remote engine.url=... engine.api_key=...`` / ``SESS_ENGINE_URL``. Commands that make
@@ -293,14 +293,3 @@ def usage(
     )
     headers = (by, "count", "prefill", "sampled", "training", "wall s")
     print_table(headers + ((f"cost ({report['currency']})",) if priced else ()), table, bold_last=True)
-
-
-@app.command()
-def checkpoints(name: str) -> None:
-    """List a session's checkpoints, with their size on disk."""
-    svc = reader()
-    known_session(svc, name)
-    found = guard(svc.list_checkpoints, name)
-    rows = [(c["path"], c["kind"], _when(c["created"]), f"{c['bytes'] / 1e6:.1f}") for c in found]
-    rows.append(("total", "", "", f"{sum(c['bytes'] for c in found) / 1e6:.1f}"))
-    print_table(("path", "kind", "created", "MB"), rows, bold_last=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from sess.engine.runtime import checkpoints as ckpt
+from sess.engine.runtime.checkpoint_lifecycle import owned_dir, readable_session
 from sess.engine.runtime.distributed_adapters import gathered
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
@@ -28,9 +29,10 @@ from sess.engine.sdk.home import remove_dir
 
 
 def checkpoint_dir(runtime: Runtime, owner: str, path: str) -> Path:
-    """The directory of ``owner``'s checkpoint ``path`` (NotFound for another key's)."""
+    """The directory of checkpoint ``path`` for reading: ``owner``'s own, or a published one
+    (NotFound for another key's private checkpoint)."""
     ref = parse_path(path)
-    runtime.session(owner, ref.session, live=False)
+    readable_session(runtime, owner, ref)
     directory = ref.directory(runtime.home)
     if not directory.exists():
         raise NotFound(f"checkpoint {ref.uri} not found")
@@ -55,7 +57,7 @@ def list_checkpoints(runtime: Runtime, owner: str, request: rq.ListCheckpoints) 
 def delete_checkpoint(runtime: Runtime, owner: str, request: rq.DeleteCheckpoint) -> dict:
     """Delete one of ``owner``'s checkpoints (out of memory too, unless a request samples from it)."""
     ref = parse_path(request.path)
-    checkpoint_dir(runtime, owner, request.path)
+    owned_dir(runtime, owner, request.path)
     host = runtime.hosts.get(runtime.session(owner, ref.session, live=False).base_model)
     if host is not None:
         host.release_checkpoints([ref.uri])

@@ -16,7 +16,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sess.engine.runtime import checkpoint_ops, sampling_ops, session_ops, training_ops
+from sess.engine.runtime import checkpoint_lifecycle, checkpoint_ops, sampling_ops, session_ops, training_ops
 from sess.engine.sdk import requests as rq
 
 
@@ -62,6 +62,9 @@ OPS: dict[str, Op] = {
         rq.DeleteCheckpoint, checkpoint_ops.delete_checkpoint, Kind.CONTROL, removes_checkpoint=True
     ),
     "model_info": Op(rq.ModelInfo, session_ops.model_info, Kind.CONTROL, accounted=False),
+    "checkpoint_info": Op(
+        rq.CheckpointPath, checkpoint_lifecycle.checkpoint_info, Kind.CONTROL, accounted=False
+    ),
     "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, accounted=False),
     "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED),
     "forward_backward": Op(rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED),

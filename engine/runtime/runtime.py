@@ -42,6 +42,7 @@ class Runtime:
         self._memory_budget = memory_budget  # None: memory_budget.default_budget, once a model is in
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
+        self.published: set[str] = set()  # sess:// paths every key may read (checkpoint_lifecycle.py)
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
+from sess.engine.runtime.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
@@ -36,7 +37,8 @@ def resolve_target(
         return runtime.hosts[session.base_model], session.adapter, session
     if target.model_path is not None:
         ref = parse_path(target.model_path, field="model_path")
-        session = runtime.session(owner, ref.session, live=False)
+        # owner's, or another key's published one (its usage is the caller's: see usage.session_of)
+        session = readable_session(runtime, owner, ref)
         host = runtime.host(session.base_model)
         adapter = checkpoint_sampler(runtime, host, ref)
         if runtime.ranks is not None:  # every rank holds it: distributed_sampling.py

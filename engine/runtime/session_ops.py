@@ -116,7 +116,11 @@ def create_session_from_state(runtime: Runtime, owner: str, request: rq.CreateSe
         return _continue(runtime, owner, stopped, request, meta)
     lora = meta["lora"]
     summary = create_session(
-        runtime, owner, rq.CreateSession(base_model=meta["base_model"], name=request.name, **lora)
+        runtime,
+        owner,
+        rq.CreateSession(
+            base_model=meta["base_model"], name=request.name, user_metadata=request.user_metadata, **lora
+        ),
     )
     load = rq.LoadState(session=summary["name"], path=request.path, with_optimizer=request.with_optimizer)
     try:

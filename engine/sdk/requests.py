@@ -22,6 +22,8 @@ from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
 MAX_DATUMS = 1 << 16  # datums in one forward / forward_backward
 MAX_PROMPT = 1 << 20  # tokens in one prompt (the model's context is checked by the engine)
 MAX_NAME = 128
+MIN_TTL_S, MAX_TTL_S = 1, 10 * 366 * 86400  # a checkpoint's ttl_seconds: 1 s to ten years
+MAX_METADATA = 64  # user_metadata entries on one checkpoint
 Status = Literal["Starting", "Running", "Stopping", "Stopped", "Failed", "Interrupted"]
 
 
@@ -91,6 +93,7 @@ class CreateSessionFromState(Request):
     path: str
     name: str | None = _name()
     with_optimizer: bool = False
+    user_metadata: dict | None = None  # the new session's; a continued session keeps its own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,20 +171,41 @@ class OptimStep(SessionOp):
     adam_params: AdamParams = field(default_factory=AdamParams)
 
 
+def check_checkpoint_metadata(metadata: dict | None, where: str = "") -> None:
+    """A checkpoint's ``user_metadata``: string keys to strings (1 KiB each), at most MAX_METADATA."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA:
+        raise InvalidRequest(f"{where}user_metadata: {len(metadata)} entries; at most {MAX_METADATA}")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(str(key)) > 1024 or len(value) > 1024:
+            raise InvalidRequest(
+                f"{where}user_metadata.{str(key)[:40]}: expected a string of at most 1024 characters"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveWeights(SessionOp):
     name: str | None = _name()
     merge: bool = False
     transient: bool = False  # a sampler save the engine deletes once newer ones replace it
+    ttl_seconds: int | None = bounded(None, MIN_TTL_S, MAX_TTL_S)  # None: kept until deleted
+    user_metadata: dict | None = None  # strings to strings, kept with the checkpoint
 
     def check_values(self, where: str = "") -> None:
         if self.transient and (self.name is not None or self.merge):
             raise InvalidRequest("transient: a transient sampler save takes no name and no merge")
+        check_checkpoint_metadata(self.user_metadata, where)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveState(SessionOp):
     name: str | None = _name()
+    ttl_seconds: int | None = bounded(None, MIN_TTL_S, MAX_TTL_S)  # None: kept until deleted
+    user_metadata: dict | None = None  # strings to strings, kept with the checkpoint
+
+    def check_values(self, where: str = "") -> None:
+        check_checkpoint_metadata(self.user_metadata, where)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_admin import CheckpointAdmin
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import Submitter
@@ -40,8 +41,9 @@ def load_tokenizer(directory: str | os.PathLike):
         return AutoTokenizer.from_pretrained(directory)
 
 
-class ServiceClient:
-    """Entry point: finds or starts an engine and creates training and sampling clients."""
+class ServiceClient(CheckpointAdmin):
+    """Entry point: finds or starts an engine and creates training and sampling clients; checkpoint
+    TTLs, publishing, copies, traces, storage and the audit log are :class:`.CheckpointAdmin`'s."""
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, home: str | os.PathLike | None = None
@@ -163,8 +165,8 @@ class ServiceClient:
         if (model_path is None) == (base_model is None):
             raise InvalidRequest("create_sampling_client: give exactly one of model_path or base_model")
         if model_path is not None:
-            session = parse_path(model_path, field="model_path").session
-            info = self._call("session_info", rq.SessionName(name=session))
+            parse_path(model_path, field="model_path")
+            info = self._call("checkpoint_info", rq.CheckpointPath(path=model_path))  # own, or published
             return SamplingClient(self, rq.Target(model_path=model_path), info["base_model"])
         if base_model not in self.list_base_models():
             raise InvalidRequest(f"base_model: unknown model {base_model!r}; see list_base_models()")
@@ -248,7 +250,9 @@ class ServiceClient:
             name: the session.
 
         Returns:
-            One dict per checkpoint: its ``sess://`` ``path``, ``kind``, ``created`` (a Unix time) and ``bytes``."""
+            One dict per checkpoint: its ``sess://`` ``path``, ``kind``, ``created`` (a Unix time),
+            ``bytes``, and from an engine server ``expires_at`` (a Unix time, or None: kept until
+            deleted), ``user_metadata`` and ``public``."""
         return self._call("list_checkpoints", rq.ListCheckpoints(session=name))
 
     def download_checkpoint(self, path: str, dest_dir: str | os.PathLike) -> Path:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sess.engine.sdk import requests as rq
+from sess.engine.sdk.checkpoint_admin import needs_server
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import APIFuture, with_async_twins
 from sess.engine.sdk.sampling_client import SamplingClient
@@ -238,32 +239,64 @@ class TrainingClient:
         return self._ordered("optim_step", request, OptimStepResponse.from_wire)
 
     def save_weights_for_sampler(
-        self, description: str = "", merge_weights: bool = False, *, name: str | None = None
+        self,
+        description: str = "",
+        merge_weights: bool = False,
+        *,
+        name: str | None = None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
-        """Save the adapter's weights for sampling (and download), kept until deleted.
+        """Save the adapter's weights for sampling (and download), kept until deleted or expired.
 
         Args:
             description: kept with the checkpoint.
             merge_weights: also save the base model with the adapter merged in.
             name: the checkpoint's name; None: one derived from the step.
+            ttl_seconds: delete it this many seconds from now (1 s to 10 years); None: never.
+            user_metadata: strings to strings, listed with it (``list_checkpoints``).
 
         Returns:
             A future of a :class:`SaveWeightsResponse` with its ``sess://<session>/sampler/<name>`` path."""
-        request = rq.SaveWeights(session=self.name, name=name, merge=merge_weights)
+        self._lifecycle_fields(ttl_seconds, user_metadata)
+        request = rq.SaveWeights(
+            session=self.name,
+            name=name,
+            merge=merge_weights,
+            ttl_seconds=ttl_seconds,
+            user_metadata=user_metadata,
+        )
         return self._ordered("save_weights", request, SaveWeightsResponse.from_wire)
 
-    def save_state(self, description: str = "", *, name: str | None = None) -> APIFuture[SaveStateResponse]:
+    def save_state(
+        self,
+        description: str = "",
+        *,
+        name: str | None = None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[SaveStateResponse]:
         """Save everything needed to continue training: weights, AdamW moments, step count.
 
         Args:
             description: kept with the checkpoint.
             name: the checkpoint's name; None: one derived from the step.
+            ttl_seconds: delete it this many seconds from now (1 s to 10 years); None: never.
+            user_metadata: strings to strings, listed with it (``list_checkpoints``).
 
         Returns:
             A future of a :class:`SaveStateResponse` with its ``sess://<session>/state/<name>`` path."""
-        return self._ordered(
-            "save_state", rq.SaveState(session=self.name, name=name), SaveStateResponse.from_wire
+        self._lifecycle_fields(ttl_seconds, user_metadata)
+        request = rq.SaveState(
+            session=self.name, name=name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
         )
+        return self._ordered("save_state", request, SaveStateResponse.from_wire)
+
+    def _lifecycle_fields(self, ttl_seconds, user_metadata) -> None:
+        """A TTL or metadata is kept by an engine server's registry: refused for the in-process engine."""
+        for field, value in (("ttl_seconds", ttl_seconds), ("user_metadata", user_metadata)):
+            if value is not None:
+                needs_server(self.service.transport, field)
 
     def load_state(self, path: str) -> APIFuture[LoadStateResponse]:
         """Load a state checkpoint's weights; the optimizer starts fresh.

@@ -4,6 +4,7 @@ Handlers only authenticate, read the envelope, enqueue and answer; the executor 
 typed request before queueing it, and its one thread owns torch. The wire is small: ``POST
 /api/call`` (control ops), ``POST /api/submit`` (queue an op, get its id), ``POST /api/wait``
 (long-poll an op's result), ``POST /api/heartbeat``, checkpoint file downloads, ``GET /api/usage``,
+checkpoint TTLs, publishing, copies, traces, storage and the audit log (:mod:`.lifecycle_routes`),
 the OpenAI-compatible ``/v1`` routes (:mod:`.openai_routes`) and the Tinker protocol under
 ``/api/v1`` (:mod:`.tinker`), all over the one engine. Bodies are JSON (arrays inside
 are base64, see :mod:`sess.engine.sdk.types`); errors are ``{"error": {"message", "status"}}`` with
@@ -216,6 +217,9 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         table = engine.billing.prices
         return json_response({"prices": table.to_wire() if table else None})
 
+    from sess.engine.server.lifecycle_routes import add_lifecycle_routes
+
+    add_lifecycle_routes(app, engine.lifecycle, owner_of, read_json, json_response, max_body_bytes)
     from sess.engine.server.openai_routes import add_openai_routes
 
     add_openai_routes(app, engine, owner_of, read_json)

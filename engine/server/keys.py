@@ -9,7 +9,8 @@ sees only what its owner made. The local engine creates one key for the user of 
 given. A running engine rereads ``keys.json`` whenever it changes, so a revoked key is refused at
 its next request and a changed budget holds from the next submit. A key may carry a ``budget``
 (an amount in the engine's price-table currency, kept as a decimal string) or a ``token_budget``
-(tokens, for an engine without prices), checked by :mod:`.billing`. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
+(tokens, for an engine without prices), checked by :mod:`.billing`. Every key added, revoked or
+given a budget is an entry in the registry's audit log. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
 the first time it is read.
 """
 
@@ -139,6 +140,7 @@ class KeyStore:
         )
         keys[key_id] = entry
         self._save(keys.values())
+        self._audit("key_created", entry)
         return {**entry, "key": key}
 
     def find(self, key_or_id: str) -> dict | None:
@@ -154,6 +156,7 @@ class KeyStore:
         keys = dict(self.load())
         keys[entry["id"]] = {**entry, **fields}
         self._save(keys.values())
+        self._audit("key_budget_set", keys[entry["id"]])
         return keys[entry["id"]]
 
     def revoke(self, key_or_id: str) -> dict | None:
@@ -164,7 +167,19 @@ class KeyStore:
             return None
         del keys[entry["id"]]
         self._save(keys.values())
+        self._audit("key_revoked", entry)
         return entry
+
+    def _audit(self, event: str, entry: dict) -> None:
+        """A key change in the registry's audit log (made by the home's operator, owner ``local``)."""
+        from sess.engine.server.registry import Registry
+
+        registry = Registry(self.home)
+        try:
+            fields = ("id", "owner", "budget", "token_budget", "max_sessions")
+            registry.add_audit(LOCAL_OWNER, event, **{k: entry.get(k) for k in fields})
+        finally:
+            registry.close()
 
     def entry(self, key: str | None) -> dict | None:
         if not key or not isinstance(key, str) or len(key) > 512:

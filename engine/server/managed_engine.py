@@ -5,7 +5,9 @@ SQLite registry, restores the sessions of a previous process as ``Interrupted`` 
 stay usable), refuses a key's session beyond its live-session limit, and stops sessions whose
 clients stopped heart-beating for ``idle_timeout`` seconds after saving their state. Its
 :class:`~sess.engine.server.billing.Billing` prices each op as it is recorded, and refuses a submit
-past the key's budget (402) or its queue limit (429) before the op takes a sequence number.
+past the key's budget (402) or its queue limit (429) before the op takes a sequence number. Its
+:class:`~sess.engine.server.lifecycle.Lifecycle` keeps checkpoint TTLs, metadata and publishing,
+sweeps expired checkpoints from the idle thread, and writes the audit log.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import SessionStatus, Usage
 from sess.engine.server.billing import COSTLY, Billing
+from sess.engine.server.lifecycle import SWEEP_S, Lifecycle
 from sess.engine.server.registry import Registry
 from sess.engine.server.settings import IDLE_TIMEOUT_S, MAX_SESSIONS
 
@@ -73,6 +76,9 @@ class ManagedEngine(Executor):
                 usage=Usage.from_wire(row["usage"]) if row["usage"] else Usage(),
             )
         super().__init__(runtime=runtime, fair=fair)
+        # front ends' hooks: the sess:// paths their samplers hold, which the TTL sweep keeps
+        self.checkpoint_users: list[Callable[[], set[str]]] = []
+        self.lifecycle = Lifecycle(self)
         self._idle_thread = threading.Thread(target=self._watch_idle, name="sess-idle", daemon=True)
         self._idle_thread.start()
 
@@ -121,6 +127,8 @@ class ManagedEngine(Executor):
 
     def call(self, owner: str, name: str, args=None):
         result = super().call(owner, name, args)
+        if name == "list_checkpoints":
+            result = self.lifecycle.describe(owner, result)
         if name == "get_usage" and isinstance(result, dict) and self.billing.prices is not None:
             session = (args or {}).get("name")
             rows = self.registry.usage_by_operation(owner, session)
@@ -163,8 +171,13 @@ class ManagedEngine(Executor):
         spec = OPS[op.name]
         if spec.forgets_session and op.error is None:
             self.registry.forget_session(name)
+            self.registry.add_audit(op.owner, "session_deleted", session=name)
+            # a later session of the same name must not find its checkpoints published
+            self.runtime.published -= {p for p in self.runtime.published if p.startswith(f"sess://{name}/")}
             session = None
         if spec.removes_checkpoint and op.error is None:
+            self.registry.add_audit(op.owner, "checkpoint_deleted", path=op.result["path"])
+            self.runtime.published.discard(op.result["path"])
             self.registry.remove_checkpoint(op.result["path"])
         if session is not None and not session.live:
             self._forget_gone_checkpoints(name)
@@ -172,12 +185,19 @@ class ManagedEngine(Executor):
             before = self.registry.session(name) if op.name == "create_session_from_state" else None
             if before is not None and op.error is None:  # a stopped session continued under its name
                 self.registry.add_resume(before, op.request.path, session.step)
+                self.registry.add_audit(op.owner, "session_resumed", session=name, path=op.request.path)
+            elif spec.starts_session and op.error is None:
+                self.registry.add_audit(
+                    op.owner, "session_created", session=name, base_model=session.base_model
+                )
             self.registry.save_session(session.summary(), session.owner)
             if op.saved:
                 self.registry.add_checkpoint(op.saved, name, op.owner, "state")
             if op.error is None and spec.adds_checkpoint:
                 ref = parse_path(op.result["path"])
                 self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
+                self.runtime.published.discard(ref.uri)  # saved again under its name: private again
+                self.lifecycle.saved(op)
                 for released in op.result.get("released", []):
                     self.registry.remove_checkpoint(released)
         usage = (op.usage or Usage(operations=1)).to_wire()
@@ -185,8 +205,9 @@ class ManagedEngine(Executor):
         target = getattr(op.request, "target", None)
         model = session.base_model if session is not None else getattr(target, "base_model", None)
         cost = self.billing.cost(model, op.name, usage)
+        queue_s = max(0.0, time.monotonic() - op.created - float(usage.get("wall_time_s") or 0.0))
         self.registry.record_operation(
-            op.id, op.owner, op.name, name if session else None, error, usage, cost
+            op.id, op.owner, op.name, name if session else None, error, usage, cost, queue_s
         )
 
     def _forget_gone_checkpoints(self, session: str) -> None:
@@ -209,11 +230,19 @@ class ManagedEngine(Executor):
 
     # idle sessions ---------------------------------------------------------------------------------
     def _watch_idle(self) -> None:
-        period = max(0.2, min(5.0, self.idle_timeout / 4))
+        """Stop idle sessions, and sweep expired checkpoints every SWEEP_S seconds."""
+        period = max(0.2, min(5.0, self.idle_timeout / 4, SWEEP_S))
+        next_sweep = time.monotonic() + SWEEP_S
         while not self._closed:
             time.sleep(period)
             for name in self._idle_sessions():
                 self.run(lambda runtime, n=name: self._stop_idle(runtime, n), wait=False)
+            if time.monotonic() >= next_sweep and not self._closed:
+                next_sweep = time.monotonic() + SWEEP_S
+                try:
+                    self.lifecycle.sweep()
+                except Exception:  # the next sweep tries again; serving goes on
+                    log.exception("the checkpoint sweep failed")
 
     def _idle_sessions(self) -> list[str]:
         now = time.time()

@@ -5,9 +5,13 @@ saved ``sess://`` path), ``operations`` (one row per op with its own token count
 ``usage`` (per session and op name, summed), ``spend`` (per owner, summed over every op it ever
 ran: what its budget is checked against, kept when a session is deleted) and ``resumes`` (each time
 a stopped session was continued under its own name: from which checkpoint, and the status and step
-it had before, which its ``sessions`` row no longer shows). Costs are integers of pico-units
-(:mod:`sess.engine.sdk.prices`), 0 where the engine has no prices. A home from before costs gains
-the columns and the ``spend`` table (filled from its operations) when opened. When an engine starts,
+it had before, which its ``sessions`` row no longer shows), ``runs`` (a session's project and display
+name, as a Tinker client gave them) and ``audit`` (who created, deleted, resumed, published a session
+or checkpoint, changed a key or budget, and when). A checkpoint row carries its ``expires_at`` (None:
+kept until deleted), ``user_metadata`` and whether it is ``public`` (readable by every key). Costs are integers of pico-units
+(:mod:`sess.engine.sdk.prices`), 0 where the engine has no prices. A home from before costs,
+checkpoint lifecycles or queue times gains the columns and the ``spend`` table (filled from its
+operations) when opened. When an engine starts,
 sessions the previous process
 left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
 """
@@ -29,12 +33,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     created REAL, last_active REAL, step INTEGER, lora TEXT, user_metadata TEXT, usage TEXT
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
-    path TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, kind TEXT NOT NULL, created REAL
+    path TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, kind TEXT NOT NULL, created REAL,
+    expires_at REAL, user_metadata TEXT, public INTEGER DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS operations (
     id TEXT PRIMARY KEY, session TEXT, owner TEXT NOT NULL, name TEXT NOT NULL, ok INTEGER,
     error TEXT, finished REAL, wall_time_s REAL, prefill_tokens INTEGER, sampled_tokens INTEGER,
-    training_tokens INTEGER, cost_pu INTEGER DEFAULT 0
+    training_tokens INTEGER, cost_pu INTEGER DEFAULT 0, queue_s REAL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS operations_session ON operations(session);
 CREATE TABLE IF NOT EXISTS usage (
@@ -46,7 +51,21 @@ CREATE TABLE IF NOT EXISTS resumes (
     session TEXT NOT NULL, owner TEXT NOT NULL, path TEXT NOT NULL, resumed REAL,
     status_before TEXT, step_before INTEGER, step INTEGER
 );
+CREATE TABLE IF NOT EXISTS runs (
+    session TEXT PRIMARY KEY, owner TEXT NOT NULL, project_id TEXT, display_name TEXT
+);
+CREATE TABLE IF NOT EXISTS audit (time REAL NOT NULL, owner TEXT, event TEXT NOT NULL, details TEXT);
+CREATE INDEX IF NOT EXISTS audit_time ON audit(time);
 """
+# columns later versions added to a table: (table, column, declaration)
+ADDED_COLUMNS = (
+    ("operations", "cost_pu", "INTEGER DEFAULT 0"),
+    ("usage", "cost_pu", "INTEGER DEFAULT 0"),
+    ("operations", "queue_s", "REAL DEFAULT 0"),
+    ("checkpoints", "expires_at", "REAL"),
+    ("checkpoints", "user_metadata", "TEXT"),
+    ("checkpoints", "public", "INTEGER DEFAULT 0"),
+)
 SPEND = """
 CREATE TABLE spend (
     owner TEXT PRIMARY KEY, operations INTEGER, prefill_tokens INTEGER, sampled_tokens INTEGER,
@@ -72,12 +91,12 @@ class Registry:
         self._migrate()
 
     def _migrate(self) -> None:
-        """Bring a home from before costs up to this schema: cost columns, then the spend table."""
+        """Bring an older home up to this schema: the columns it lacks, then the spend table."""
         with self._lock:
-            for table in ("operations", "usage"):
+            for table, column, declaration in ADDED_COLUMNS:
                 columns = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
-                if "cost_pu" not in columns:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN cost_pu INTEGER DEFAULT 0")
+                if column not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
             found = self._db.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='spend'")
             if found.fetchone() is None:
                 self._db.executescript(f"BEGIN; {SPEND} COMMIT;")
@@ -134,6 +153,7 @@ class Registry:
             ("checkpoints", "session"),
             ("usage", "session"),
             ("resumes", "session"),
+            ("runs", "session"),
         ):
             self._run(f"DELETE FROM {table} WHERE {column}=?", (name,))
 
@@ -148,10 +168,47 @@ class Registry:
         return [dict(r) for r in self._run("SELECT * FROM resumes WHERE session=? ORDER BY resumed", (name,))]
 
     # checkpoints and operations -------------------------------------------------------------------
-    def add_checkpoint(self, path: str, session: str, owner: str, kind: str) -> None:
+    def add_checkpoint(
+        self,
+        path: str,
+        session: str,
+        owner: str,
+        kind: str,
+        *,
+        expires_at: float | None = None,
+        user_metadata: dict | None = None,
+    ) -> None:
+        """A new checkpoint (one saved again under its name starts over: its own TTL, metadata, private)."""
         self._run(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)", (path, session, owner, kind, time.time())
+            "INSERT OR REPLACE INTO checkpoints (path, session, owner, kind, created, expires_at, "
+            "user_metadata, public) VALUES (?,?,?,?,?,?,?,0)",
+            (path, session, owner, kind, time.time(), expires_at, _json_or_null(user_metadata)),
         )
+
+    def checkpoint(self, path: str) -> dict | None:
+        rows = self._run("SELECT * FROM checkpoints WHERE path=?", (path,))
+        return _checkpoint_row(rows[0]) if rows else None
+
+    def update_checkpoint(self, path: str, **fields) -> None:
+        """Set ``expires_at``, ``public`` or ``user_metadata`` of a checkpoint's row."""
+        fields = {k: _json_or_null(v) if k == "user_metadata" else v for k, v in fields.items()}
+        assignments = ", ".join(f"{column}=?" for column in fields)  # names from this module only
+        self._run(f"UPDATE checkpoints SET {assignments} WHERE path=?", (*fields.values(), path))
+
+    def checkpoint_rows(
+        self, *, expired_before: float | None = None, public: bool | None = None
+    ) -> list[dict]:
+        """Every checkpoint row, or those expired before a time, or the public ones."""
+        where, params = [], []
+        if expired_before is not None:
+            where.append("expires_at IS NOT NULL AND expires_at<=?")
+            params.append(expired_before)
+        if public is not None:
+            where.append("public=?")
+            params.append(int(public))
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = self._run(f"SELECT * FROM checkpoints {clause} ORDER BY created", params)
+        return [_checkpoint_row(r) for r in rows]
 
     def remove_checkpoint(self, path: str) -> None:
         self._run("DELETE FROM checkpoints WHERE path=?", (path,))
@@ -171,14 +228,17 @@ class Registry:
         error: str | None,
         counts: dict,
         cost_pu: int = 0,
+        queue_s: float = 0.0,
     ) -> None:
-        """One op's row, added to its session's usage row and its owner's spend, in one transaction."""
+        """One op's row (``queue_s``: how long it waited between submit and its run), added to its session's usage row and its owner's spend, in one transaction."""
         values = [counts.get(k, 0) for k in COUNTS]
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "INSERT OR REPLACE INTO operations (id, session, owner, name, ok, error, finished, "
+                    "wall_time_s, prefill_tokens, sampled_tokens, training_tokens, cost_pu, queue_s) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         op_id,
                         session,
@@ -190,6 +250,7 @@ class Registry:
                         values[3],
                         *values[:3],
                         cost_pu,
+                        queue_s,
                     ),
                 )
                 self._db.execute(
@@ -269,6 +330,44 @@ class Registry:
             for r in self._run("SELECT * FROM operations WHERE session=? ORDER BY finished", (session,))
         ]
 
+    # runs and the audit log ---------------------------------------------------------------------
+    def tag_run(self, session: str, owner: str, project_id: str | None, display_name: str | None) -> None:
+        self._run("INSERT OR REPLACE INTO runs VALUES (?,?,?,?)", (session, owner, project_id, display_name))
+
+    def run_tags(self, owner: str) -> dict[str, dict]:
+        """{session: {project_id, display_name}} of ``owner``'s tagged sessions."""
+        rows = self._run("SELECT * FROM runs WHERE owner=?", (owner,))
+        return {
+            r["session"]: {"project_id": r["project_id"], "display_name": r["display_name"]} for r in rows
+        }
+
+    def add_audit(self, actor: str | None, event: str, **details) -> None:
+        """One audit entry: the key owner ``actor`` did ``event`` (``<resource>_<action>``) now."""
+        self._run(
+            "INSERT INTO audit VALUES (?,?,?,?)",
+            (time.time(), actor, event, json.dumps(details, default=str)),
+        )
+
+    def audit(self, start: float = 0.0, end: float = float("inf"), owner: str | None = None) -> list[dict]:
+        """Audit entries in [start, end), oldest first (of one owner, or of every key)."""
+        where, params = "time>=? AND time<?", [start, min(end, 1e18)]
+        if owner is not None:
+            where, params = where + " AND owner=?", [*params, owner]
+        rows = self._run(f"SELECT * FROM audit WHERE {where} ORDER BY time, rowid", params)
+        return [{**dict(r), "details": json.loads(r["details"] or "{}")} for r in rows]
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _json_or_null(value) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _checkpoint_row(row: sqlite3.Row) -> dict:
+    return {
+        **dict(row),
+        "user_metadata": json.loads(row["user_metadata"] or "null"),
+        "public": bool(row["public"]),
+    }

@@ -27,7 +27,18 @@ def _env(home: Path, **extra: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "args", [["list"], ["usage"], ["checkpoints", "x"], ["stop", "x"], ["attach", "x"]], ids=lambda a: a[0]
+    "args",
+    [
+        ["list"],
+        ["usage"],
+        ["checkpoints", "x"],
+        ["checkpoints", "publish", "sess://x/state/y"],
+        ["trace", "x", "-o", "trace.json"],
+        ["engine", "audit"],
+        ["stop", "x"],
+        ["attach", "x"],
+    ],
+    ids=lambda a: "-".join(a[:2]),
 )
 def test_commands_that_only_read_never_start_an_engine(tmp_path, args):
     home = tmp_path / "home"

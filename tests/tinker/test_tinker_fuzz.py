@@ -129,6 +129,16 @@ def _json_routes(session: str, model: str, sampler: str, tokens: list[int], chec
         ("GET", f"/sessions/{session}", None),
         ("GET", "/checkpoints", None),
         ("PUT", f"/training_runs/{model}/checkpoints/weights/fz/ttl", {"ttl_seconds": 5}),
+        ("POST", f"/training_runs/{model}/checkpoints/weights/fz/publish", None),
+        ("DELETE", f"/training_runs/{model}/checkpoints/weights/fz/publish", None),
+        (
+            "POST",
+            "/copy_weights",
+            {"source_path": checkpoint, "destination_project_id": "p", "ttl_seconds": 7200},
+        ),
+        ("GET", f"/sessions/{session}/trace_export", None),
+        ("GET", "/audit", None),
+        ("GET", "/billing/usage/checkpoints/current", None),
     ]
 
 

@@ -528,14 +528,10 @@ def test_lora_flags_and_loads_with_and_without_optimizer_state(a, keys, http_eng
 
 def test_routes_the_sdk_knows_but_sess_does_not_serve_are_400s_that_name_them(a):
     cases = [
-        ("POST", "/copy_weights", "checkpoints stay with the key"),
         ("POST", "/auth/token", "not JWTs"),
         ("POST", "/retrieve_futures", "retrieve_future"),
         ("POST", "/join_sampling_session", "sampling client"),
-        ("POST", "/training_runs/x:train:0/checkpoints/weights/w/publish", "private"),
-        ("DELETE", "/training_runs/x:train:0/checkpoints/weights/w/publish", "private"),
         ("POST", "/sessions/search", ""),
-        ("GET", "/audit", ""),
         ("PATCH", "/no/such/route", ""),
     ]
     for method, path, why in cases:

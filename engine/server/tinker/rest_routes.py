@@ -34,7 +34,6 @@ UNSUPPORTED = {
     "retrieve_futures": "poll each future with retrieve_future",
     "join_sampling_session": "create a sampling client in each process",
     "cancel_future": "futures run to the end",
-    "copy_weights": "checkpoints stay with the key that made them",
     "auth/token": "this engine takes API keys (tml-...), not JWTs",
 }
 
@@ -63,10 +62,13 @@ def _checkpoint(entry: dict) -> dict | None:
         "time": _iso(entry["created"]),
         "tinker_path": ids.to_tinker_path(entry["path"]),
         "size_bytes": entry["bytes"],
+        "public": bool(entry.get("public")),
+        "user_metadata": entry.get("user_metadata"),
+        "expires_at": None if entry.get("expires_at") is None else _iso(entry["expires_at"]),
     }
 
 
-def _sign(owner: str, path: str) -> str:
+def sign_link(owner: str, path: str) -> str:
     payload = base64.urlsafe_b64encode(
         json.dumps([owner, path, int(time.time()) + URL_TTL_S]).encode()
     ).decode()
@@ -74,7 +76,7 @@ def _sign(owner: str, path: str) -> str:
     return f"{payload}.{mac}"
 
 
-def _verify(token: str) -> tuple[str, str]:
+def verify_link(token: str) -> tuple[str, str]:
     payload, _, mac = token.partition(".")
     expected = hmac.new(_SECRET, payload.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, mac.encode("ascii", "replace").decode()):
@@ -114,7 +116,18 @@ def add_routes(route, tinker: Tinker) -> None:
     @route("GET", "/training_runs")
     async def list_training_runs(request: Request) -> Response:
         owner = tinker.owner(request)
-        page, cursor = _page(request, await runs(owner))
+        scope = request.query_params.get("access_scope", "owned")
+        if scope != "owned":
+            raise InvalidRequest(
+                f"access_scope: {scope[:40]!r} is not supported; this engine lists the runs a key owns "
+                "(others' published checkpoints are read by their tinker:// paths)"
+            )
+        found = await runs(owner)
+        project = request.query_params.get("project_id")
+        if project is not None:
+            tags = tinker.engine.registry.run_tags(owner)
+            found = [s for s in found if tags.get(s["name"], {}).get("project_id") == project]
+        page, cursor = _page(request, found)
         return json_response(
             {"training_runs": [await training_run(owner, s, False) for s in page], "cursor": cursor}
         )
@@ -151,20 +164,13 @@ def add_routes(route, tinker: Tinker) -> None:
         await tinker.call(owner, "delete_checkpoint", {"path": path_of(request)})
         return json_response({})
 
-    @route("PUT", "/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
-    async def set_ttl(request: Request) -> Response:
-        owner = tinker.owner(request)
-        await tinker.call(owner, "checkpoint_files", {"path": path_of(request)})
-        await tinker.body(request)  # accepted: checkpoints here are kept until deleted
-        return json_response({})
-
     @route("POST", "/weights_info")
     async def weights_info(request: Request) -> Response:
         owner = tinker.owner(request)
         tinker_path = field_of(await tinker.json(request), "tinker_path", str)
         path = ids.to_sess_path(tinker_path, "tinker_path")
-        await tinker.call(owner, "checkpoint_files", {"path": path})
-        summary = await tinker.call(owner, "session_info", {"name": parse_path(path).session})
+        await tinker.call(owner, "checkpoint_files", {"path": path})  # owner's, or published
+        summary = await tinker.call(owner, "checkpoint_info", {"path": path})
         lora = summary.get("lora") or {}
         return json_response(
             {
@@ -180,14 +186,14 @@ def add_routes(route, tinker: Tinker) -> None:
         owner = tinker.owner(request)
         path = path_of(request)
         files = await tinker.call(owner, "checkpoint_files", {"path": path})
-        token = _sign(owner, path)
+        token = sign_link(owner, path)
         base = str(request.base_url).rstrip("/")
         urls = {rel: f"{base}/api/v1/checkpoint_files/{token}/{quote(rel)}" for rel, _ in files}
         return json_response({"urls": urls, "expires": _iso(time.time() + URL_TTL_S)})
 
     @route("GET", "/checkpoint_files/{token}/{file:path}")
     async def checkpoint_file(request: Request) -> Response:
-        owner, path = _verify(request.path_params["token"])
+        owner, path = verify_link(request.path_params["token"])
         files = dict(await tinker.call(owner, "checkpoint_files", {"path": path}))
         wanted = request.path_params["file"]
         if wanted not in files:
@@ -210,6 +216,7 @@ def add_routes(route, tinker: Tinker) -> None:
                 "training_run_ids": runs_,
                 "sampler_ids": sorted(session.samplers),
                 "user_metadata": session.user_metadata,
+                "display_name": session.display_name,
             }
         )
 
@@ -222,7 +229,5 @@ async def unsupported(request: Request) -> Response:
     why = next(
         (why for name, why in UNSUPPORTED.items() if rest == name or rest.startswith(name + "/")), None
     )
-    if why is None and rest.endswith("/publish"):
-        why = "checkpoints stay private to the key that made them"
     detail = f"{request.method} /api/v1/{rest[:200]} is not supported by this sess engine"
     return json_response({"detail": f"{detail}: {why}" if why else detail}, 400, {"x-should-retry": "false"})

@@ -86,7 +86,13 @@ def sdk_version_error(version: object) -> str | None:
 
 def add_tinker_routes(app: FastAPI, engine: ManagedEngine, keys: KeyStore, max_body_bytes: int) -> Tinker:
     """Mount the Tinker protocol on ``app`` under ``/api/v1``, over the same engine as sess's routes."""
-    from sess.engine.server.tinker import billing_routes, rest_routes, sampling_routes, training_routes
+    from sess.engine.server.tinker import (
+        billing_routes,
+        lifecycle_routes,
+        rest_routes,
+        sampling_routes,
+        training_routes,
+    )
 
     tinker = Tinker(engine, keys, max_body_bytes)
 
@@ -101,6 +107,7 @@ def add_tinker_routes(app: FastAPI, engine: ManagedEngine, keys: KeyStore, max_b
     training_routes.add_routes(route, tinker)
     sampling_routes.add_routes(route, tinker)
     billing_routes.add_routes(route, tinker)
+    lifecycle_routes.add_routes(route, tinker, rest_routes.sign_link, rest_routes.verify_link)
     rest_routes.add_routes(route, tinker)  # last: it ends with the catch-all for unknown routes
     return tinker
 
@@ -126,12 +133,14 @@ def add_core_routes(route, tinker: Tinker) -> None:
         owner = tinker.owner(request)
         body = await tinker.json(request)
         metadata = field_of(body, "user_metadata", dict, {})
+        project_id = field_of(body, "project_id", str, None)
+        display_name = field_of(body, "display_name", str, None)
         problem = sdk_version_error(body.get("sdk_version")) if "sdk_version" in body else None
         if problem:
             raise InvalidRequest(problem)
 
         async def make() -> dict:
-            session = TinkerSession(ids.new_session_id(), owner, metadata)
+            session = TinkerSession(ids.new_session_id(), owner, metadata, project_id, display_name)
             tinker.sessions[session.id] = session
             return {"session_id": session.id, "type": "create_session"}
 

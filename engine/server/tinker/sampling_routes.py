@@ -14,7 +14,6 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import ids, wire
 from sess.engine.server.tinker.futures import Answer
@@ -25,13 +24,13 @@ def add_routes(route, tinker: Tinker) -> None:
     async def target_of(
         owner: str, model_path: str | None, base_model: str | None
     ) -> tuple[dict, str | None]:
-        """The sess sampling target of a checkpoint path or base model, checked to exist and be owner's."""
+        """The sess sampling target of a checkpoint path or base model, checked to exist and be
+        owner's (or published)."""
         if (model_path is None) == (base_model is None):
             raise InvalidRequest("model_path, base_model: give exactly one")
         if model_path is not None:
             path = ids.to_sess_path(model_path, "model_path")
-            await tinker.call(owner, "checkpoint_files", {"path": path})
-            return {"model_path": path}, parse_path(path).session
+            return {"model_path": path}, await tinker.readable_checkpoint(owner, path)
         facts = await tinker.facts(owner, base_model)
         return {"base_model": facts["base_model"]}, None
 
@@ -54,11 +53,7 @@ def add_routes(route, tinker: Tinker) -> None:
     async def get_sampler(request: Request) -> Response:
         owner = tinker.owner(request)
         sampler = tinker.sampler(owner, request.path_params["sampler_id"])
-        if sampler.session is not None:
-            name, summary, facts = await tinker.model(owner, sampler.session)
-            base_model = tinker.client_model_name(name, summary, facts)
-        else:
-            base_model = sampler.target["base_model"]
+        base_model = await tinker.sampler_base_model(owner, sampler)
         return json_response(
             {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
         )

@@ -45,6 +45,8 @@ class TinkerSession:
     id: str
     owner: str
     user_metadata: dict
+    project_id: str | None = None  # the training runs it makes are listed under this project
+    display_name: str | None = None
     created: float = field(default_factory=time.time)
     finished: bool = False
     models: set[str] = field(default_factory=set)  # sess session names
@@ -205,6 +207,27 @@ class Tinker:
         if (owner, name) not in self._model_facts:
             self._model_facts[(owner, name)] = (await self.model(owner, name))[2]
         return self._model_facts[(owner, name)]
+
+    async def readable_checkpoint(self, owner: str, path: str) -> str:
+        """Check that ``owner`` may read checkpoint ``path`` (its own, or a published one) and
+        return its session, whose base model's facts :meth:`model_facts` then knows (another key's
+        session is not ``owner``'s to look up)."""
+        info = await self.call(owner, "checkpoint_info", {"path": path})
+        if (owner, info["name"]) not in self._model_facts:
+            self._model_facts[(owner, info["name"])] = await self.facts(owner, info["base_model"])
+        return info["name"]
+
+    async def sampler_base_model(self, owner: str, sampler: Sampler) -> str:
+        """The base model of what ``sampler`` samples, as its client names it (:meth:`client_model_name`);
+        a sampler of another key's published checkpoint gets it from the checkpoint."""
+        if sampler.session is None:
+            return sampler.target["base_model"]
+        if self.engine.runtime.find_session(owner, sampler.session) is None:
+            info = await self.call(owner, "checkpoint_info", {"path": sampler.target["model_path"]})
+            facts = await self.facts(owner, info["base_model"])
+            return self.client_model_name(info["name"], {"base_model": info["base_model"]}, facts)
+        name, summary, facts = await self.model(owner, sampler.session)
+        return self.client_model_name(name, summary, facts)
 
     def client_model_name(self, name: str, summary: dict, facts: dict) -> str:
         """The base model as the client named it; a bare catalog name becomes the engine's directory

@@ -14,6 +14,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
+from sess.engine.runtime.session_ops import canonical_model
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data
@@ -56,6 +57,8 @@ def add_routes(route, tinker: Tinker) -> None:
             async def run() -> Answer:
                 answer = await work
                 session.models.add(name)
+                if session.project_id or session.display_name:  # list_training_runs filters by project
+                    tinker.engine.registry.tag_run(name, owner, session.project_id, session.display_name)
                 return answer
 
             return {"request_id": tinker.task_future(owner, run()), "model_id": model_id}
@@ -113,6 +116,11 @@ def add_routes(route, tinker: Tinker) -> None:
 
         async def checked_path(owner: str) -> str:
             _optimizer(body, "optimizer_config")
+            if body.get("weights_access_token") is not None:
+                raise InvalidRequest(
+                    "weights_access_token: access tokens are not used by this engine; the checkpoint's "
+                    "owner publishes it (publish_checkpoint_from_tinker_path) for every key to load"
+                )
             path = ids.to_sess_path(field_of(body, "path", str))
             # another key's checkpoint, or none at all, is a 404 now rather than a failed future
             await tinker.call(owner, "checkpoint_files", {"path": path})
@@ -134,8 +142,10 @@ def add_routes(route, tinker: Tinker) -> None:
                 "path": await checked_path(owner),
                 "name": name,
                 "with_optimizer": field_of(body, "optimizer", bool),
+                "user_metadata": field_of(body, "user_metadata", dict, None),
             }
             source = ids.sess_name(body["path"][len("tinker://") :].split("/")[0], "path")
+            await _same_base_model(tinker, owner, body, args["path"])
 
             async def run() -> Answer:
                 await tinker.call(owner, "create_session_from_state", args)
@@ -218,7 +228,7 @@ def add_routes(route, tinker: Tinker) -> None:
                     raise InvalidRequest(
                         f"path: a checkpoint named {checkpoint!r} exists; pass overwrite=True or another name"
                     )
-            return "save_state", {"name": checkpoint}, _path_output("save_weights")
+            return "save_state", {"name": checkpoint, **_lifecycle(body)}, _path_output("save_weights")
 
         return await ordered(request, body, prepare)
 
@@ -229,7 +239,8 @@ def add_routes(route, tinker: Tinker) -> None:
         async def prepare(owner: str, name: str):
             if body.get("path") is not None:
                 checkpoint = check_name(field_of(body, "path", str), "path")
-                return "save_weights", {"name": checkpoint}, _path_output("save_weights_for_sampler")
+                args = {"name": checkpoint, **_lifecycle(body)}
+                return "save_weights", args, _path_output("save_weights_for_sampler")
             # no name: a snapshot for sampling session <session>:sample:<sampling_session_seq_id>
             number = _seq(body, "sampling_session_seq_id", low=0)
             model_id = ids.run_id(name)
@@ -239,7 +250,7 @@ def add_routes(route, tinker: Tinker) -> None:
                 tinker.add_sampler(Sampler(sampler_id, owner, {"model_path": result["path"]}, name))
                 return Answer.of({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
-            return "save_weights", {"transient": True}, convert
+            return "save_weights", {"transient": True, **_lifecycle(body)}, convert
 
         return await ordered(request, body, prepare)
 
@@ -253,7 +264,8 @@ def add_routes(route, tinker: Tinker) -> None:
                 raise InvalidRequest(
                     "age_encryption_recipients: encrypted exports are not supported by this engine"
                 )
-            return "save_weights", {"name": checkpoint, "merge": True}, _path_output("save_weights_external")
+            args = {"name": checkpoint, "merge": True, **_lifecycle(body)}
+            return "save_weights", args, _path_output("save_weights_external")
 
         return await ordered(request, body, prepare)
 
@@ -276,3 +288,23 @@ def _load_answer(body: dict):
     return lambda result: Answer.of(
         {"path": body["path"], "model_id": body["model_id"], "type": "load_weights"}
     )
+
+
+def _lifecycle(body: dict) -> dict:
+    """A save's ``ttl_seconds`` and ``user_metadata``, checked by the engine's request types
+    (out of range: a 400 naming the field)."""
+    return {k: body[k] for k in ("ttl_seconds", "user_metadata") if body.get(k) is not None}
+
+
+async def _same_base_model(tinker: Tinker, owner: str, body: dict, path: str) -> None:
+    """A ``base_model`` given with a load must be the checkpoint's own (any spelling of it)."""
+    wanted = field_of(body, "base_model", str, None)
+    if wanted is None:
+        return
+    saved = (await tinker.call(owner, "checkpoint_info", {"path": path}))["base_model"]
+    # the catalog name of any spelling (hub id, a path named after it), without loading a model
+    if canonical_model(tinker.engine.runtime, wanted) != saved:
+        raise InvalidRequest(
+            f"base_model: {wanted[:120]!r} differs from the checkpoint's base model {saved!r}; "
+            "a checkpoint loads onto the base model it was trained on (leave base_model out)"
+        )
