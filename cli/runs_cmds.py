@@ -175,7 +175,10 @@ def show(
         )
     from sess.harness.spend import forecast_lines
 
-    for line in forecast_lines(found["forecast"], found["usage"], found["train"], meta.get("status")):
+    resumed = bool(meta.get("resumes"))
+    for line in forecast_lines(
+        found["forecast"], found["usage"], found["train"], meta.get("status"), resumed
+    ):
         out.print(line, highlight=False, markup=False, soft_wrap=True)
     if meta.get("error"):
         out.print(f"{meta.get('status')}: {meta['error']}", highlight=False, markup=False, soft_wrap=True)

@@ -107,9 +107,9 @@ def engine_prices(svc=None) -> PriceTable | None:
 
     if os.environ.get("SESS_PRICES"):
         return load_prices(os.environ["SESS_PRICES"])
-    request = getattr(getattr(svc, "transport", None), "request", None)
-    if request is not None:  # an engine over HTTP says its own table
-        wire = request("GET", "/api/prices", idempotent=True).json().get("prices")
+    if svc is not None:  # an engine over HTTP says its own table; one in this process has none
+        request = getattr(svc.transport, "request", None)
+        wire = request("GET", "/api/prices", idempotent=True).json().get("prices") if request else None
         return PriceTable.from_wire(wire) if wire else None
     path = ((engine_info(None) or {}).get("options") or {}).get("prices")
     return load_prices(path) if path else None

@@ -25,6 +25,7 @@ from sess.tasks import sources
 
 from . import budget
 from . import config as config_mod
+from .forecast import ENV_LOOPS
 from .pilot import pilot_bound, run_pilot
 
 
@@ -73,8 +74,9 @@ def pilot_notice(cfg, tok, data, prompts: int, prices) -> str:
             else "not in the model cache: fetched and converted first, a minute or more"
         )
         load = f"{engine} loads {model} ({source}), and keeps it in memory"
-    members = int(cfg.loop.get("group_size") or 1)
-    asked = f"{prompts} prompt(s) x {members} sampled replies and greedy answers to {prompts} held-out one(s)"
+    asked = f"greedy answers to {prompts} held-out prompt(s)"
+    if cfg.loop.name in ENV_LOOPS:
+        asked = f"{prompts} prompt(s) x {cfg.loop.group_size} replies as the first step does, and {asked}"
     if tok is None:
         return f"pilot: {load}; then samples {asked}, each reply at most {cfg.loop.max_tokens} tokens"
     most = pilot_bound(cfg, tok, data, prompts)

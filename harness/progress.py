@@ -121,7 +121,9 @@ class Progress:
         key = next((k for k in EVAL_SHOWN if k in metrics), None)
         if key is not None:
             self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"
-        shown = {k[5:]: round(v, 4) for k, v in metrics.items() if k != "eval/seconds"}
+        shown = {
+            k[5:]: round(v, 4) for k, v in metrics.items() if k.startswith("eval/") and k != "eval/seconds"
+        }
         if self.plain:
             self._line(f"{self.title} eval at step {done}: {shown}")
         elif self.enabled:

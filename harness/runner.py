@@ -158,8 +158,8 @@ class RunHooks:
         self.progress.note(f"stopping after step {self.done + 1} to save it; Ctrl-C again to stop without it")
 
     def evaluate(self, done: int) -> dict:
-        with self.progress.status(f"evaluating at step {done}"), SpendMeter.around(self.spend):
-            metrics = self._evaluate(done)
+        with self.progress.status(f"evaluating at step {done}"):
+            metrics = SpendMeter.measure(self.spend, self._evaluate, done)
         self.logger.log({"kind": "eval", "step": done, **metrics})
         self.progress.note_eval(done, metrics)
         self.last_evaluated = done

@@ -7,16 +7,17 @@ evaluations (measured on their own, before and after each), and once a second st
 first one is left out too: off-policy loops' rollout workers fill their queue of groups sampled ahead
 during it, which later steps only keep topped up. The figures go into each train row of
 ``metrics.jsonl`` (``spend/tokens``, ``spend/projected_tokens``, and ``spend/cost``,
-``spend/projected_cost`` with prices) and onto the progress line; ``forecast.json`` keeps the bound
-and the expected figure the run started with, so ``sess runs show`` can say
-how close each came (:func:`forecast_lines`). A resumed run's figures count its new session only.
+``spend/projected_cost`` with prices), each evaluation's row (``spend/evaluation_tokens``, ...) and
+the progress line. A resumed run continues from the spend its kept rows record, so its figures are
+those of the uninterrupted run (what the killed session spent past its last save is not in them).
+``forecast.json`` keeps the bound and the expected figure the run started with, so ``sess runs
+show`` can say how close each came (:func:`forecast_lines`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -30,9 +31,9 @@ KINDS = ("prefill_tokens", "sampled_tokens", "training_tokens")
 
 @dataclass(frozen=True)
 class Spend:
-    """Tokens of each kind and cost (None without prices), with the arithmetic a projection needs."""
+    """Tokens and cost (None without prices), with the arithmetic a projection needs."""
 
-    tokens: tuple[float, float, float] = (0, 0, 0)
+    tokens: float = 0
     cost: Decimal | None = None
 
     @classmethod
@@ -40,11 +41,17 @@ class Spend:
         """A :class:`~sess.engine.sdk.types.Usage` (or its wire dict) as a Spend."""
         wire = usage if isinstance(usage, dict) else usage.to_wire()
         cost = wire.get("cost")
-        return cls(tuple(int(wire.get(k) or 0) for k in KINDS), None if cost is None else Decimal(cost))
+        return cls(sum(int(wire.get(k) or 0) for k in KINDS), None if cost is None else Decimal(cost))
+
+    @classmethod
+    def recorded(cls, row: dict, prefix: str) -> Spend:
+        """The spend a metrics row records under ``<prefix>tokens`` and ``<prefix>cost``."""
+        cost = row.get(f"{prefix}cost")
+        return cls(row[f"{prefix}tokens"], None if cost is None else Decimal(cost))
 
     def _with(self, other: Spend, sign: int) -> Spend:
         cost = None if self.cost is None or other.cost is None else self.cost + sign * other.cost
-        return Spend(tuple(a + sign * b for a, b in zip(self.tokens, other.tokens)), cost)
+        return Spend(self.tokens + sign * other.tokens, cost)
 
     def __add__(self, other: Spend) -> Spend:
         return self._with(other, 1)
@@ -53,39 +60,58 @@ class Spend:
         return self._with(other, -1)
 
     def times(self, factor: float) -> Spend:
-        cost = None if self.cost is None else self.cost * Decimal(str(factor))
-        return Spend(tuple(t * factor for t in self.tokens), cost)
+        return Spend(self.tokens * factor, None if self.cost is None else self.cost * Decimal(str(factor)))
 
-    @property
-    def total(self) -> int:
-        return round(sum(self.tokens))
+    def row(self, prefix: str) -> dict:
+        """``{<prefix>tokens, <prefix>cost}`` as a metrics row keeps them (cost only with prices)."""
+        found = {f"{prefix}tokens": round(self.tokens)}
+        if self.cost is not None:
+            found[f"{prefix}cost"] = format(self.cost.quantize(Decimal("1e-12")).normalize(), "f")
+        return found
 
 
 NOTHING = Spend(cost=Decimal(0))  # adds nothing, and keeps a cost a cost (None + anything is None)
 
 
 class SpendMeter:
-    """The projection of one run, fed by the runner: ``evaluating()`` around each evaluation,
-    ``step_done(done)`` after each step."""
+    """The projection of one run, fed by the runner: :meth:`measure` around each evaluation,
+    :meth:`step_done` after each step. ``history``: the rows a resumed run keeps, whose spend it
+    continues from (its new session's usage starts at zero), so its figures are those the run
+    would have had uninterrupted."""
 
-    def __init__(self, read_usage: Callable[[], object], steps: int, eval_every: int, start_step: int = 0):
-        self.read = lambda: Spend.of(read_usage())
+    def __init__(
+        self,
+        read_usage: Callable[[], object],
+        steps: int,
+        eval_every: int,
+        start_step: int = 0,
+        history: list[dict] = (),
+    ):
         self.steps, self.eval_every, self.start_step = steps, eval_every, start_step
         self.marks: list[tuple[int, Spend]] = []  # (steps done, spend without evaluations) after each step
         self.in_evaluations = NOTHING
         self.last_evaluation: Spend | None = None
+        offset = NOTHING
+        for row in history:
+            if row.get("kind") == "eval" and "spend/evaluation_tokens" in row:
+                self.last_evaluation = Spend.recorded(row, "spend/evaluation_")
+                self.in_evaluations += self.last_evaluation
+                offset += self.last_evaluation
+            elif row.get("kind") == "train" and "spend/tokens" in row:
+                offset = Spend.recorded(row, "spend/")
+                self.marks.append((row["step"], offset - self.in_evaluations))
+        self.read = lambda: offset + Spend.of(read_usage())
 
     @staticmethod
-    def around(meter: SpendMeter | None):
-        """``meter.evaluating()``, or nothing without a meter."""
-        return meter.evaluating() if meter is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:
-        before = self.read()
-        yield
-        self.last_evaluation = self.read() - before
-        self.in_evaluations = self.in_evaluations + self.last_evaluation
+    def measure(meter: SpendMeter | None, evaluate: Callable[[int], dict], done: int) -> dict:
+        """``evaluate(done)``'s metrics, with what the evaluation spent where there is a meter."""
+        if meter is None:
+            return evaluate(done)
+        before = meter.read()
+        metrics = evaluate(done)
+        meter.last_evaluation = meter.read() - before
+        meter.in_evaluations += meter.last_evaluation
+        return {**metrics, **meter.last_evaluation.row("spend/evaluation_")}
 
     def evaluations_left(self, done: int) -> int:
         """The runner's evaluations after step ``done``: every ``eval_every`` steps below the last
@@ -108,10 +134,9 @@ class SpendMeter:
         """The step's row fields: spend so far and projected, tokens and (with prices) cost."""
         spent = self.read()
         projected = self.projection(done, spent)
-        row = {"spend/tokens": spent.total, "spend/projected_tokens": projected.total}
-        if spent.cost is not None and projected.cost is not None:
-            row.update({"spend/cost": _money(spent.cost), "spend/projected_cost": _money(projected.cost)})
-        return row
+        if projected.cost is None:
+            spent = Spend(spent.tokens)
+        return {**spent.row("spend/"), **projected.row("spend/projected_")}
 
 
 def start_spend(cfg, svc, tc, data: Data, record, start_step: int) -> SpendMeter | None:
@@ -130,27 +155,32 @@ def start_spend(cfg, svc, tc, data: Data, record, start_step: int) -> SpendMeter
         read()
     except Exception:
         return None
-    return SpendMeter(read, planned, int(cfg.get("eval_every") or 0), start_step)
-
-
-def _money(amount: Decimal) -> str:
-    return format(amount.quantize(Decimal("1e-12")).normalize(), "f")
+    history = record.metrics() if start_step else []
+    return SpendMeter(read, planned, int(cfg.get("eval_every") or 0), start_step, history)
 
 
 def _against(actual: float, forecast: float) -> str:
     if not forecast:
         return ""
     off = 100 * (actual - forecast) / forecast
-    return f"actual {abs(off):.1f} % {'over' if off > 0 else 'under'}"
+    return (
+        "actual: exactly that"
+        if actual == forecast
+        else f"actual {abs(off):.1f} % {'over' if off > 0 else 'under'}"
+    )
 
 
-def forecast_lines(forecast: dict, usage: dict, train_rows: list[dict], status: str | None) -> list[str]:
+def forecast_lines(
+    forecast: dict, usage: dict, train_rows: list[dict], status: str | None, resumed: bool = False
+) -> list[str]:
     """What ``sess runs show`` says of a run's forecast against its actual use (``usage.json``): the
-    bound, the expected figure, and the projection after each of the first steps and the last."""
+    bound, the expected figure, and the projection after each of the first steps and the last. A
+    run cut short, or resumed (its ``usage.json`` counts its last session only), is compared with
+    nothing."""
     if not forecast and not any("spend/projected_tokens" in r for r in train_rows):
         return []
     actual = sum(int(usage.get(k) or 0) for k in KINDS) if usage else None
-    final = actual if status == "completed" else None  # a run cut short is not its own total
+    final = actual if status == "completed" and not resumed else None
     lines = []
     for name in ("bound", "expected"):
         figure = (forecast or {}).get(name)
@@ -165,13 +195,12 @@ def forecast_lines(forecast: dict, usage: dict, train_rows: list[dict], status: 
     projected = [r for r in train_rows if "spend/projected_tokens" in r]
     for row in projected[:2] + projected[-1:] * (len(projected) > 2):
         held = f" ({_against(final, row['spend/projected_tokens'])})" if final is not None else ""
-        cost = f", cost {row['spend/projected_cost']}" if row.get("spend/projected_cost") else ""
+        currency = f" {usage.get('currency')}" if usage and usage.get("currency") else ""
+        cost = f", cost {row['spend/projected_cost']}{currency}" if row.get("spend/projected_cost") else ""
         lines.append(
             f"projected after step {row['step']}: {row['spend/projected_tokens']} tokens{cost}{held}"
         )
-    if actual is not None:
-        cost = f", cost {usage['cost']} {usage.get('currency') or ''}".rstrip() if usage.get("cost") else ""
-        lines.append(
-            f"actual: {actual} tokens{cost}" + ("" if final is not None else f" ({status}: not a whole run)")
-        )
+    if final is None and projected:
+        why = "resumed: the usage above is its last session's" if resumed else f"{status}: not a whole run"
+        lines.append(f"({why}, so nothing is compared with it)")
     return lines

@@ -119,21 +119,35 @@ class Usage:
         return dict(zip(("prefill_tokens", "sampled_tokens", "training_tokens"), self.tokens), cost="0")
 
 
+def _run(meter: SpendMeter, usage: Usage, steps: range) -> list[dict]:
+    """The rows a run of equal steps (100 tokens each, the first also sampling 50 ahead) records,
+    evaluating (50 tokens) at the start and after step 3, as the runner calls the meter."""
+
+    def evaluate(done: int) -> dict:
+        usage.add(prefill=40, sampled=10)
+        return {"eval/reward": 0.0}
+
+    rows = [] if steps.start > 1 else [{"kind": "eval", "step": 0, **SpendMeter.measure(meter, evaluate, 0)}]
+    for done in steps:
+        usage.add(prefill=20, sampled=30, trained=50)
+        if done == 1:
+            usage.add(prefill=10, sampled=40)
+        rows.append({"kind": "train", "step": done, **meter.step_done(done)})
+        if done == 3:
+            rows.append({"kind": "eval", "step": 3, **SpendMeter.measure(meter, evaluate, 3)})
+    return rows
+
+
 def test_the_projection_leaves_out_evaluations_and_what_the_first_step_samples_ahead():
     usage = Usage()
-    meter = SpendMeter(usage.read, steps=6, eval_every=3)
-    with meter.evaluating():
-        usage.add(prefill=40, sampled=10)  # the start evaluation: 50
-    rows = []
-    for done in range(1, 7):
-        usage.add(prefill=20, sampled=30, trained=50)  # every step: 100
-        if done == 1:
-            usage.add(prefill=10, sampled=40)  # groups sampled ahead, trained on later: 50
-        rows.append(meter.step_done(done))
-        if done == 3:
-            with meter.evaluating():
-                usage.add(prefill=40, sampled=10)
+    rows = _run(SpendMeter(usage.read, steps=6, eval_every=3), usage, range(1, 7))
+    train = [r for r in rows if r["kind"] == "train"]
     whole = 50 + 6 * 100 + 50 + 50 + 50  # start, steps, ahead, evaluations at step 3 and at the end
-    assert [r["spend/projected_tokens"] for r in rows[1:]] == [whole] * 5
-    assert rows[-1]["spend/tokens"] + 50 == whole and rows[0]["spend/projected_tokens"] > whole
-    assert rows[0]["spend/cost"] == "0" and meter.evaluations_left(3) == 2 and meter.evaluations_left(4) == 1
+    assert [r["spend/projected_tokens"] for r in train[1:]] == [whole] * 5
+    assert train[-1]["spend/tokens"] + 50 == whole and train[0]["spend/projected_tokens"] > whole
+    assert rows[0]["spend/evaluation_tokens"] == 50 and train[0]["spend/cost"] == "0"
+    # resumed after step 4 in a new session (its usage from zero): the same figures as uninterrupted
+    kept = [r for r in rows if r["step"] <= 4]
+    fresh = Usage()
+    resumed = SpendMeter(fresh.read, steps=6, eval_every=3, start_step=4, history=kept)
+    assert _run(resumed, fresh, range(5, 7)) == rows[len(kept) :]
