@@ -76,6 +76,8 @@ def pilot_notice(cfg, tok, data, prompts: int, prices) -> str:
         load = f"{engine} loads {model} ({source}), and keeps it in memory"
     asked = f"greedy answers to {prompts} held-out prompt(s)"
     if cfg.loop.name in ENV_LOOPS:
+        if samples := int(cfg.get("eval_samples") or 0):
+            asked += f" (and {samples} sampled answers each)"
         asked = f"{prompts} prompt(s) x {cfg.loop.group_size} replies as the first step does, and {asked}"
     if tok is None:
         return f"pilot: {load}; then samples {asked}, each reply at most {cfg.loop.max_tokens} tokens"

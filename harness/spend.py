@@ -160,14 +160,10 @@ def start_spend(cfg, svc, tc, data: Data, record, start_step: int) -> SpendMeter
 
 
 def _against(actual: float, forecast: float) -> str:
-    if not forecast:
-        return ""
-    off = 100 * (actual - forecast) / forecast
-    return (
-        "actual: exactly that"
-        if actual == forecast
-        else f"actual {abs(off):.1f} % {'over' if off > 0 else 'under'}"
-    )
+    """How far ``forecast`` is from ``actual``, as a share of ``actual``."""
+    if forecast == actual:
+        return "exactly the actual"
+    return f"{100 * (forecast - actual) / actual:+.1f} % against the actual {actual}" if actual else ""
 
 
 def forecast_lines(

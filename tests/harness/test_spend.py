@@ -81,7 +81,9 @@ def test_a_pilot_says_what_it_loads_then_the_run_records_its_forecast(fresh_engi
     assert train[-1]["spend/projected_tokens"] == pytest.approx(actual, rel=0.1)
     shown = cli.invoke(app, ["runs", "show", str(run_dir)])
     assert shown.exit_code == 0, shown.output
-    assert re.search(rf"bound: {bound} tokens, cost [0-9.]+ USD \(actual [0-9.]+ % under\)", shown.output)
+    assert re.search(
+        rf"bound: {bound} tokens, cost [0-9.]+ USD \(\+[0-9.]+ % against the actual {actual}\)", shown.output
+    )
     assert f"expected: {expected[0]} tokens" in shown.output and "projected after step 2:" in shown.output
 
     svc = ServiceClient(fresh_engine["url"], home=fresh_engine["home"])
