@@ -1,5 +1,6 @@
-"""``sess run --dry-run``'s token and cost lines: the forecast (:mod:`sess.harness.forecast`) of the
-resolved config, priced by the price table of the home's running engine (or ``SESS_PRICES``).
+"""``sess run --dry-run``'s token and cost lines: the bound and expected figure
+(:mod:`sess.harness.dry_run`) of the resolved config, priced by the price table of the engine (the
+home's running one, or ``SESS_PRICES``).
 
 The prompts are tokenized with the model's own tokenizer, from the engine home's model cache (a
 tiny random model is built there, which loads no weights into this process); a model not in the
@@ -7,8 +8,6 @@ cache gets no forecast, with a line saying why, rather than a guess.
 """
 
 from __future__ import annotations
-
-import os
 
 
 def _tokenizer(base_model: str):
@@ -29,40 +28,23 @@ def _tokenizer(base_model: str):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _prices():
-    from sess.engine.sdk.local_engine import engine_info
-    from sess.engine.sdk.prices import load_prices
-
-    path = os.environ.get("SESS_PRICES") or ((engine_info(None) or {}).get("options") or {}).get("prices")
-    return load_prices(path) if path else None
-
-
-def forecast_lines(cfg) -> dict[str, str]:
-    """{label: text} for the dry run's plan."""
-    from sess.engine.sdk.prices import KINDS, format_cost
-    from sess.harness.forecast import forecast
+def forecast_lines(cfg, pilot: int = 0, notify=None) -> dict[str, str]:
+    """{label: text} for the dry run's plan: the bound, the expected figure and its basis, their
+    cost; with ``pilot`` N, measured by a pilot of N prompts (``notify`` hears, before it runs, what
+    it will load and cost)."""
+    from sess.harness.dry_run import forecast_run
 
     try:
         tok = _tokenizer(cfg.model.base_model)
     except Exception as exc:  # an unknown model or a damaged cache: the plan still prints
         return {"tokens": f"no forecast ({type(exc).__name__}: {exc})"}
-    if tok is None:
+    if tok is None and not pilot:
         return {
-            "tokens": f"no forecast: the tokenizer of {cfg.model.base_model} is not in the model cache yet"
+            "tokens": f"no forecast: the tokenizer of {cfg.model.base_model} is not in the model cache yet "
+            "(--pilot N uses the engine, which fetches it)"
         }
     try:
-        fc = forecast(cfg, tok)
+        found = forecast_run(cfg=cfg, pilot=pilot, tok=tok, notify=notify or print)
     except ValueError as exc:
         return {"tokens": f"no forecast: {exc}"}
-    lines = {
-        "tokens": f"at most {fc.tokens} (prefill {fc.prefill}, sampled {fc.sampled}, trained {fc.trained})"
-    }
-    try:
-        table = _prices()
-    except ValueError as exc:
-        table, lines["cost"] = None, f"not priced ({exc})"
-    if table is not None:
-        prices = table.prices_for(cfg.model.base_model)
-        pico = sum(getattr(fc, kind) * getattr(prices, kind) for kind in KINDS)
-        lines["cost"] = f"at most {format_cost(pico)} {table.currency}"
-    return lines
+    return found.lines()

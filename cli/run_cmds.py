@@ -45,6 +45,13 @@ def run(
     ),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; load no weights, start nothing."),
+    pilot: int = typer.Option(
+        0,
+        "--pilot",
+        metavar="N",
+        help="With --dry-run: sample N of the run's prompts on the live model (no training) to give the "
+        "expected tokens and cost beside the bound; says first what it will load and cost.",
+    ),
     resume: Path = typer.Option(None, "--resume", help="Continue RUN_DIR from its last saved state."),
     session: str = typer.Option(None, "--session", help="Session name (reused when it is live)."),
     _help: bool = typer.Option(
@@ -67,6 +74,10 @@ def run(
     overrides = list(overrides or [])
     if print_config and dry_run:  # each prints instead of running; together one would hide the other
         fail("--print-config and --dry-run: give one (the resolved config, or the plan)", code=2)
+    if pilot and not dry_run:
+        fail("--pilot goes with --dry-run: it measures what the run will use, before it runs", code=2)
+    if pilot < 0:
+        fail(f"--pilot: expected a number of prompts >= 1, got {pilot}", code=2)
     if resume is not None:
         if overrides or session or print_config or dry_run:
             fail(
@@ -91,8 +102,17 @@ def run(
         plan["model"] += _source(cfg.model.base_model)
         from sess.cli.forecast_lines import forecast_lines
 
-        for key, value in {**plan, **forecast_lines(cfg)}.items():
+        for key, value in plan.items():
             out.print(f"{key:>7}: {value}", highlight=False, markup=False)
+        was_running = pilot and runner.local_engine(cfg) is not None
+
+        def notify(text: str) -> None:
+            out.print(text, highlight=False, markup=False, soft_wrap=True)
+
+        for key, value in guard(forecast_lines, cfg, pilot, notify).items():
+            out.print(f"{key:>7}: {value}", highlight=False, markup=False, soft_wrap=True)
+        if pilot:
+            _engine_note(cfg, was_running)
         return
     path = _run_and_note(cfg, runner.start, overrides)
     out.print(f"run finished: {path}", highlight=False)

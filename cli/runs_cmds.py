@@ -25,6 +25,8 @@ STEP_COLUMNS = (
     ("margin", "margin"),
     ("grad_norm", "grad norm"),
     ("tokens", "tokens"),
+    ("spend/tokens", "spent"),
+    ("spend/projected_tokens", "projected"),
     ("seconds", "s"),
 )
 EVAL_KEYS = ("eval/accuracy", "eval/loss", "eval/margin", "eval/reward")
@@ -94,18 +96,20 @@ def _summary(path: Path) -> dict:
     return {
         "meta": meta,
         "usage": _usage(path),
+        "forecast": _usage(path, "forecast.json"),
         "config": config or {},
         "train": [r for r in rows if r.get("kind") == "train"],
         "eval": [r for r in rows if r.get("kind") == "eval"],
     }
 
 
-def _usage(path: Path) -> dict:
-    """The run's ``usage.json`` (tokens, and cost where the engine had prices); {} if it has none."""
+def _usage(path: Path, name: str = "usage.json") -> dict:
+    """The run's ``usage.json`` (tokens, and cost where the engine had prices), or its
+    ``forecast.json``; {} if it has none."""
     import json
 
     try:
-        usage = json.loads((path / "usage.json").read_text())
+        usage = json.loads((path / name).read_text())
     except (OSError, ValueError):
         return {}
     return usage if isinstance(usage, dict) else {}
@@ -145,8 +149,8 @@ def show(
     run: str = typer.Argument(..., help="A run directory, or its name under --dir."),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
-    """A run's config summary, its per-step metrics as a table, and a chart of reward and held-out
-    accuracy (or loss) over steps."""
+    """A run's config summary, its usage against its forecast (bound, expected figure, projection),
+    its per-step metrics as a table, and a chart of reward and held-out accuracy (or loss) over steps."""
     path = _run_dir(run, runs_dir)
     found = _summary(path)
     meta, cfg = found["meta"], found["config"]
@@ -169,6 +173,13 @@ def show(
             f"training {usage.get('training_tokens')}){', cost ' + cost if cost else ''}",
             highlight=False,
         )
+    from sess.harness.spend import forecast_lines
+
+    resumed = bool(meta.get("resumes"))
+    for line in forecast_lines(
+        found["forecast"], found["usage"], found["train"], meta.get("status"), resumed
+    ):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
     if meta.get("error"):
         out.print(f"{meta.get('status')}: {meta['error']}", highlight=False, markup=False, soft_wrap=True)
     evals = {r["step"]: r for r in found["eval"]}

@@ -60,7 +60,17 @@ def evaluations(steps: int, eval_every: int) -> int:
     return 2 + sum(1 for done in range(1, steps) if eval_every and done % eval_every == 0)
 
 
-def _episodes(
+def planned_steps(cfg, data: Data) -> int:
+    """The steps the run's loop will do: ``loop.steps``, or fewer where SFT's ``epochs`` of a finite
+    data set end it first (as :mod:`sess.loops.sft` counts them)."""
+    loop, steps = cfg.loop, int(cfg.loop.steps)
+    chats = data.chats if loop.name == "sft" else None
+    if chats is not None and chats.size and loop.get("epochs"):
+        steps = min(steps, max(1, int(loop.epochs) * chats.size // int(loop.batch_size)))
+    return steps
+
+
+def add_episodes(
     fc: Forecast, prompt: int, members: int, max_tokens: int, turns: int, observation: int, times: int = 1
 ) -> int:
     """Add ``times`` groups' sampling (each ``members`` episodes of at most ``turns`` replies, each
@@ -76,7 +86,8 @@ def _episodes(
     return longest
 
 
-def _prompt_tokens(tok, make_env) -> tuple[int, bool]:
+def prompt_size(tok, make_env) -> tuple[int, bool]:
+    """(tokens of the first prompt, whether it offers tools) of the env ``make_env`` makes."""
     env = make_env()
     tools = [t.to_json() for t in env.tools] or None
     return len(rendering.prompt_tokens(tok, env.initial_observation(), tools)), bool(tools)
@@ -105,32 +116,31 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
             if loop.stale_policy == "requeue":  # a problem is sampled again, not a new one drawn
                 problems = steps * batch + capacity
                 samples = min(samples, problems * (int(loop.max_requeues) + 1))
-        prompts = [_prompt_tokens(tok, envs.train(k)) for k in range(problems)]
+        prompts = [prompt_size(tok, envs.train(k)) for k in range(problems)]
         prompt = max(p for p, _ in prompts)
         turns = int(cap) if cap else (DEFAULT_MAX_TURNS if any(t for _, t in prompts) else 1)
-        longest = _episodes(fc, prompt, group, max_tokens, turns, observation, times=samples)
+        longest = add_episodes(fc, prompt, group, max_tokens, turns, observation, times=samples)
         fc.trained += steps * batch * group * longest
-        held = [_prompt_tokens(tok, make_env) for make_env in envs.held_out]
+        held = [prompt_size(tok, make_env) for make_env in envs.held_out]
         if held:
             held_prompt = max(p for p, _ in held)
             sampled = int(cfg.get("eval_samples") or 0)
             times = evals * len(held)
-            _episodes(fc, held_prompt, 1, max_tokens, turns, observation, times=times)
+            add_episodes(fc, held_prompt, 1, max_tokens, turns, observation, times=times)
             if sampled:
-                _episodes(fc, held_prompt, sampled, max_tokens, turns, observation, times=times)
+                add_episodes(fc, held_prompt, sampled, max_tokens, turns, observation, times=times)
         return fc
     if loop.name != "sft":
         raise ValueError(f"loop {loop.name}: forecasts cover sft, grpo and code_rl")
     chats = data.need("chats", loop.name)
-    if chats.size and loop.get("epochs"):
-        steps = min(steps, max(1, int(loop.epochs) * chats.size // batch))
+    steps = planned_steps(cfg, data)
     for k in range(steps * batch):
         fc.trained += len(rendering.chat_tokens(tok, chats.train(k))[0])
     if data.envs is not None:  # the runner evaluates on envs when the data has them
         for make_env in data.envs.held_out:
-            prompt, tools = _prompt_tokens(tok, make_env)
+            prompt, tools = prompt_size(tok, make_env)
             turns = int(cap) if cap else (DEFAULT_MAX_TURNS if tools else 1)
-            _episodes(fc, prompt, 1, int(loop.max_tokens), turns, observation, times=evals)
+            add_episodes(fc, prompt, 1, int(loop.max_tokens), turns, observation, times=evals)
     elif data.chats is not None:
         held = sum(len(rendering.chat_tokens(tok, chat)[0]) for chat in data.chats.held_out)
         fc.prefill += evals * held

@@ -1,4 +1,4 @@
-"""A run's progress on stderr: step, loss, reward or accuracy, tokens/s and time left.
+"""A run's progress on stderr: step, loss, reward or accuracy, tokens/s, spend and time left.
 
 In a terminal it is a rich progress bar with a status spinner for the slow phases (starting the
 session, which the first time fetches and converts the model, and each evaluation). When stderr is
@@ -8,7 +8,8 @@ as it happens, so a log shows progress while the run goes on rather than at its 
 Time left is the mean time of a training step times the steps left, plus the last evaluation's time
 times the evaluations left. A step's time leaves out the slow phases around it (starting the
 session, evaluating), and once a second step is measured the first one, which carries the warm-up,
-is left out too.
+is left out too. Spend is what the run's session has used so far and the projection for the whole
+run (tokens, and cost where the engine has prices; :mod:`.spend`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class Progress:
         parts = [f"{label} {row[key]:.3f}" for key, label in SHOWN if key in row]
         if row.get("tokens"):
             parts.append(f"{row['tokens'] / seconds:.0f} tok/s")
+        if "spend/projected_tokens" in row:  # the runner's spend meter (:mod:`.spend`)
+            parts.append(spend_text(row))
         left = self.seconds_left(done)
         if self.plain:
             self._line(f"{self.title} step {done}/{self.total}  {'  '.join(parts)}  ({left:.0f} s left)")
@@ -118,8 +121,18 @@ class Progress:
         key = next((k for k in EVAL_SHOWN if k in metrics), None)
         if key is not None:
             self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"
-        shown = {k[5:]: round(v, 4) for k, v in metrics.items() if k != "eval/seconds"}
+        shown = {
+            k[5:]: round(v, 4) for k, v in metrics.items() if k.startswith("eval/") and k != "eval/seconds"
+        }
         if self.plain:
             self._line(f"{self.title} eval at step {done}: {shown}")
         elif self.enabled:
             self._bar.console.print(f"eval at step {done}: {shown}", highlight=False)
+
+
+def spend_text(row: dict) -> str:
+    """A step's spend so far and the run's projected total: tokens, and cost where priced."""
+    text = f"spent {row['spend/tokens']} of ~{row['spend/projected_tokens']} tok"
+    if row.get("spend/projected_cost") is not None:
+        text += f" ({row['spend/cost']} of ~{row['spend/projected_cost']})"
+    return text

@@ -2,7 +2,8 @@
 
 ``config.yaml`` (resolved), ``overrides.yaml``, ``meta.json`` (versions, git commit, seed, engine,
 session, command line, status), ``metrics.jsonl`` (one row per train step or eval, keyed by ``step`` =
-steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step) and ``usage.json``.
+steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step), ``usage.json`` and ``forecast.json``
+(the bound and expected figure the run started with, :mod:`.spend`).
 The local logger appends to ``metrics.jsonl`` and drives a rich progress line; ``logger=wandb`` also
 sends config and metrics to Weights & Biases (online or offline); ``logger=mlflow`` also logs params
 (the flattened config), per-step metrics and the resolved config (``config.yaml`` artifact) to MLflow:
@@ -34,6 +35,7 @@ RECORD_FILES = (
     "metrics.jsonl",
     "checkpoints.jsonl",
     "usage.json",
+    "forecast.json",
 )
 
 
@@ -177,6 +179,9 @@ class RunRecord:
 
     def write_usage(self, usage: dict) -> None:
         _write_json(self.path / "usage.json", usage)
+
+    def write_forecast(self, forecast: dict) -> None:
+        _write_json(self.path / "forecast.json", forecast)
 
 
 def list_runs(runs_dir: str | Path) -> list[dict]:

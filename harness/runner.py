@@ -44,6 +44,7 @@ from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
 from .registry import LOOPS, Loop
+from .spend import SpendMeter, start_spend
 
 
 class RunInterrupted(Exception):
@@ -123,6 +124,7 @@ class RunHooks:
     logger: Logger
     progress: Progress
     on_step: Callable[[int], None] | None = None
+    spend: SpendMeter | None = None  # spend so far and projected, in each step's row
     done: int = 0  # steps done (the step a run starts at, until its first step_done)
     last_saved: int = 0  # the step of the newest saved state (the start step's state exists already)
     last_evaluated: int = -1  # the step of the newest evaluation
@@ -133,6 +135,8 @@ class RunHooks:
         self.mid_step = False
         done = self.done = step + 1
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
+        if self.spend is not None:
+            row.update(self.spend.step_done(done))
         self.logger.log(row)
         self.progress.update(done, row)
         cfg = self.cfg
@@ -156,7 +160,7 @@ class RunHooks:
 
     def evaluate(self, done: int) -> dict:
         with self.progress.status(f"evaluating at step {done}"):
-            metrics = self._evaluate(done)
+            metrics = SpendMeter.measure(self.spend, self._evaluate, done)
         self.logger.log({"kind": "eval", "step": done, **metrics})
         self.progress.note_eval(done, metrics)
         self.last_evaluated = done
@@ -336,6 +340,7 @@ def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_
                 logger,
                 progress,
                 on_step,
+                start_spend(cfg, svc, tc, data, record, start_step),
                 done=start_step,
                 last_saved=start_step,
             )

@@ -45,7 +45,7 @@ def _alive(pid: int) -> bool:
 
 def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) -> dict | None:
     """The running engine of ``home`` ({url, pid, port, idle_timeout, rss_bytes, peak_rss_bytes,
-    trimmed, batch_invariant, ...}) if it answers its health check."""
+    trimmed, batch_invariant, models (base models in memory), ...}) if it answers its health check."""
     path = sess_home(home) / ENGINE_FILE
     try:
         info = json.loads(path.read_text())
@@ -59,7 +59,15 @@ def engine_info(home: str | os.PathLike | None = None, *, timeout: float = 2.0) 
         return None
     if health.get("pid") != info.get("serving_pid", info["pid"]):  # serving_pid: rank 0 of several
         return None
-    wanted = ("idle_timeout", "rss_bytes", "peak_rss_bytes", "trimmed", "trim_after_s", "batch_invariant")
+    wanted = (
+        "idle_timeout",
+        "rss_bytes",
+        "peak_rss_bytes",
+        "trimmed",
+        "trim_after_s",
+        "batch_invariant",
+        "models",
+    )
     return {**info, **{key: health.get(key) for key in wanted}}
 
 

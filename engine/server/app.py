@@ -123,6 +123,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     @app.get("/healthz")
     async def healthz():
         health = {"ok": True, "pid": os.getpid(), "idle_timeout": engine.idle_timeout}
+        health["models"] = sorted(engine.runtime.hosts.copy())  # base models in memory (a pilot asks)
         memory = {
             "rss_bytes": resident_bytes(),
             "peak_rss_bytes": peak_resident_bytes(),

@@ -1,6 +1,7 @@
 """`sess run --dry-run`'s forecast is an upper bound: grpo, sft and code_rl runs on tiny-llama against a
 priced engine use at most the forecast tokens of each kind, and cost at most the forecast cost;
-code_rl also with every group sampled ahead going stale (requeued up to twice, or dropped)."""
+code_rl also with every group sampled ahead going stale (requeued up to twice, or dropped). The run
+records that bound in its forecast.json, and its spend so far and projected total each step."""
 
 from __future__ import annotations
 
@@ -95,3 +96,12 @@ def test_a_runs_usage_is_within_its_forecast(priced, tmp_path, loop):
         train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
         assert sum(r["stale_groups"] for r in train) > 0
     assert Decimal(usage["cost"]) <= cost and usage["currency"] == "USD"
+    recorded = json.loads((run_dir / "forecast.json").read_text())  # the run keeps its bound
+    assert recorded["bound"] == {
+        **dict(zip(("tokens", "prefill", "sampled", "trained"), (total, prefill, sampled, trained))),
+        "cost": f"{cost} USD",
+    }
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train[-1]["spend/tokens"] <= sum(actual.values()) and all(
+        r["spend/projected_tokens"] for r in train
+    )
