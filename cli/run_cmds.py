@@ -98,7 +98,9 @@ def run(
         out.print(config.to_yaml(cfg), end="", highlight=False, markup=False)
         return
     if dry_run:
-        plan = runner.plan(cfg)
+        from sess.harness.dry_run import plan as dry_run_plan
+
+        plan = dry_run_plan(cfg)
         plan["model"] += _source(cfg.model.base_model)
         from sess.cli.forecast_lines import forecast_lines
 

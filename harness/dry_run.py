@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 
 import httpx
+from omegaconf import DictConfig
 
 from sess.engine.sdk.home import models_dir
 from sess.engine.sdk.local_engine import engine_info
@@ -131,3 +132,20 @@ def _prices(svc) -> tuple:
         return budget.engine_prices(svc), ""
     except PriceError as exc:
         return None, f"not priced ({exc})"
+
+
+def plan(cfg: DictConfig) -> dict:
+    """What a run would do, without touching an engine or weights (``--dry-run``)."""
+    lora = cfg.model.lora
+    return {
+        "model": cfg.model.base_model,
+        "arch": cfg.model.arch,
+        "lora": f"rank {lora.rank}, alpha {lora.alpha}; targets {', '.join(cfg.model.targets)}",
+        "engine": cfg.engine.kind + (f" {cfg.engine.url}" if cfg.engine.url else ""),
+        "loop": f"{cfg.loop.name}: {cfg.loop.steps} steps, batch {cfg.loop.batch_size}, lr {cfg.loop.learning_rate}",
+        "data": cfg.data.name,
+        "eval": f"every {cfg.eval_every or '-'} steps and at start/end",
+        "save": f"state every {cfg.save_every or '-'} steps and at the end",
+        "logger": cfg.logger.name,
+        "seed": cfg.seed,
+    }

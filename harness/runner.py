@@ -94,23 +94,6 @@ def engine_note(cfg: DictConfig, was_running: bool, reached: bool = True) -> str
     )
 
 
-def plan(cfg: DictConfig) -> dict:
-    """What a run would do, without touching an engine or weights (``--dry-run``)."""
-    lora = cfg.model.lora
-    return {
-        "model": cfg.model.base_model,
-        "arch": cfg.model.arch,
-        "lora": f"rank {lora.rank}, alpha {lora.alpha}; targets {', '.join(cfg.model.targets)}",
-        "engine": cfg.engine.kind + (f" {cfg.engine.url}" if cfg.engine.url else ""),
-        "loop": f"{cfg.loop.name}: {cfg.loop.steps} steps, batch {cfg.loop.batch_size}, lr {cfg.loop.learning_rate}",
-        "data": cfg.data.name,
-        "eval": f"every {cfg.eval_every or '-'} steps and at start/end",
-        "save": f"state every {cfg.save_every or '-'} steps and at the end",
-        "logger": cfg.logger.name,
-        "seed": cfg.seed,
-    }
-
-
 @dataclass
 class RunHooks:
     """The runner's :class:`~sess.rl.hooks.Hooks`: a step is logged, then evaluated and saved when due."""
