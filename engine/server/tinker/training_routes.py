@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
-from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data
+from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import ids, wire
 from sess.engine.server.tinker.futures import Answer
@@ -177,6 +177,7 @@ def add_routes(route, tinker: Tinker) -> None:
         async def prepare(owner: str, name: str):
             batch = wire.read_training_batch(message)  # refused here, the seq_id is still used up
             if batch.loss_fn not in REQUIRED_INPUTS:
+                check_loss_fn(batch.loss_fn[:40], None)  # a loss refused with its reason
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
                 )

@@ -4,7 +4,7 @@ parameters in; ``ForwardBackwardOutput`` and ``SampleResponse`` protobuf out.
 Token ids travel as little-endian int32 bytes, loss inputs as ``Tensor`` messages (dense bytes or
 sparse CSR) and outputs as ``BatchedTensor`` (one flat buffer plus byte offsets per datum), as
 the SDK's ``proto/request_conv.py`` and ``proto/response_conv.py`` write and read them. Anything
-sess cannot run (image chunks, 2-D targets, per-position prompt scoring) is refused with an
+sess cannot run (image and dmel chunks, provenance spans) is refused with an
 :class:`~sess.engine.sdk.errors.InvalidRequest` that names the field and what to do instead.
 """
 
@@ -106,9 +106,10 @@ def _tensor(message, where: str) -> TensorData:
         shape = shape or [values.size]
         if any(s < 0 for s in shape) or math.prod(shape) != values.size:
             raise InvalidRequest(f"{where}: shape {shape} does not hold {values.size} values")
-    if len(shape) != 1:
+    if len(shape) not in (1, 2):
         raise InvalidRequest(
-            f"{where}: shape {shape}; this engine takes 1-D loss inputs (one value per position of model_input)"
+            f"{where}: shape {shape}; this engine takes loss inputs of shape (N,) or, for cross_entropy's "
+            "target_tokens and weights, (N, K)"
         )
     sess_dtype = _SESS_DTYPE[dtype]
     return TensorData(values.astype(sess_dtype), dtype=sess_dtype, shape=shape)
