@@ -18,7 +18,7 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import ids, wire
+from sess.engine.server.tinker import fields, ids, wire
 from sess.engine.server.tinker.futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
@@ -30,9 +30,7 @@ OPTIM_METRICS = {"grad_norm": "grad_norm:mean", "learning_rate": "learning_rate:
 def _optimizer(body: dict, field: str) -> None:
     config = field_of(body, field, dict, {})
     if config.get("type", "adamw") not in ("adam", "adamw"):
-        raise InvalidRequest(
-            f"{field}.type: {str(config.get('type'))[:40]!r} is not supported; this engine runs AdamW"
-        )
+        raise InvalidRequest(f"{field}.type: {str(config.get('type'))[:40]!r}: {fields.ADAMW_ONLY}")
 
 
 def _seq(body: dict, field: str = "seq_id", low: int = 1) -> int:
@@ -199,8 +197,9 @@ def add_routes(route, tinker: Tinker) -> None:
         async def prepare(owner: str, name: str):
             params = field_of(body, "adam_params", dict, None)
             if params is None:
+                field = "optimizer_params" if "optimizer_params" in body else "adam_params"
                 raise InvalidRequest(
-                    "adam_params: missing; this engine runs AdamW (optimizer_params is not supported)"
+                    f"{field}: {'missing; ' if field == 'adam_params' else ''}{fields.ADAMW_ONLY}"
                 )
             return "optim_step", {"adam_params": params}, _optim_output
 

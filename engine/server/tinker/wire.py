@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import Datum, ModelInput, TensorData
-from sess.engine.server.tinker import schema
+from sess.engine.server.tinker import fields, schema
 
 _NUMPY = {
     schema.DTYPE["DTYPE_FLOAT32"]: "<f4",
@@ -68,14 +68,14 @@ def read_training_batch(message) -> TrainingBatch:
 
 
 def _datum(message, i: int) -> Datum:
+    for spans in ("model_input_spans", "loss_fn_input_spans"):
+        if len(getattr(message, spans)):
+            raise fields.refusal("Datum", spans, f"data[{i}].{spans}")
     tokens = []
     for j, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise InvalidRequest(
-                f"data[{i}].model_input[{j}]: {kind or 'empty'} chunks are not supported "
-                "(this engine trains text models; send encoded_text chunks)"
-            )
+            raise InvalidRequest(f"data[{i}].model_input[{j}]: {kind or 'empty'} chunk: {fields.TEXT_ONLY}")
         tokens.append(_array(chunk.encoded_text.tokens, "<i4", f"data[{i}].model_input[{j}].tokens"))
     ids = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
     inputs = {
@@ -145,7 +145,7 @@ def read_prompt(prompt: Any, where: str = "prompt") -> list[int]:
         kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
         if kind != "encoded_text":
             raise InvalidRequest(
-                f"{where}.chunks[{j}]: {kind or 'malformed'} chunks are not supported; send encoded_text"
+                f"{where}.chunks[{j}]: {str(kind)[:40] or 'malformed'} chunk: {fields.TEXT_ONLY}"
             )
         ids = chunk.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -154,21 +154,44 @@ def read_prompt(prompt: Any, where: str = "prompt") -> list[int]:
     return tokens
 
 
-# options of a sample request that sess does not compute; a server that ignored them would make
-# the SDK fail later, so they are refused up front with what to use instead
-UNSUPPORTED_SAMPLE_OPTIONS = {
-    "topk_sample_logprobs": "top-k logprobs of sampled tokens",
-    "prompt_alt_tokens_k": "alternative prompt tokens",
-    "target_prompt_logprobs": "logprobs of chosen ids at prompt positions",
-    "prompt_logprobs_last_n": "scoring only the last N prompt tokens (score the whole prompt)",
-}
+def read_target_ids(value: Any, positions: int) -> tuple[list[list[int]], tuple[list, list] | None]:
+    """``target_prompt_logprobs`` (a JSON ``TensorData`` of int64 ids, [len(prompt) - 1, K], dense or
+    sparse CSR) as dense rows (-1 where nothing is asked) and, when sparse, its (crow, col) indices."""
+    where = "target_prompt_logprobs"
+    if not isinstance(value, dict) or value.get("dtype") != "int64":
+        raise InvalidRequest(f"{where}: expected an int64 TensorData of token ids")
+    shape, data = value.get("shape"), value.get("data")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n >= 0 for n in shape)):
+        raise InvalidRequest(
+            f"{where}: shape {str(shape)[:40]} is not [len(prompt) - 1, K] = [{positions}, K]"
+        )
+    if shape[0] != positions or shape[1] < 1 or shape[0] * shape[1] > 1 << 24:
+        raise InvalidRequest(
+            f"{where}: shape {shape} is not [len(prompt) - 1, K] = [{positions}, K] with K >= 1"
+        )
+    if not isinstance(data, list) or not all(type(t) is int for t in data):
+        raise InvalidRequest(f"{where}.data: expected a list of integer token ids")
+    crow, col = value.get("sparse_crow_indices"), value.get("sparse_col_indices")
+    if crow is None and col is None:
+        if len(data) != shape[0] * shape[1]:
+            raise InvalidRequest(f"{where}: shape {shape} does not hold {len(data)} values")
+        return np.asarray(data, np.int64).reshape(shape).tolist(), None
+    csr = schema.Tensor().sparse_csr
+    csr.values, csr.crow_indices, csr.col_indices = (
+        np.asarray(v if isinstance(v, list) else [], dtype).tobytes()
+        for v, dtype in ((data, "<i8"), (crow, "<i8"), (col, "<i8"))
+    )
+    dense = _dense_from_csr(csr, "<i8", shape, where)
+    listed = np.zeros(shape, bool)
+    listed[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = True
+    return np.where(listed, dense, -1).tolist(), (list(crow), list(col))  # unlisted cells ask nothing
 
 
 def sampling_params(params: Any) -> dict:
     """Tinker ``SamplingParams`` JSON as sess's (its checks run when the op is read)."""
     if not isinstance(params, dict):
         raise InvalidRequest("sampling_params: expected an object")
-    known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
+    known = set(fields.HONOURED["SamplingParams"])
     unknown = sorted(set(params) - known)
     if unknown:
         raise InvalidRequest(
@@ -196,24 +219,51 @@ def training_output(result: dict) -> bytes:
     return out.SerializeToString()
 
 
-def sample_output(result: dict) -> bytes:
-    """sess's ``sample`` result (wire dict) as a ``SampleResponse``."""
+def sample_output(result: dict, sparse_targets: tuple[list, list] | None = None) -> bytes:
+    """sess's ``sample`` result (wire dict) as a ``SampleResponse``; ``sparse_targets`` the (crow,
+    col) indices of a sparse ``target_prompt_logprobs`` request, whose layout the answer keeps."""
     out = schema.SampleResponse()
     for sequence in result["sequences"]:
-        out.sequences.add(
+        added = out.sequences.add(
             stop_reason=schema.STOP_REASON[sequence["stop_reason"]],
             tokens=np.asarray(sequence["tokens"], "<i4").tobytes(),
             logprobs=np.asarray(sequence["logprobs"], "<f4").tobytes(),
         )
+        if sequence.get("topk_logprobs") is not None:
+            _topk(added.topk_sampled_logprobs, sequence["topk_logprobs"])
+    targets = result.get("target_prompt_logprobs")
+    if targets is not None:
+        values = np.asarray(targets, "<f4")
+        out.target_prompt_logprobs.dtype = schema.DTYPE["DTYPE_FLOAT32"]
+        out.target_prompt_logprobs.shape.extend(values.shape)
+        if sparse_targets is None:
+            out.target_prompt_logprobs.dense = values.tobytes()
+        else:
+            crow, col = (np.asarray(v, "<i8") for v in sparse_targets)
+            csr = out.target_prompt_logprobs.sparse_csr
+            csr.values = values[np.repeat(np.arange(values.shape[0]), np.diff(crow)), col].tobytes()
+            csr.crow_indices, csr.col_indices = crow.tobytes(), col.tobytes()
+    alt = result.get("prompt_alt_tokens")
+    if alt is not None:
+        for name, dtype, kind in (("tokens", "<i8", "DTYPE_INT64"), ("logprobs", "<f4", "DTYPE_FLOAT32")):
+            array = np.asarray(alt[name], dtype).reshape(len(alt[name]), -1)
+            tensor = getattr(out.prompt_alt_tokens, name)
+            tensor.dense, tensor.dtype = array.tobytes(), schema.DTYPE[kind]
+            tensor.shape.extend(array.shape)
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], "<f4").tobytes()
     top = result.get("topk_prompt_logprobs")
     if top is not None:
-        k = max((len(row) for row in top if row), default=0)
-        filled = [list(row or []) + [TOPK_EMPTY] * (k - len(row or [])) for row in top]
-        topk = out.topk_prompt_logprobs
-        topk.k, topk.length = k, len(filled)
-        topk.token_ids = np.asarray([[int(t) for t, _ in row] for row in filled], "<i4").tobytes()
-        topk.logprobs = np.asarray([[float(v) for _, v in row] for row in filled], "<f4").tobytes()
+        _topk(out.topk_prompt_logprobs, top)
     return out.SerializeToString()
+
+
+def _topk(topk, rows: list) -> None:
+    """``TopkLogprobs`` of rows of (token, logprob) pairs; a None row or a short one is padded with
+    the SDK's empty-slot marker."""
+    k = max((len(row) for row in rows if row), default=0)
+    filled = [list(row or []) + [TOPK_EMPTY] * (k - len(row or [])) for row in rows]
+    topk.k, topk.length = k, len(filled)
+    topk.token_ids = np.asarray([[int(t) for t, _ in row] for row in filled], "<i4").tobytes()
+    topk.logprobs = np.asarray([[float(v) for _, v in row] for row in filled], "<f4").tobytes()
