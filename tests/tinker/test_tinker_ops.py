@@ -199,6 +199,7 @@ def test_refused_sample_and_optimizer_fields_are_400s_naming_them(a):
         "sampling_params": {"max_tokens": 1},
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
     }
+    seq = 0
     pointer = {"chunks": [{"type": "image_asset_pointer", "format": "png", "location": "a.png"}]}
     for body, words in [
         ({**base, "record_stability_info": True}, "record_stability_info: not supported"),
@@ -208,9 +209,10 @@ def test_refused_sample_and_optimizer_fields_are_400s_naming_them(a):
         ({**base, "target_prompt_logprobs": {"data": [], "dtype": "int64", "shape": [2, 0]}}, "K >= 1"),
         ({**base, "topk_sample_logprobs": -2}, "topk_sample_logprobs"),
     ]:
-        refused = a.post("/asample", body)
+        seq += 1  # a seq_id's answer is kept (a re-sent request gets it again): one per case
+        refused = a.post("/asample", {**body, "seq_id": seq})
         assert refused.status_code == 400 and words in refused.json()["detail"], refused.text[:300]
-    assert len(_sample(a, {**base, "seq_id": 1}).sequences) == 1
+    assert len(_sample(a, {**base, "seq_id": seq + 1}).sequences) == 1
     dimuon = {
         "session_id": session,
         "model_seq_id": 0,
