@@ -126,7 +126,10 @@ def _check_shapes(datum: Datum, i: int, length: int, multi: tuple[str, ...]) -> 
                     f"{where}: shape {shape} does not match model_input.length {length} (expected ({length}, K))"
                 )
             if shape[1] == 0:
-                raise InvalidRequest(f"{where}: shape {shape} has K = 0 targets; send K >= 1 or a 1-D input")
+                raise InvalidRequest(
+                    f"{where}: shape {shape} has K = 0 targets; send {' and '.join(multi)} of shape "
+                    f"({length}, K) with K >= 1, or of shape ({length},)"
+                )
             partners = {k: s for k, s in shapes.items() if k in multi and k != key and s != shape}
             if partners:
                 other, other_shape = next(iter(partners.items()))

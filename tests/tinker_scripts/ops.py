@@ -88,7 +88,7 @@ out["stop_empty"] = {"tokens": off.tokens, "reason": off.stop_reason}
 full = sc.compute_logprobs(p).result()
 out["full"] = full
 out["last_n"] = sc.compute_logprobs(p, prompt_logprobs_last_n=3).result()
-params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=11)
+params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=11, stop=[])  # it answers EOS first
 sampled = sc.sample(p, 1, params, topk_sample_logprobs=4).result().sequences[0]
 checks = []
 for i, row in enumerate(sampled.topk_logprobs):
