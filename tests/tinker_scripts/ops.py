@@ -59,7 +59,9 @@ mismatched = types.Datum(
     model_input=model_input, loss_fn_inputs={"target_tokens": targets, "weights": weights[:, :2].copy()}
 )
 out["mismatch_error"] = error_of(lambda: tc.forward_backward([mismatched], "cross_entropy").result())
-out["stable_reinforce_error"] = error_of(lambda: tc.forward_backward(singles[:1], "stable_reinforce").result())
+out["stable_reinforce_error"] = error_of(
+    lambda: tc.forward_backward(singles[:1], "stable_reinforce").result()
+)
 spans = singles[0].with_provenance(
     model_input=[types.PromptProvenanceSpan(sequence_id="s", length=n)],
     loss_fn_inputs=[types.SampledProvenanceSpan(sequence_id="s", length=n)],
