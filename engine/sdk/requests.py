@@ -262,11 +262,11 @@ def check_prompt_options(request, scores_prompt: bool) -> None:
     targets = getattr(request, "target_prompt_logprobs", None)
     if targets is not None:
         widths = {len(row) for row in targets}
-        if len(targets) != positions or len(widths) != 1 or 0 in widths:
+        if len(targets) != positions or len(widths) != 1 or 0 in widths or positions * max(widths) > 1 << 20:
             shape = f"({len(targets)}, {'/'.join(map(str, sorted(widths))) or 0})"
             raise InvalidRequest(
                 f"target_prompt_logprobs: shape {shape} is not (len(prompt) - 1, K) = ({positions}, K) "
-                "with K >= 1 ids in every row"
+                "with K >= 1 ids in every row (at most 2**20 ids)"
             )
         bad = next((t for row in targets for t in row if t < -1), None)
         if bad is not None:

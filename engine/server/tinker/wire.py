@@ -28,6 +28,7 @@ _NUMPY = {
     schema.DTYPE["DTYPE_INT32"]: "<i4",
 }
 _SESS_DTYPE = {"<f4": "float32", "<i8": "int64", "<i4": "int64"}
+MAX_TARGET_CELLS = 1 << 20  # ids of one target_prompt_logprobs request
 TOPK_EMPTY = (0, -99999.0)  # the SDK's marker of an empty top-k slot (and of prompt position 0)
 
 
@@ -165,13 +166,15 @@ def read_target_ids(value: Any, positions: int) -> tuple[list[list[int]], tuple[
         raise InvalidRequest(
             f"{where}: shape {str(shape)[:40]} is not [len(prompt) - 1, K] = [{positions}, K]"
         )
-    if shape[0] != positions or shape[1] < 1 or shape[0] * shape[1] > 1 << 24:
+    if shape[0] != positions or shape[1] < 1 or shape[0] * shape[1] > MAX_TARGET_CELLS:
         raise InvalidRequest(
-            f"{where}: shape {shape} is not [len(prompt) - 1, K] = [{positions}, K] with K >= 1"
+            f"{where}: shape {shape} is not [len(prompt) - 1, K] = [{positions}, K] with K >= 1 "
+            f"(at most {MAX_TARGET_CELLS} cells)"
         )
-    if not isinstance(data, list) or not all(type(t) is int for t in data):
-        raise InvalidRequest(f"{where}.data: expected a list of integer token ids")
     crow, col = value.get("sparse_crow_indices"), value.get("sparse_col_indices")
+    for name, ids in (("data", data), ("sparse_crow_indices", crow), ("sparse_col_indices", col)):
+        if not (ids is None and name != "data") and not _int_list(ids):
+            raise InvalidRequest(f"{where}.{name}: expected a list of integers")
     if crow is None and col is None:
         if len(data) != shape[0] * shape[1]:
             raise InvalidRequest(f"{where}: shape {shape} does not hold {len(data)} values")
@@ -185,6 +188,10 @@ def read_target_ids(value: Any, positions: int) -> tuple[list[list[int]], tuple[
     listed = np.zeros(shape, bool)
     listed[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = True
     return np.where(listed, dense, -1).tolist(), (list(crow), list(col))  # unlisted cells ask nothing
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int and -(1 << 62) < v < 1 << 62 for v in value)
 
 
 def sampling_params(params: Any) -> dict:
