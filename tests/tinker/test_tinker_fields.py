@@ -1,7 +1,7 @@
 """Nothing the tinker SDK sends is dropped without a word: every field of every request type in the
 real tinker 0.38 SDK's ``tinker.types`` is honoured or refused (:mod:`sess.engine.server.tinker.fields`),
 the check fails for a field in neither set (one removed from both, or one a later SDK adds), and
-docs/tinker.md's table is the module's. The walk of the SDK's types runs in its own venv (slow)."""
+docs/tinker.md's tables (fields, and the clients' public methods) are the modules'. The walk of the SDK's types runs in its own venv (slow)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import fields
+from sess.engine.server.tinker import fields, methods
 
 from tinker_helpers import make_tinker_venv, run_client
 
@@ -19,18 +19,34 @@ TABLES = {"honoured": fields.HONOURED, "refused": fields.REFUSED, "undecided": f
 
 
 @pytest.fixture(scope="module")
-def sdk_fields(tmp_path_factory) -> dict[str, list[str]]:
+def sdk(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tinker-fields")
     python = make_tinker_venv(root)
     spec = {"out": str(root / "fields.json")}
     return run_client(python, "fields.py", spec, url="http://127.0.0.1:9", key="tml-unused")
 
 
-def test_docs_table_is_the_modules():
+@pytest.fixture(scope="module")
+def sdk_fields(sdk) -> dict[str, list[str]]:
+    return sdk["types"]
+
+
+@pytest.mark.parametrize("table, module", [("fields", fields), ("methods", methods)])
+def test_docs_tables_are_the_modules(table, module):
     text = DOC.read_text()
-    start = text.index("\n", text.index("<!-- fields table:")) + 1
-    end = text.index("<!-- end of fields table -->")
-    assert text[start:end].strip() == fields.markdown_table()
+    start = text.index("\n", text.index(f"<!-- {table} table:")) + 1
+    end = text.index(f"<!-- end of {table} table -->")
+    assert text[start:end].strip() == module.markdown_table()
+
+
+@pytest.mark.slow
+def test_every_public_method_of_the_sdk_clients_is_listed(sdk):
+    assert (
+        "SamplingClient.sample" in sdk["methods"]
+        and "RestClient.publish_checkpoint_from_tinker_path" in sdk["methods"]
+    )
+    assert [m for m in sdk["methods"] if methods.status(m) is None] == []
+    assert [m for m in methods.METHODS if m not in sdk["methods"]] == []
 
 
 def test_a_field_is_in_one_table_and_every_refusal_has_a_reason():

@@ -1,5 +1,5 @@
-"""Run under the tinker SDK's venv (tests/tinker/test_tinker_fields.py): every request type the SDK
-can send, as {class name: [field names]}. It starts from each ``*Request`` class in ``tinker.types``
+"""Run under the tinker SDK's venv (tests/tinker/test_tinker_fields.py): every public method of the
+SDK's clients, and every request type the SDK can send as {class name: [field names]}. It starts from each ``*Request`` class in ``tinker.types``
 and follows the types of their fields (a Datum, its chunks, TensorData, SamplingParams, ...) and the
 subclasses of every type it reaches (the optimizer families, say), so a type or field a later SDK
 adds is found without naming it here."""
@@ -12,6 +12,7 @@ import typing
 
 import numpy
 import pydantic
+import tinker
 import tinker.types as t
 
 spec = json.loads(sys.argv[1])
@@ -61,5 +62,12 @@ while todo:
         classes_in(annotation, found)
     found |= {c for c in public if c not in reached and any(issubclass(c, r) for r in reached)}
     todo += [c for c in found if c.__name__ not in seen]
+clients = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AdminClient")
+methods = [
+    f"{name}.{method}"
+    for name in clients
+    for method, _ in inspect.getmembers(getattr(tinker, name), callable)
+    if not method.startswith("_")
+]
 with open(spec["out"], "w") as f:
-    json.dump(seen, f)
+    json.dump({"types": seen, "methods": methods}, f)
