@@ -213,6 +213,9 @@ def test_refused_sample_and_optimizer_fields_are_400s_naming_them(a):
         refused = a.post("/asample", {**body, "seq_id": seq})
         assert refused.status_code == 400 and words in refused.json()["detail"], refused.text[:300]
     assert len(_sample(a, {**base, "seq_id": seq + 1}).sequences) == 1
+    one_token = {"chunks": [{"type": "encoded_text", "tokens": [4]}]}
+    alone = _sample(a, {**base, "seq_id": seq + 2, "prompt": one_token, "prompt_alt_tokens_k": 2})
+    assert alone.HasField("prompt_alt_tokens") and alone.prompt_alt_tokens.tokens.shape[0] == 0
     dimuon = {
         "session_id": session,
         "model_seq_id": 0,

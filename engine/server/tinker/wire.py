@@ -253,7 +253,8 @@ def sample_output(result: dict, sparse_targets: tuple[list, list] | None = None)
     alt = result.get("prompt_alt_tokens")
     if alt is not None:
         for name, dtype, kind in (("tokens", "<i8", "DTYPE_INT64"), ("logprobs", "<f4", "DTYPE_FLOAT32")):
-            array = np.asarray(alt[name], dtype).reshape(len(alt[name]), -1)
+            array = np.asarray(alt[name], dtype)
+            array = array if array.ndim == 2 else array.reshape(0, 0)  # a one-token prompt has no rows
             tensor = getattr(out.prompt_alt_tokens, name)
             tensor.dense, tensor.dtype = array.tobytes(), schema.DTYPE[kind]
             tensor.shape.extend(array.shape)
