@@ -16,6 +16,7 @@ from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.prompt_scores import add_scores, keep_last_n, wants_scores
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import SampleJob
@@ -55,6 +56,9 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
     host, adapter, session = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
+    if request.target_prompt_logprobs is not None:
+        ids = [t for row in request.target_prompt_logprobs for t in row if t != -1]
+        check_prompt(ids, host.vocab_size, "target_prompt_logprobs")
     stop_ids = [s for s in params.stop if isinstance(s, int)] if isinstance(params.stop, list) else []
     check_prompt(stop_ids, host.vocab_size, "sampling_params.stop")
     if len(prompt) + params.max_tokens > host.max_context:
@@ -64,19 +68,27 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         )
 
     def finished(sequences, error) -> None:
-        if error is None and request.include_trainer_logprobs:
-            try:
+        response = SampleResponse(sequences=sequences)
+        try:
+            if error is None and request.include_trainer_logprobs:
                 job.seconds += add_trainer_logprobs(runtime, host, job.adapter, prompt, sequences)
-            except Exception as exc:  # this request fails (the executor names an engine bug), not the step
-                error = exc
+            if error is None and wants_scores(request):
+                started = time.perf_counter()
+                with host.activate(job.adapter) as model:
+                    add_scores(model, request, response, runtime.memory_budget)
+                job.seconds += time.perf_counter() - started
+        except Exception as exc:  # this request fails (the executor names an engine bug), not the step
+            error = exc
         if error is not None:
             on_done(None, error, Usage(wall_time_s=job.seconds, operations=1))
             return
-        response = SampleResponse(sequences=sequences)
         if job.prompt_result is not None:
             logprobs, top = job.prompt_result
-            response.prompt_logprobs = logprobs if request.include_prompt_logprobs else None
-            response.topk_prompt_logprobs = top
+            last_n = request.prompt_logprobs_last_n
+            response.prompt_logprobs = (
+                keep_last_n(logprobs, last_n) if request.include_prompt_logprobs else None
+            )
+            response.topk_prompt_logprobs = keep_last_n(top, last_n)
         sampled = sum(len(s.tokens) for s in sequences)
         usage = Usage(
             prefill_tokens=len(prompt), sampled_tokens=sampled, wall_time_s=job.seconds, operations=1
@@ -168,7 +180,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     runtime.full_weights()  # several ranks: loading a checkpoint's adapter may have dropped them
     with host.activate(adapter) as model:
         logprobs, _ = prompt_logprobs(model, request.prompt, None, runtime.memory_budget)
-    return {"logprobs": logprobs}
+    return {"logprobs": keep_last_n(logprobs, request.prompt_logprobs_last_n)}
 
 
 def check_prompt(prompt: list[int], vocab_size: int, where: str = "prompt") -> None:

@@ -7,7 +7,10 @@ run it once. A micro-batch that cannot be made to fit (one long datum) runs with
 checkpointing; one that would not fit even so is refused before anything runs. Logprobs and the
 loss's gradient go through the output layer in chunks (:mod:`.output_layer`), so no
 [tokens x vocabulary] logits are ever held. Gradients accumulate in the adapter's parameters until
-``optim_step`` applies and clears them.
+``optim_step`` applies and clears them. A datum with (N, K) ``target_tokens`` and ``weights``
+(cross_entropy's K targets per position) runs as K datums of one column each, whose prefix the
+micro-batch plan shares, so its loss is exactly the sum of K one-target datums'; its logprobs come
+back as (N, K).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from sess.engine.runtime.output_layer import (
 from sess.engine.runtime.recompute import recomputing
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.sdk import requests as rq
-from sess.engine.sdk.data_checks import check_data, check_loss_fn
+from sess.engine.sdk.data_checks import MULTI_TARGET_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import ForwardBackwardOutput, TensorData
+from sess.engine.sdk.types import Datum, ForwardBackwardOutput, TensorData
 
 T = TypeVar("T")
 
@@ -60,8 +63,8 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     session = runtime.session(owner, request.session)
     host = runtime.hosts[session.base_model]
     loss_fn, config = check_loss_fn(request.loss_fn, request.loss_fn_config)
-    datums = request.data
-    check_data(datums, loss_fn, vocab_size=host.vocab_size)
+    check_data(request.data, loss_fn, vocab_size=host.vocab_size)
+    datums, columns = _one_target_each(request.data, MULTI_TARGET_INPUTS.get(loss_fn, ()))
     longest = max(d.model_input.length for d in datums)
     if longest > host.max_context:
         raise InvalidRequest(
@@ -139,8 +142,33 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         all_lps = ranks.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
-    outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in all_lps]
+    per_datum = [
+        torch.stack([all_lps[j] for j in c], dim=1) if len(c) > 1 or multi else all_lps[c[0]]
+        for c, multi in columns
+    ]
+    outputs = [{"logprobs": TensorData.from_torch(lp.float())} for lp in per_datum]
     return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics).to_wire()
+
+
+def _one_target_each(
+    data: list[Datum], multi: tuple[str, ...]
+) -> tuple[list[Datum], list[tuple[list[int], bool]]]:
+    """``data`` with each (N, K) datum split into K datums of one column of its ``multi`` inputs;
+    and for each datum of ``data``, the indices of its datums in the result and whether it was (N, K)."""
+    out: list[Datum] = []
+    columns: list[tuple[list[int], bool]] = []
+    for datum in data:
+        arrays = {k: datum.loss_fn_inputs[k].to_numpy() for k in multi if k in datum.loss_fn_inputs}
+        if not arrays or next(iter(arrays.values())).ndim == 1:
+            columns.append(([len(out)], False))
+            out.append(datum)
+            continue
+        k = next(iter(arrays.values())).shape[1]
+        columns.append((list(range(len(out), len(out) + k)), True))
+        for j in range(k):
+            inputs = {**datum.loss_fn_inputs, **{key: a[:, j].copy() for key, a in arrays.items()}}
+            out.append(Datum(datum.model_input, inputs))
+    return out, columns
 
 
 def _logprobs(

@@ -46,8 +46,10 @@ def _sampling_params(vllm, n: int, params: dict):
     from vllm.sampling_params import RequestOutputKind
 
     stop = params.get("stop")
+    no_eos = stop == []  # an empty list turns EOS off too (None keeps it): the Tinker SDK's meaning
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     return vllm.SamplingParams(
+        ignore_eos=no_eos,
         n=n,
         max_tokens=params["max_tokens"],
         temperature=params["temperature"],

@@ -134,11 +134,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class StopChecker:
-    """Decides when a row is done: an EOS / stop token id, or a stop string in the decoded tail."""
+    """Decides when a row is done: an EOS / stop token id, or a stop string in the decoded tail.
+    ``stop=None`` stops at EOS; an empty list turns every stop off, EOS included (the row runs to
+    ``max_tokens``), as the Tinker SDK's ``SamplingParams.stop`` defines."""
 
     def __init__(self, stop: str | Sequence[str] | Sequence[int] | None, eos_ids: set[int], decode: Callable):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.stop_ids = sorted(set(eos_ids) | {s for s in stops if isinstance(s, int)})
+        eos = set() if stop is not None and not isinstance(stop, str) and len(stop) == 0 else set(eos_ids)
+        self.stop_ids = sorted(eos | {s for s in stops if isinstance(s, int)})
         self.stop_strings = [s for s in stops if isinstance(s, str) and s]
         self.window = 2 * max((len(s) for s in self.stop_strings), default=0) + 4
         self.decode = decode

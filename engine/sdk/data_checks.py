@@ -26,6 +26,18 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "gspo": ("target_tokens", "logprobs", "advantages"),  # optional: sequence_ratio_mask
 }
 
+# losses the tinker SDK names that this engine does not compute, and why
+REFUSED_LOSSES: dict[str, str] = {
+    "stable_reinforce": (
+        "the tinker 0.38 SDK names this loss and its kl_coeff option but defines neither its formula nor "
+        "the stability information it reads (record_stability_info), so this engine cannot compute it as "
+        "Tinker does; use ppo, cispo or gspo"
+    ),
+    "custom": "server-side custom losses are not supported; compute the loss on the client (forward_backward_custom)",
+}
+# inputs that may be (N, K) for these losses: K targets per position, each with its weight
+MULTI_TARGET_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("target_tokens", "weights")}
+
 DEFAULT_CONFIG: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -39,6 +51,8 @@ DEFAULT_CONFIG: dict[str, dict[str, float]] = {
 def check_loss_fn(loss_fn: str | LossFunction, loss_fn_config: dict | None) -> tuple[str, dict[str, float]]:
     """Normalise the loss name and merge ``loss_fn_config`` over its defaults; unknown names are errors."""
     name = loss_fn.value if isinstance(loss_fn, LossFunction) else loss_fn
+    if name in REFUSED_LOSSES:
+        raise InvalidRequest(f"loss_fn: {name} is not supported by this engine: {REFUSED_LOSSES[name]}")
     if name not in REQUIRED_INPUTS:
         raise InvalidRequest(f"loss_fn: unknown loss {name!r}; choose one of {', '.join(REQUIRED_INPUTS)}")
     config = dict(DEFAULT_CONFIG[name])
@@ -88,13 +102,9 @@ def check_data(
         for key in required:
             if key not in datum.loss_fn_inputs:
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs: missing {key!r} (required by {loss_fn})")
+        _check_shapes(datum, i, len(tokens), MULTI_TARGET_INPUTS.get(loss_fn, ()))
         for key, value in datum.loss_fn_inputs.items():
             array = value.to_numpy()
-            if array.ndim != 1 or array.shape[0] != len(tokens):
-                raise InvalidRequest(
-                    f"data[{i}].loss_fn_inputs[{key!r}]: length {array.shape} does not match "
-                    f"model_input.length {len(tokens)}"
-                )
             if not np.all(np.isfinite(array)):
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs[{key!r}]: contains NaN or infinity")
         if "target_tokens" in datum.loss_fn_inputs:
@@ -102,7 +112,37 @@ def check_data(
             if targets.dtype.kind == "f" and not np.all(targets == np.round(targets)):
                 raise InvalidRequest(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be integers")
             # checked as sent: float ids cast to int64 first would wrap (1e30 -> -2**63)
-            _check_tokens(targets.tolist(), f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size)
+            _check_tokens(targets.ravel().tolist(), f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size)
+
+
+def _check_shapes(datum: Datum, i: int, length: int, multi: tuple[str, ...]) -> None:
+    """Every input one value per position ((N,)); the ``multi`` inputs may instead all be (N, K)."""
+    shapes = {key: tuple(value.to_numpy().shape) for key, value in datum.loss_fn_inputs.items()}
+    for key, shape in shapes.items():
+        where = f"data[{i}].loss_fn_inputs[{key!r}]"
+        if key in multi and len(shape) == 2:
+            if shape[0] != length:
+                raise InvalidRequest(
+                    f"{where}: shape {shape} does not match model_input.length {length} (expected ({length}, K))"
+                )
+            if shape[1] == 0:
+                raise InvalidRequest(
+                    f"{where}: shape {shape} has K = 0 targets; send {' and '.join(multi)} of shape "
+                    f"({length}, K) with K >= 1, or of shape ({length},)"
+                )
+            partners = {k: s for k, s in shapes.items() if k in multi and k != key and s != shape}
+            if partners:
+                other, other_shape = next(iter(partners.items()))
+                raise InvalidRequest(
+                    f"{where}: shape {shape} does not match loss_fn_inputs[{other!r}] shape {other_shape} "
+                    f"(K targets per position need {', '.join(multi)} of one (N, K) shape)"
+                )
+        elif len(shape) != 1 or shape[0] != length:
+            extra = f" or ({length}, K) for {', '.join(multi)}" if key in multi else ""
+            raise InvalidRequest(
+                f"{where}: shape {shape} does not match model_input.length {length} "
+                f"(expected ({length},){extra})"
+            )
 
 
 def _check_tokens(tokens: Sequence[int | float], where: str, vocab_size: int | None) -> None:

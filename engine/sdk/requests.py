@@ -244,9 +244,54 @@ class SampleRequest(Request):
     topk_prompt_logprobs: int | None = bounded(None, 1, 1024)
     # each sequence also carries the trainer's logprobs of its tokens (``trainer_logprobs``)
     include_trainer_logprobs: bool = False
+    # each sequence's top-k (token, logprob) at every sampled position (``topk_logprobs``)
+    topk_sample_logprobs: int | None = bounded(None, 1, 1024)
+    # prompt logprobs (and top-k) only for the last N prompt tokens; earlier entries None
+    prompt_logprobs_last_n: int | None = bounded(None, 1)
+    # [len(prompt) - 1][K] token ids (-1: none) whose logprob at prompt position i + 1 to return
+    target_prompt_logprobs: list[list[int]] | None = bounded(None, max_items=MAX_PROMPT)
+    # K draws at the request's temperature from the next-token distribution at each prompt position
+    prompt_alt_tokens_k: int | None = bounded(None, 1, 1024)
+
+    def check_values(self, where: str = "") -> None:
+        check_prompt_options(self, self.include_prompt_logprobs or bool(self.topk_prompt_logprobs))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ComputeLogprobs(Request):
     target: Target
     prompt: list[int] = bounded(max_items=MAX_PROMPT, min_items=1)
+    prompt_logprobs_last_n: int | None = bounded(None, 1)  # score only the last N tokens
+
+    def check_values(self, where: str = "") -> None:
+        check_prompt_options(self, True)
+
+
+def check_prompt_options(request, scores_prompt: bool) -> None:
+    """The prompt-scoring options against the prompt: ``prompt_logprobs_last_n`` within 1..len - 1 and
+    asked with prompt logprobs; ``target_prompt_logprobs`` one row of K >= 1 ids per prompt position
+    after the first."""
+    positions = len(request.prompt) - 1
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None:
+        if not scores_prompt:
+            raise InvalidRequest(
+                "prompt_logprobs_last_n: applies to prompt logprobs; set include_prompt_logprobs "
+                "(prompt_logprobs) or topk_prompt_logprobs"
+            )
+        if not 1 <= last_n <= positions:
+            raise InvalidRequest(
+                f"prompt_logprobs_last_n: must be between 1 and len(prompt) - 1 = {positions}, got {last_n}"
+            )
+    targets = getattr(request, "target_prompt_logprobs", None)
+    if targets is not None:
+        widths = {len(row) for row in targets}
+        if len(targets) != positions or len(widths) != 1 or 0 in widths or positions * max(widths) > 1 << 20:
+            shape = f"({len(targets)}, {'/'.join(map(str, sorted(widths))) or 0})"
+            raise InvalidRequest(
+                f"target_prompt_logprobs: shape {shape} is not (len(prompt) - 1, K) = ({positions}, K) "
+                "with K >= 1 ids in every row (at most 2**20 ids)"
+            )
+        bad = next((t for row in targets for t in row if t < -1), None)
+        if bad is not None:
+            raise InvalidRequest(f"target_prompt_logprobs: token id {bad}; ids count from 0 (-1: none)")

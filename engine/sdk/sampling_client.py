@@ -58,6 +58,10 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int | None = None,
         include_trainer_logprobs: bool = False,
+        topk_sample_logprobs: int | None = None,
+        prompt_logprobs_last_n: int | None = None,
+        target_prompt_logprobs=None,
+        prompt_alt_tokens_k: int | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample ``num_samples`` completions of ``prompt``; the request joins the engine's decode batch.
 
@@ -71,9 +75,22 @@ class SamplingClient:
                 logprob of each sampled token (one forward pass of prompt + tokens through the
                 training path, on the target's weights when the request finishes), next to the
                 sampler's ``logprobs``; what the two differ by is the sampler's drift.
+            topk_sample_logprobs: each sequence also carries ``topk_logprobs``: the k most likely
+                (token, logprob) at each sampled position.
+            prompt_logprobs_last_n: prompt logprobs (and top-k) only for the last N prompt tokens,
+                earlier entries None; 1..len(prompt) - 1, with prompt logprobs asked for.
+            target_prompt_logprobs: a [len(prompt) - 1, K] array of token ids (-1: none); the
+                response's ``target_prompt_logprobs[i][j]`` is the logprob of id [i][j] at prompt
+                position i + 1 (0.0 for -1).
+            prompt_alt_tokens_k: the response's ``prompt_alt_tokens`` holds k draws (at the
+                request's temperature, seeded by its seed) from the next-token distribution at each
+                prompt position after the first, with their logprobs.
+            Every logprob is the model's own (temperature 1), as :meth:`compute_logprobs` gives it.
 
         Returns:
             A future of a :class:`SampleResponse`: each sequence's tokens, logprobs and stop reason."""
+        if target_prompt_logprobs is not None:
+            target_prompt_logprobs = np.asarray(target_prompt_logprobs, dtype=np.int64).tolist()
         request = rq.SampleRequest(
             target=self.target,
             prompt=self._prompt(prompt),
@@ -82,19 +99,29 @@ class SamplingClient:
             include_prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             include_trainer_logprobs=include_trainer_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         request.check()
         return self.service._submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)
 
-    def compute_logprobs(self, prompt) -> APIFuture[list[float | None]]:
+    def compute_logprobs(
+        self, prompt, prompt_logprobs_last_n: int | None = None
+    ) -> APIFuture[list[float | None]]:
         """Each prompt token's logprob given the ones before it (the first is None).
 
         Args:
             prompt: a :class:`ModelInput` or a list of token ids.
+            prompt_logprobs_last_n: score only the last N tokens (1..len(prompt) - 1); earlier
+                entries are None.
 
         Returns:
             A future of one logprob per prompt token."""
-        request = rq.ComputeLogprobs(target=self.target, prompt=self._prompt(prompt))
+        request = rq.ComputeLogprobs(
+            target=self.target, prompt=self._prompt(prompt), prompt_logprobs_last_n=prompt_logprobs_last_n
+        )
         request.check()
         return self.service._submitter.submit("compute_logprobs", request.to_wire(), lambda r: r["logprobs"])
 

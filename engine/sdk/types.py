@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.sample_types import SampledSequence, SampleResponse  # noqa: F401 (re-exported)
 from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
@@ -226,7 +227,8 @@ class SamplingParams(WireParams):
     top_p: float = bounded(1.0, above=0.0, hi=1.0)
     top_k: int = bounded(-1, -1, MAX_TOKEN_ID)  # -1: off; a k of the vocabulary or more keeps every token
     seed: int | None = bounded(None, 0)
-    # token ids here are checked against the vocabulary by the engine
+    # token ids here are checked against the vocabulary by the engine; None stops at EOS, [] turns
+    # every stop off, EOS included (the Tinker SDK's meaning)
     stop: str | list[str] | list[int] | None = bounded(None, max_items=64)
 
     def check(self, where: str | None = None) -> None:
@@ -297,41 +299,6 @@ class OptimStepResponse:
     @classmethod
     def from_wire(cls, wire: dict) -> OptimStepResponse:
         return cls(**wire)
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]  # the sampler's logprob of each token
-    stop_reason: str  # "stop" | "length"
-    # asked for (``include_trainer_logprobs``): the trainer's logprob of each token, from one forward
-    # pass of prompt + tokens through the training path; absent from the wire otherwise
-    trainer_logprobs: list[float] | None = None
-
-
-@dataclass
-class SampleResponse:
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-    def to_wire(self) -> dict:
-        wire = asdict(self)
-        for sequence in wire["sequences"]:
-            if sequence["trainer_logprobs"] is None:
-                del sequence["trainer_logprobs"]
-        return wire
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> SampleResponse:
-        topk = wire.get("topk_prompt_logprobs")
-        if topk is not None:
-            topk = [None if row is None else [tuple(pair) for pair in row] for row in topk]
-        return cls(
-            sequences=[SampledSequence(**s) for s in wire["sequences"]],
-            prompt_logprobs=wire.get("prompt_logprobs"),
-            topk_prompt_logprobs=topk,
-        )
 
 
 @dataclass

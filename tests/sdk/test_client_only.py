@@ -50,5 +50,5 @@ def test_the_seed_loop_runs_from_a_client_only_install(tmp_path, http_engine, se
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["torch"] is False
     assert result["status"] == "Stopped" and result["step"] == 3
-    assert result["kinds"] == ["merged", "sampler", "state"]
+    assert result["kinds"] == ["merged", "state"]  # the loop's samplers were transient: gone with the session
     assert result["sampled_tokens"] > 0 and result["training_tokens"] > 0

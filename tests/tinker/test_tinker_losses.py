@@ -104,5 +104,9 @@ def test_gspo_clips_whole_sequences_where_ppo_clips_tokens(tc):
 def test_losses_the_engine_does_not_run_are_refused_with_the_supported_set(tc):
     assert "gspo" in REQUIRED_INPUTS and "stable_reinforce" not in REQUIRED_INPUTS
     datum = ce_datum(tc.get_tokenizer().encode(SENTENCES[1]))
-    with pytest.raises(InvalidRequest, match="choose one of cross_entropy, .*gspo"):
+    with pytest.raises(
+        InvalidRequest, match="stable_reinforce is not supported by this engine: .* defines neither"
+    ):
         tc.forward_backward([datum], "stable_reinforce")
+    with pytest.raises(InvalidRequest, match="choose one of cross_entropy, .*gspo"):
+        tc.forward_backward([datum], "no_such_loss")

@@ -162,7 +162,7 @@ def test_bad_input_gets_a_4xx_that_says_why_and_the_model_keeps_training(a, b, t
         (
             a.forward_backward(fb_request(model, 3, tokens, "stable_reinforce")),
             400,
-            "supported: cross_entropy",
+            "stable_reinforce is not supported by this engine: the tinker 0.38 SDK names this loss",
         ),
         (a.post("/optim_step", {"model_id": model, "seq_id": "four"}), 400, "seq_id"),
         (
@@ -310,10 +310,11 @@ def _no_data(message) -> None:
 BATCHES_REFUSED_WHILE_READ = {
     "bfloat16": (_dtype_bfloat16, "dtype 4 is not float32"),
     "text-option": (_text_option, "text values"),
-    "image-chunk": (_image_chunk, "image chunks are not supported"),
-    "empty-chunk": (_empty_chunk, "empty chunks are not supported"),
+    "image-chunk": (_image_chunk, "image chunk: this engine runs text models: send encoded_text"),
+    "empty-chunk": (_empty_chunk, "empty chunk: this engine runs text models"),
     "odd-token-bytes": (_token_bytes_not_int32, "3 bytes is not a whole number of int32"),
-    "2-d": (_shape([1, "n"]), "1-D loss inputs"),
+    "2-d": (_shape([1, "n"]), "['weights']: shape (1, "),  # (1, n) for n positions
+    "3-d": (_shape([1, 1, "n"]), "this engine takes loss inputs of shape (N,) or, for cross_entropy"),
     "negative-shape": (_shape(None), "does not hold"),  # [-n] for n values
     "sparse": (_sparse, "inconsistent sparse CSR"),
     "no-data": (_no_data, "at least one Datum"),

@@ -222,7 +222,7 @@ def test_bad_input_through_the_sdk_is_an_error_at_once_and_the_client_keeps_work
         "out_of_vocab": ("BadRequestError", "outside the vocabulary"),
         "unsupported_loss": (
             "BadRequestError",
-            "supported: cross_entropy, importance_sampling, ppo, cispo, dro, gspo",
+            "stable_reinforce is not supported by this engine: the tinker 0.38 SDK names this loss",
         ),
         "foreign_checkpoint": ("NotFoundError", "not found"),
         "prompt_out_of_vocab": ("BadRequestError", "outside the vocabulary"),

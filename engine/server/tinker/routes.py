@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
-from sess.engine.server.tinker import ids
+from sess.engine.server.tinker import fields, ids
 from sess.engine.server.tinker.state import (
     Tinker,
     TinkerSession,
@@ -132,6 +132,7 @@ def add_core_routes(route, tinker: Tinker) -> None:
     async def create_session(request: Request) -> Response:
         owner = tinker.owner(request)
         body = await tinker.json(request)
+        fields.check_refused("CreateSessionRequest", body)  # tags (TINKER_TAGS): not kept here
         metadata = field_of(body, "user_metadata", dict, {})
         project_id = field_of(body, "project_id", str, None)
         display_name = field_of(body, "display_name", str, None)

@@ -5,7 +5,10 @@ a base model; ``save_weights_for_sampler`` without a name makes one of the model
 (:mod:`.training_routes`). ``asample`` is sess's ``sample`` op: the request joins the engine's
 continuous decode batch, each sampled token carries its logprob, and prompt logprobs and top-k
 prompt logprobs come from the same prefill (``compute_logprobs`` is a one-token sample that asks
-for prompt logprobs). Sample requests are not ordered; a re-sent one (same sampling session and
+for prompt logprobs); the scores beyond the sampled tokens (top-k of sampled positions, chosen ids'
+and alternative draws at prompt positions) come from forward passes as the request finishes
+(:mod:`sess.engine.runtime.prompt_scores`). Every field of the request is honoured or refused
+(:mod:`.fields`). Sample requests are not ordered; a re-sent one (same sampling session and
 ``seq_id``) gets the same request id.
 """
 
@@ -15,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import ids, wire
+from sess.engine.server.tinker import fields, ids, wire
 from sess.engine.server.tinker.futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
@@ -62,11 +65,15 @@ def add_routes(route, tinker: Tinker) -> None:
     async def asample(request: Request) -> Response:
         owner = tinker.owner(request)
         body = await tinker.json(request)
-        for option, what in wire.UNSUPPORTED_SAMPLE_OPTIONS.items():
-            if body.get(option):
-                raise InvalidRequest(f"{option}: {what} is not supported by this engine")
+        fields.check_known("SampleRequest", body)
+        fields.check_refused("SampleRequest", body)
         num_samples = field_of(body, "num_samples", int, 1)
         prompt = wire.read_prompt(body.get("prompt"))
+        targets, sparse = (
+            wire.read_target_ids(body["target_prompt_logprobs"], len(prompt) - 1)
+            if body.get("target_prompt_logprobs") is not None
+            else (None, None)
+        )
         params = wire.sampling_params(body.get("sampling_params"))
         topk = field_of(body, "topk_prompt_logprobs", int, 0)
         if body.get("sampling_session_id") is not None:
@@ -85,6 +92,10 @@ def add_routes(route, tinker: Tinker) -> None:
             "sampling_params": params,
             "include_prompt_logprobs": field_of(body, "prompt_logprobs", bool, False),
             "topk_prompt_logprobs": topk or None,
+            "topk_sample_logprobs": field_of(body, "topk_sample_logprobs", int, 0) or None,
+            "prompt_logprobs_last_n": field_of(body, "prompt_logprobs_last_n", int, None),
+            "target_prompt_logprobs": targets,
+            "prompt_alt_tokens_k": field_of(body, "prompt_alt_tokens_k", int, 0) or None,
         }
 
         async def make() -> dict:
@@ -98,7 +109,7 @@ def add_routes(route, tinker: Tinker) -> None:
                     f"prompt: token id {bad} is outside the vocabulary (0..{facts['vocab_size'] - 1})"
                 )
             op_id = await tinker.submit(owner, "sample", args)
-            request_id = tinker.op_future(owner, op_id, _sample_output)
+            request_id = tinker.op_future(owner, op_id, lambda result: _sample_output(result, sparse))
             return {
                 "request_id": request_id,
                 "sample_sequence_ids": [f"{request_id}.{i}" for i in range(num_samples)],
@@ -107,5 +118,5 @@ def add_routes(route, tinker: Tinker) -> None:
         return json_response(await (tinker.once(key, make) if key else make()))
 
 
-def _sample_output(result: dict) -> Answer:
-    return Answer(wire.sample_output(result), "application/x-protobuf")
+def _sample_output(result: dict, sparse_targets: tuple[list, list] | None) -> Answer:
+    return Answer(wire.sample_output(result, sparse_targets), "application/x-protobuf")

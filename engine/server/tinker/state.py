@@ -60,6 +60,7 @@ class Sampler:
     target: dict  # a sess sampling target: {"model_path": sess://...} or {"base_model": name}
     session: str | None  # the sess session whose weights it samples; None: a base model
     model_path: str | None = None  # as the client named it (tinker://...)
+    inflight: bool = False  # kind="inflight": follows each newer inflight save of its session
 
 
 def json_response(data: Any, status: int = 200, headers: dict | None = None) -> Response:

@@ -17,9 +17,9 @@ from fastapi.responses import Response
 from sess.engine.runtime.session_ops import canonical_model
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
-from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data
+from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import ids, wire
+from sess.engine.server.tinker import fields, ids, wire
 from sess.engine.server.tinker.futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
@@ -31,9 +31,7 @@ OPTIM_METRICS = {"grad_norm": "grad_norm:mean", "learning_rate": "learning_rate:
 def _optimizer(body: dict, field: str) -> None:
     config = field_of(body, field, dict, {})
     if config.get("type", "adamw") not in ("adam", "adamw"):
-        raise InvalidRequest(
-            f"{field}.type: {str(config.get('type'))[:40]!r} is not supported; this engine runs AdamW"
-        )
+        raise InvalidRequest(f"{field}.type: {str(config.get('type'))[:40]!r}: {fields.ADAMW_ONLY}")
 
 
 def _seq(body: dict, field: str = "seq_id", low: int = 1) -> int:
@@ -187,6 +185,7 @@ def add_routes(route, tinker: Tinker) -> None:
         async def prepare(owner: str, name: str):
             batch = wire.read_training_batch(message)  # refused here, the seq_id is still used up
             if batch.loss_fn not in REQUIRED_INPUTS:
+                check_loss_fn(batch.loss_fn[:40], None)  # a loss refused with its reason
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
                 )
@@ -208,8 +207,9 @@ def add_routes(route, tinker: Tinker) -> None:
         async def prepare(owner: str, name: str):
             params = field_of(body, "adam_params", dict, None)
             if params is None:
+                field = "optimizer_params" if "optimizer_params" in body else "adam_params"
                 raise InvalidRequest(
-                    "adam_params: missing; this engine runs AdamW (optimizer_params is not supported)"
+                    f"{field}: {'missing; ' if field == 'adam_params' else ''}{fields.ADAMW_ONLY}"
                 )
             return "optim_step", {"adam_params": params}, _optim_output
 
@@ -245,9 +245,18 @@ def add_routes(route, tinker: Tinker) -> None:
             number = _seq(body, "sampling_session_seq_id", low=0)
             model_id = ids.run_id(name)
             sampler_id = ids.sampler_id(ids.session_of_model(model_id) or name, number)
+            kind = body.get("kind", "snapshot")
+            if kind not in (None, "snapshot", "inflight"):
+                raise InvalidRequest(f"kind: expected 'snapshot' or 'inflight', got {str(kind)[:40]!r}")
+            inflight = kind == "inflight"
 
             def convert(result: dict) -> Answer:
-                tinker.add_sampler(Sampler(sampler_id, owner, {"model_path": result["path"]}, name))
+                target = {"model_path": result["path"]}
+                if inflight:  # every inflight sampler of this model now samples the newest weights
+                    for other in tinker.samplers.values():
+                        if other.inflight and other.session == name and other.owner == owner:
+                            other.target = dict(target)
+                tinker.add_sampler(Sampler(sampler_id, owner, target, name, inflight=inflight))
                 return Answer.of({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
             return "save_weights", {"transient": True, **_lifecycle(body)}, convert

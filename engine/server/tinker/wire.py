@@ -4,7 +4,7 @@ parameters in; ``ForwardBackwardOutput`` and ``SampleResponse`` protobuf out.
 Token ids travel as little-endian int32 bytes, loss inputs as ``Tensor`` messages (dense bytes or
 sparse CSR) and outputs as ``BatchedTensor`` (one flat buffer plus byte offsets per datum), as
 the SDK's ``proto/request_conv.py`` and ``proto/response_conv.py`` write and read them. Anything
-sess cannot run (image chunks, 2-D targets, per-position prompt scoring) is refused with an
+sess cannot run (image and dmel chunks, provenance spans) is refused with an
 :class:`~sess.engine.sdk.errors.InvalidRequest` that names the field and what to do instead.
 """
 
@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import Datum, ModelInput, TensorData
-from sess.engine.server.tinker import schema
+from sess.engine.server.tinker import fields, schema
 
 _NUMPY = {
     schema.DTYPE["DTYPE_FLOAT32"]: "<f4",
@@ -28,6 +28,7 @@ _NUMPY = {
     schema.DTYPE["DTYPE_INT32"]: "<i4",
 }
 _SESS_DTYPE = {"<f4": "float32", "<i8": "int64", "<i4": "int64"}
+MAX_TARGET_CELLS = 1 << 20  # ids of one target_prompt_logprobs request
 TOPK_EMPTY = (0, -99999.0)  # the SDK's marker of an empty top-k slot (and of prompt position 0)
 
 
@@ -68,14 +69,14 @@ def read_training_batch(message) -> TrainingBatch:
 
 
 def _datum(message, i: int) -> Datum:
+    for spans in ("model_input_spans", "loss_fn_input_spans"):
+        if len(getattr(message, spans)):
+            raise fields.refusal("Datum", spans, f"data[{i}].{spans}")
     tokens = []
     for j, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise InvalidRequest(
-                f"data[{i}].model_input[{j}]: {kind or 'empty'} chunks are not supported "
-                "(this engine trains text models; send encoded_text chunks)"
-            )
+            raise InvalidRequest(f"data[{i}].model_input[{j}]: {kind or 'empty'} chunk: {fields.TEXT_ONLY}")
         tokens.append(_array(chunk.encoded_text.tokens, "<i4", f"data[{i}].model_input[{j}].tokens"))
     ids = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
     inputs = {
@@ -106,9 +107,10 @@ def _tensor(message, where: str) -> TensorData:
         shape = shape or [values.size]
         if any(s < 0 for s in shape) or math.prod(shape) != values.size:
             raise InvalidRequest(f"{where}: shape {shape} does not hold {values.size} values")
-    if len(shape) != 1:
+    if len(shape) not in (1, 2):
         raise InvalidRequest(
-            f"{where}: shape {shape}; this engine takes 1-D loss inputs (one value per position of model_input)"
+            f"{where}: shape {shape}; this engine takes loss inputs of shape (N,) or, for cross_entropy's "
+            "target_tokens and weights, (N, K)"
         )
     sess_dtype = _SESS_DTYPE[dtype]
     return TensorData(values.astype(sess_dtype), dtype=sess_dtype, shape=shape)
@@ -144,7 +146,7 @@ def read_prompt(prompt: Any, where: str = "prompt") -> list[int]:
         kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
         if kind != "encoded_text":
             raise InvalidRequest(
-                f"{where}.chunks[{j}]: {kind or 'malformed'} chunks are not supported; send encoded_text"
+                f"{where}.chunks[{j}]: {str(kind)[:40] or 'malformed'} chunk: {fields.TEXT_ONLY}"
             )
         ids = chunk.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -153,21 +155,50 @@ def read_prompt(prompt: Any, where: str = "prompt") -> list[int]:
     return tokens
 
 
-# options of a sample request that sess does not compute; a server that ignored them would make
-# the SDK fail later, so they are refused up front with what to use instead
-UNSUPPORTED_SAMPLE_OPTIONS = {
-    "topk_sample_logprobs": "top-k logprobs of sampled tokens",
-    "prompt_alt_tokens_k": "alternative prompt tokens",
-    "target_prompt_logprobs": "logprobs of chosen ids at prompt positions",
-    "prompt_logprobs_last_n": "scoring only the last N prompt tokens (score the whole prompt)",
-}
+def read_target_ids(value: Any, positions: int) -> tuple[list[list[int]], tuple[list, list] | None]:
+    """``target_prompt_logprobs`` (a JSON ``TensorData`` of int64 ids, [len(prompt) - 1, K], dense or
+    sparse CSR) as dense rows (-1 where nothing is asked) and, when sparse, its (crow, col) indices."""
+    where = "target_prompt_logprobs"
+    if not isinstance(value, dict) or value.get("dtype") != "int64":
+        raise InvalidRequest(f"{where}: expected an int64 TensorData of token ids")
+    shape, data = value.get("shape"), value.get("data")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n >= 0 for n in shape)):
+        raise InvalidRequest(
+            f"{where}: shape {str(shape)[:40]} is not [len(prompt) - 1, K] = [{positions}, K]"
+        )
+    if shape[0] != positions or shape[1] < 1 or shape[0] * shape[1] > MAX_TARGET_CELLS:
+        raise InvalidRequest(
+            f"{where}: shape {shape} is not [len(prompt) - 1, K] = [{positions}, K] with K >= 1 "
+            f"(at most {MAX_TARGET_CELLS} cells)"
+        )
+    crow, col = value.get("sparse_crow_indices"), value.get("sparse_col_indices")
+    for name, ids in (("data", data), ("sparse_crow_indices", crow), ("sparse_col_indices", col)):
+        if not (ids is None and name != "data") and not _int_list(ids):
+            raise InvalidRequest(f"{where}.{name}: expected a list of integers")
+    if crow is None and col is None:
+        if len(data) != shape[0] * shape[1]:
+            raise InvalidRequest(f"{where}: shape {shape} does not hold {len(data)} values")
+        return np.asarray(data, np.int64).reshape(shape).tolist(), None
+    csr = schema.Tensor().sparse_csr
+    csr.values, csr.crow_indices, csr.col_indices = (
+        np.asarray(v if isinstance(v, list) else [], dtype).tobytes()
+        for v, dtype in ((data, "<i8"), (crow, "<i8"), (col, "<i8"))
+    )
+    dense = _dense_from_csr(csr, "<i8", shape, where)
+    listed = np.zeros(shape, bool)
+    listed[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = True
+    return np.where(listed, dense, -1).tolist(), (list(crow), list(col))  # unlisted cells ask nothing
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int and -(1 << 62) < v < 1 << 62 for v in value)
 
 
 def sampling_params(params: Any) -> dict:
     """Tinker ``SamplingParams`` JSON as sess's (its checks run when the op is read)."""
     if not isinstance(params, dict):
         raise InvalidRequest("sampling_params: expected an object")
-    known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
+    known = set(fields.HONOURED["SamplingParams"])
     unknown = sorted(set(params) - known)
     if unknown:
         raise InvalidRequest(
@@ -195,24 +226,52 @@ def training_output(result: dict) -> bytes:
     return out.SerializeToString()
 
 
-def sample_output(result: dict) -> bytes:
-    """sess's ``sample`` result (wire dict) as a ``SampleResponse``."""
+def sample_output(result: dict, sparse_targets: tuple[list, list] | None = None) -> bytes:
+    """sess's ``sample`` result (wire dict) as a ``SampleResponse``; ``sparse_targets`` the (crow,
+    col) indices of a sparse ``target_prompt_logprobs`` request, whose layout the answer keeps."""
     out = schema.SampleResponse()
     for sequence in result["sequences"]:
-        out.sequences.add(
+        added = out.sequences.add(
             stop_reason=schema.STOP_REASON[sequence["stop_reason"]],
             tokens=np.asarray(sequence["tokens"], "<i4").tobytes(),
             logprobs=np.asarray(sequence["logprobs"], "<f4").tobytes(),
         )
+        if sequence.get("topk_logprobs") is not None:
+            _topk(added.topk_sampled_logprobs, sequence["topk_logprobs"])
+    targets = result.get("target_prompt_logprobs")
+    if targets is not None:
+        values = np.asarray(targets, "<f4")
+        out.target_prompt_logprobs.dtype = schema.DTYPE["DTYPE_FLOAT32"]
+        out.target_prompt_logprobs.shape.extend(values.shape)
+        if sparse_targets is None:
+            out.target_prompt_logprobs.dense = values.tobytes()
+        else:
+            crow, col = (np.asarray(v, "<i8") for v in sparse_targets)
+            csr = out.target_prompt_logprobs.sparse_csr
+            csr.values = values[np.repeat(np.arange(values.shape[0]), np.diff(crow)), col].tobytes()
+            csr.crow_indices, csr.col_indices = crow.tobytes(), col.tobytes()
+    alt = result.get("prompt_alt_tokens")
+    if alt is not None:
+        for name, dtype, kind in (("tokens", "<i8", "DTYPE_INT64"), ("logprobs", "<f4", "DTYPE_FLOAT32")):
+            array = np.asarray(alt[name], dtype)
+            array = array if array.ndim == 2 else array.reshape(0, 0)  # a one-token prompt has no rows
+            tensor = getattr(out.prompt_alt_tokens, name)
+            tensor.dense, tensor.dtype = array.tobytes(), schema.DTYPE[kind]
+            tensor.shape.extend(array.shape)
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], "<f4").tobytes()
     top = result.get("topk_prompt_logprobs")
     if top is not None:
-        k = max((len(row) for row in top if row), default=0)
-        filled = [list(row or []) + [TOPK_EMPTY] * (k - len(row or [])) for row in top]
-        topk = out.topk_prompt_logprobs
-        topk.k, topk.length = k, len(filled)
-        topk.token_ids = np.asarray([[int(t) for t, _ in row] for row in filled], "<i4").tobytes()
-        topk.logprobs = np.asarray([[float(v) for _, v in row] for row in filled], "<f4").tobytes()
+        _topk(out.topk_prompt_logprobs, top)
     return out.SerializeToString()
+
+
+def _topk(topk, rows: list) -> None:
+    """``TopkLogprobs`` of rows of (token, logprob) pairs; a None row or a short one is padded with
+    the SDK's empty-slot marker."""
+    k = max((len(row) for row in rows if row), default=0)
+    filled = [list(row or []) + [TOPK_EMPTY] * (k - len(row or [])) for row in rows]
+    topk.k, topk.length = k, len(filled)
+    topk.token_ids = np.asarray([[int(t) for t, _ in row] for row in filled], "<i4").tobytes()
+    topk.logprobs = np.asarray([[float(v) for _, v in row] for row in filled], "<f4").tobytes()
