@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest
@@ -25,15 +26,26 @@ def add_routes(route, tinker: Tinker) -> None:
     async def target_of(
         owner: str, model_path: str | None, base_model: str | None
     ) -> tuple[dict, str | None]:
-        """The sess sampling target of a checkpoint path or base model, checked to exist and be owner's."""
-        if (model_path is None) == (base_model is None):
-            raise InvalidRequest("model_path, base_model: give exactly one")
-        if model_path is not None:
-            path = ids.to_sess_path(model_path, "model_path")
-            await tinker.call(owner, "checkpoint_files", {"path": path})
-            return {"model_path": path}, parse_path(path).session
-        facts = await tinker.facts(owner, base_model)
-        return {"base_model": facts["base_model"]}, None
+        """The sess sampling target of a checkpoint path or base model, checked to exist and be
+        owner's. Both may be given (the SDK allows it; the cookbook's teacher sampler sends both):
+        then the base model must be the checkpoint's, and the checkpoint is sampled."""
+        if model_path is None and base_model is None:
+            raise InvalidRequest("model_path, base_model: give one (a checkpoint or a base model)")
+        if model_path is None:
+            facts = await tinker.facts(owner, base_model)
+            return {"base_model": facts["base_model"]}, None
+        path = ids.to_sess_path(model_path, "model_path")
+        await tinker.call(owner, "checkpoint_files", {"path": path})
+        session = parse_path(path).session
+        if base_model is not None:
+            row = await run_in_threadpool(tinker.engine.registry.session, session)
+            trained_on = row["base_model"] if row else None
+            if trained_on != (await tinker.facts(owner, base_model))["base_model"]:
+                raise InvalidRequest(
+                    f"base_model, model_path: base_model {base_model[:80]!r} is not the base model of "
+                    f"model_path {model_path[:200]!r} ({trained_on}); give the checkpoint's base model or omit it"
+                )
+        return {"model_path": path}, session
 
     @route("POST", "/create_sampling_session")
     async def create_sampling_session(request: Request) -> Response:
@@ -80,7 +92,7 @@ def add_routes(route, tinker: Tinker) -> None:
             key = (owner, "sample", sampler.id, field_of(body, "seq_id", int))
         else:  # the schema also allows naming the weights directly (the 0.38 SDK never does)
             target, of = await target_of(
-                owner, field_of(body, "model_path", str, None), body.get("base_model")
+                owner, field_of(body, "model_path", str, None), field_of(body, "base_model", str, None)
             )
             key = None
         args = {
