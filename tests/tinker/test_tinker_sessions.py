@@ -122,6 +122,10 @@ def test_ten_short_processes_in_a_row_each_get_their_session(tmp_path, monkeypat
             )
             assert svc.list_sessions(name_contains=names[0])[0].step == 1
             resumed.stop()
-            assert svc.transport.usage(by="session")["rows"][names[0]] == by_session[names[0]]
+            after = svc.transport.usage(by="session")["rows"][names[0]]
+            tokens_of = ("prefill_tokens", "sampled_tokens", "training_tokens")
+            # resume and stop are two more operations; the tokens are those counted before, once
+            assert after["count"] == by_session[names[0]]["count"] + 2
+            assert [after[k] for k in tokens_of] == [by_session[names[0]][k] for k in tokens_of]
     finally:
         stop_engine(home)
