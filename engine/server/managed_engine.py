@@ -114,6 +114,8 @@ class ManagedEngine(Executor):
             raise refusal
         op_id = super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
         self.billing.accepted(owner, self._owned(owner, op_id))
+        if isinstance(session, str) and session in self.heartbeats:
+            self.heartbeats[session] = time.time()  # its client is alive, however long the op queues
         return op_id
 
     def _unblocks(self, session, seq) -> bool:
