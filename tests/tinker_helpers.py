@@ -148,15 +148,19 @@ def make_tinker_venv(root: Path, version: str = TINKER_SDK.split("==")[1]) -> Pa
     return python
 
 
-def make_cookbook_venv(root: Path) -> Path:
+def make_cookbook_venv(root: Path, extras: str = "math-rl") -> Path:
     """A venv with tinker-cookbook 0.5.8 (and tinker 0.38.0), as a user would install it: its python.
     torch comes first, pinned to the CPU build the machine carries, so the cookbook's torch
-    requirement pulls no CUDA wheels."""
+    requirement pulls no CUDA wheels; transformers stays at 5.5.4 or older, the releases the
+    cookbook 0.5.8 was published against. ``extras``: the cookbook's optional dependency groups."""
     venv = root / "cookbook-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
-    for packages in (["torch==2.13.0"], [TINKER_SDK, "tinker-cookbook[math-rl]==0.5.8"]):
+    for packages in (
+        ["torch==2.13.0"],
+        [TINKER_SDK, f"tinker-cookbook[{extras}]==0.5.8", "transformers<=5.5.4"],
+    ):
         subprocess.run(pip + packages, check=True, capture_output=True, text=True)
     return python
 

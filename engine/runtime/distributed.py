@@ -108,7 +108,9 @@ class Ranks:
         self.adapters = AdapterShards(self)
         self.spreads: list = []  # rank 0: each base model's sample requests over the ranks (distributed_sampling)
         self.scored = None  # rank 0: compute_logprobs requests and tokens per rank (distributed_logprobs)
-        self.samplers_sent: dict[str, set[str]] = {}  # rank 0: base model -> checkpoint adapters the followers hold
+        self.samplers_sent: dict[
+            str, set[str]
+        ] = {}  # rank 0: base model -> checkpoint adapters the followers hold
         self.gathered = False  # rank 0 holds the base weights gathered
         self.announced: dict | None = None  # a follower's pending host announcement
         self.closing = False

@@ -33,12 +33,14 @@ def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) ->
 
 def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
     """A base model as another front end (the Tinker routes) needs it: its catalog name for any
-    spelling of it, vocabulary size, context length, architecture and local directory (loaded if
-    need be)."""
+    spelling of it, vocabulary size, context length, architecture, local directory (loaded if
+    need be) and the public hub id of its tokenizer (None when there is none)."""
     name = canonical_model(runtime, request.base_model)
     host = runtime.host(name)
+    spec = CATALOG.get(name)
     return {
         "base_model": name,
+        "tokenizer": spec.tokenizer if spec is not None else None,
         "vocab_size": host.vocab_size,
         "max_context": host.max_context,
         "arch": str(getattr(host.model.config, "model_type", "unknown")),

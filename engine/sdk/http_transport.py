@@ -41,6 +41,7 @@ IDEMPOTENT_CALLS = {
     "tokenizer_files",
     "list_checkpoints",
     "session_info",
+    "model_info",
 }
 SESSION_STARTS = {"create_session", "create_session_from_state", "session_info"}
 SESSION_ENDS = {"stop_session", "delete_session"}
@@ -251,7 +252,9 @@ class HttpTransport:
             if sessions:
                 try:
                     answer = self._post("/api/heartbeat", {"sessions": sessions}, idempotent=True, timeout=10)
-                    self._heartbeat_every = max(0.2, min(30.0, float(answer["idle_timeout"]) / 4))
+                    # four beats per lapse: one lost or late beat never stops a live client's session
+                    silence = min(float(answer["idle_timeout"]), float(answer.get("heartbeat_lapse", 1e9)))
+                    self._heartbeat_every = max(0.2, min(30.0, silence / 4))
                 except Exception as exc:  # the engine may be restarting; the next beat retries
                     log.debug("heartbeat failed: %s", exc)
             self._closed.wait(self._heartbeat_every)

@@ -154,19 +154,28 @@ class ServiceClient(CheckpointAdmin):
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
-        """A sampler of saved adapter weights or of a bare base model; give exactly one.
+        """A sampler of saved adapter weights or of a bare base model.
 
         Args:
             model_path: a ``sess://<session>/sampler/<name>`` (or state) checkpoint.
-            base_model: a name from :meth:`list_base_models`, sampled without an adapter.
+            base_model: a name from :meth:`list_base_models`, sampled without an adapter; given
+                with ``model_path``, it must be that checkpoint's base model (then the checkpoint
+                is sampled).
 
         Returns:
             A :class:`SamplingClient`."""
-        if (model_path is None) == (base_model is None):
-            raise InvalidRequest("create_sampling_client: give exactly one of model_path or base_model")
+        if model_path is None and base_model is None:
+            raise InvalidRequest("create_sampling_client: give model_path or base_model")
         if model_path is not None:
             parse_path(model_path, field="model_path")
             info = self._call("checkpoint_info", rq.CheckpointPath(path=model_path))  # own, or published
+            if base_model is not None:
+                named = self._call("model_info", rq.ModelInfo(base_model=base_model))["base_model"]
+                if named != info["base_model"]:
+                    raise InvalidRequest(
+                        f"base_model, model_path: base_model {base_model!r} is not the base model of "
+                        f"model_path {model_path!r} ({info['base_model']}); give the checkpoint's or omit it"
+                    )
             return SamplingClient(self, rq.Target(model_path=model_path), info["base_model"])
         if base_model not in self.list_base_models():
             raise InvalidRequest(f"base_model: unknown model {base_model!r}; see list_base_models()")

@@ -187,7 +187,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         body = await read_json(request, max_body_bytes)
         sessions = field(body, "sessions", list)
         engine.heartbeat(owner, [s for s in sessions if isinstance(s, str)])
-        return json_response({"idle_timeout": engine.idle_timeout})
+        return json_response({"idle_timeout": engine.idle_timeout, "heartbeat_lapse": engine.heartbeat_lapse})
 
     @app.get("/api/checkpoints/files")
     async def checkpoint_files(request: Request, path: str):

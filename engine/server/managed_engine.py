@@ -3,7 +3,9 @@
 :class:`ManagedEngine` records every session, checkpoint and op (with its own token counts) in the
 SQLite registry, restores the sessions of a previous process as ``Interrupted`` (their checkpoints
 stay usable), refuses a key's session beyond its live-session limit, and stops sessions whose
-clients stopped heart-beating for ``idle_timeout`` seconds after saving their state. Its
+clients sent no op or heartbeat for ``idle_timeout`` seconds, or whose clients heart-beat and then
+fell silent for ``heartbeat_lapse`` seconds (the client process is gone), after saving their
+state: a stopped session no longer counts against its key's limit and resumes from that state. Its
 :class:`~sess.engine.server.billing.Billing` prices each op as it is recorded, and refuses a submit
 past the key's budget (402) or its queue limit (429) before the op takes a sequence number. Its
 :class:`~sess.engine.server.lifecycle.Lifecycle` keeps checkpoint TTLs, metadata and publishing,
@@ -32,7 +34,7 @@ from sess.engine.sdk.types import SessionStatus, Usage
 from sess.engine.server.billing import COSTLY, Billing
 from sess.engine.server.lifecycle import SWEEP_S, Lifecycle
 from sess.engine.server.registry import Registry
-from sess.engine.server.settings import IDLE_TIMEOUT_S, MAX_SESSIONS
+from sess.engine.server.settings import HEARTBEAT_LAPSE_S, IDLE_TIMEOUT_S, MAX_SESSIONS
 
 log = logging.getLogger("sess.engine")
 
@@ -46,6 +48,7 @@ class ManagedEngine(Executor):
         device: str = "cpu",
         *,
         idle_timeout: float = IDLE_TIMEOUT_S,
+        heartbeat_lapse: float = HEARTBEAT_LAPSE_S,
         max_sessions: int = MAX_SESSIONS,
         session_limits: Callable[[str], int | None] | None = None,
         runtime: Runtime | None = None,
@@ -58,6 +61,7 @@ class ManagedEngine(Executor):
         self.registry = Registry(runtime.home)
         self.billing = billing(self.registry) if billing else Billing(self.registry)
         self.idle_timeout = idle_timeout
+        self.heartbeat_lapse = heartbeat_lapse
         self.max_sessions = max_sessions
         self.session_limits = session_limits  # owner -> its limit, or None for the engine's
         self.heartbeats: dict[str, float] = {}
@@ -116,6 +120,8 @@ class ManagedEngine(Executor):
             raise refusal
         op_id = super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
         self.billing.accepted(owner, self._owned(owner, op_id))
+        if isinstance(session, str) and session in self.heartbeats:
+            self.heartbeats[session] = time.time()  # its client is alive, however long the op queues
         return op_id
 
     def _unblocks(self, session, seq) -> bool:
@@ -230,8 +236,9 @@ class ManagedEngine(Executor):
 
     # idle sessions ---------------------------------------------------------------------------------
     def _watch_idle(self) -> None:
-        """Stop idle sessions, and sweep expired checkpoints every SWEEP_S seconds."""
-        period = max(0.2, min(5.0, self.idle_timeout / 4, SWEEP_S))
+        """Stop idle sessions (and those whose client stopped heart-beating), and sweep expired
+        checkpoints every SWEEP_S seconds."""
+        period = max(0.2, min(5.0, self.idle_timeout / 4, self.heartbeat_lapse / 4, SWEEP_S))
         next_sweep = time.monotonic() + SWEEP_S
         while not self._closed:
             time.sleep(period)
@@ -249,8 +256,16 @@ class ManagedEngine(Executor):
         return [
             s.name
             for s in list(self.runtime.sessions.values())
-            if s.live and now - self._last_seen(s) > self.idle_timeout
+            if s.live and now - self._last_seen(s) > self._timeout(s)
         ]
+
+    def _timeout(self, session: Session) -> float:
+        """How long ``session`` may stay silent: the idle timeout, or the shorter heartbeat lapse
+        once its client has heart-beat (a silent heart-beating client has exited or lost the
+        engine)."""
+        if session.name in self.heartbeats:
+            return min(self.idle_timeout, self.heartbeat_lapse)
+        return self.idle_timeout
 
     def _last_seen(self, session: Session) -> float:
         return max(session.last_active, session.created, self.heartbeats.get(session.name, 0.0))
@@ -259,18 +274,19 @@ class ManagedEngine(Executor):
         session = runtime.sessions.get(name)
         if session is None or not session.live:
             return
-        if time.time() - self._last_seen(session) <= self.idle_timeout:
+        timeout = self._timeout(session)
+        if time.time() - self._last_seen(session) <= timeout:
             return  # an op or a heartbeat arrived while this stop waited in the queue
         owner = session.owner
+        silent = "its client stopped heart-beating" if name in self.heartbeats else "it was idle"
         self._save_state(runtime, session, "idle")
         stop = rq.SessionName(name=name)
         runtime.prepare("stop_session", owner, stop)  # other ranks stop it too
         session_ops.stop_session(runtime, owner, stop)
         self.registry.save_session(session.summary(), owner)
         self._forget_gone_checkpoints(name)
-        log.warning(
-            "session %s was idle for over %.0f s: state saved, session stopped", name, self.idle_timeout
-        )
+        self.heartbeats.pop(name, None)  # resumed, it starts on the idle timeout again
+        log.warning("session %s: %s for over %.0f s: state saved, session stopped", name, silent, timeout)
 
     def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
         """``session``'s state before it stops (:func:`.checkpoint_ops.save_unsaved_state`), in

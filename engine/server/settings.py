@@ -8,6 +8,10 @@ import os
 from sess.engine.sdk.local_engine import ENGINE_FILE, LOG_FILE, START_TIMEOUT_S  # noqa: F401
 
 IDLE_TIMEOUT_S = 600.0  # a session whose client sent no op or heartbeat this long is saved and stopped
+# A session whose client heart-beat and then fell silent this long (its process is gone: the tinker
+# SDK beats every 10 s, sess's SDK every quarter of this) is saved and stopped, so it stops holding
+# its key's session limit long before the idle timeout.
+HEARTBEAT_LAPSE_S = float(os.environ.get("SESS_HEARTBEAT_LAPSE_S", 60.0))
 MAX_SESSIONS = 8  # live sessions per API key
 MAX_QUEUED = 256  # a key's ops queued or running at once; past it a submit gets 429 + Retry-After
 MAX_BODY_BYTES = int(os.environ.get("SESS_MAX_BODY_BYTES", 256 << 20))

@@ -28,14 +28,24 @@ def add_routes(route, tinker: Tinker) -> None:
         owner: str, model_path: str | None, base_model: str | None
     ) -> tuple[dict, str | None]:
         """The sess sampling target of a checkpoint path or base model, checked to exist and be
-        owner's (or published)."""
-        if (model_path is None) == (base_model is None):
-            raise InvalidRequest("model_path, base_model: give exactly one")
-        if model_path is not None:
-            path = ids.to_sess_path(model_path, "model_path")
-            return {"model_path": path}, await tinker.readable_checkpoint(owner, path)
-        facts = await tinker.facts(owner, base_model)
-        return {"base_model": facts["base_model"]}, None
+        owner's (or published). Both may be given (the SDK allows it; the cookbook's teacher sampler
+        sends both): then the base model must be the checkpoint's, and the checkpoint is sampled."""
+        if model_path is None and base_model is None:
+            raise InvalidRequest("model_path, base_model: give one (a checkpoint or a base model)")
+        if model_path is None:
+            facts = await tinker.facts(owner, base_model)
+            return {"base_model": facts["base_model"]}, None
+        path = ids.to_sess_path(model_path, "model_path")
+        session = await tinker.readable_checkpoint(owner, path)
+        if base_model is not None:
+            info = await tinker.call(owner, "checkpoint_info", {"path": path})
+            if info["base_model"] != (await tinker.facts(owner, base_model))["base_model"]:
+                raise InvalidRequest(
+                    f"base_model, model_path: base_model {base_model[:80]!r} is not the base model of "
+                    f"model_path {model_path[:200]!r} ({info['base_model']}); give the checkpoint's base "
+                    "model or omit it"
+                )
+        return {"model_path": path}, session
 
     @route("POST", "/create_sampling_session")
     async def create_sampling_session(request: Request) -> Response:
@@ -82,7 +92,7 @@ def add_routes(route, tinker: Tinker) -> None:
             key = (owner, "sample", sampler.id, field_of(body, "seq_id", int))
         else:  # the schema also allows naming the weights directly (the 0.38 SDK never does)
             target, of = await target_of(
-                owner, field_of(body, "model_path", str, None), body.get("base_model")
+                owner, field_of(body, "model_path", str, None), field_of(body, "base_model", str, None)
             )
             key = None
         args = {

@@ -237,6 +237,15 @@ class Tinker:
         given = self.model_names.get(name, summary["base_model"])
         return given if "/" in given else facts["directory"]
 
+    def tokenizer_id(self, name: str, summary: dict, facts: dict) -> str:
+        """What the SDK's ``get_tokenizer`` loads (``AutoTokenizer.from_pretrained``): the path or
+        hub id the client named its model by; for a bare catalog name, the public hub id of its
+        tokenizer, loadable on any machine, else (a random tiny model) the engine's directory."""
+        given = self.model_names.get(name, summary["base_model"])
+        if "/" in given:
+            return given
+        return facts.get("tokenizer") or facts["directory"]
+
     # sessions and samplers -----------------------------------------------------------------------
     def session(self, owner: str, session_id: Any, field: str = "session_id") -> TinkerSession:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None

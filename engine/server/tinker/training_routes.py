@@ -24,6 +24,11 @@ from sess.engine.server.tinker.futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 LOSSES = ", ".join(REQUIRED_INPUTS)
+# Tinker's LoRA scale: alpha 32 at every rank, so the update is scaled by 32 / rank (LoraConfig has
+# no alpha field; tinker-cookbook's hyperparam_utils.get_lora_lr_over_full_finetune_lr assumes
+# lora_alpha=32 and a learning rate that does not depend on the rank, and its weights/README.md lists
+# lora_alpha 32 for Tinker's adapters). sess's own SDK defaults to alpha 64 and lets users choose.
+TINKER_LORA_ALPHA = 32.0
 # sess's optim_step metrics under Tinker's "name:reduction" keys
 OPTIM_METRICS = {"grad_norm": "grad_norm:mean", "learning_rate": "learning_rate:mean", "step": "step:max"}
 
@@ -57,6 +62,9 @@ def add_routes(route, tinker: Tinker) -> None:
                 session.models.add(name)
                 if session.project_id or session.display_name:  # list_training_runs filters by project
                     tinker.engine.registry.tag_run(name, owner, session.project_id, session.display_name)
+                # the SDK heart-beats its session from its start (every 10 s): a model whose client
+                # exits before its first beat is released after the heartbeat lapse too
+                tinker.engine.heartbeat(owner, [name])
                 return answer
 
             return {"request_id": tinker.task_future(owner, run()), "model_id": model_id}
@@ -95,7 +103,7 @@ def add_routes(route, tinker: Tinker) -> None:
             args = {
                 k: lora[k] for k in ("rank", "seed", "train_mlp", "train_attn", "train_unembed") if k in lora
             }
-            args.update(name=name, base_model=base_model, user_metadata=metadata)
+            args.update(name=name, base_model=base_model, user_metadata=metadata, alpha=TINKER_LORA_ALPHA)
             rq.CreateSession.from_wire(args)  # a bad rank or flag is a 400 now, not a failed future
 
             async def run() -> Answer:
@@ -166,7 +174,11 @@ def add_routes(route, tinker: Tinker) -> None:
             {
                 "model_id": model_id,
                 "type": "get_info",
-                "model_data": {"arch": facts["arch"], "model_name": model_name, "tokenizer_id": model_name},
+                "model_data": {
+                    "arch": facts["arch"],
+                    "model_name": model_name,
+                    "tokenizer_id": tinker.tokenizer_id(name, summary, facts),
+                },
                 "is_lora": True,
                 "lora_rank": lora.get("rank"),
                 "model_name": model_name,

@@ -1,0 +1,298 @@
+"""tinker-cookbook's recipes, unchanged, as a regression suite (slow: about 10 minutes on 2 cores).
+
+The cookbook 0.5.8 is installed once in a venv of its own (``tinker-cookbook[math-rl,multiplayer-rl]``,
+transformers <= 5.5.4); the hub datasets the recipes load are replaced by small local stand-ins in the
+hub's format (:mod:`cookbook_standins`), the recipes' working directory; one engine serves them all
+on one key with the default limit of 8 live sessions (each exited recipe's model is released after
+the heartbeat lapse, so a dozen recipes in a row fit). Each recipe runs as its module, as a user types
+it, with ``TINKER_BASE_URL`` and ``TINKER_API_KEY`` exported, on tiny-llama (the engine's directory
+of it names the model, so the cookbook finds its tokenizer) with ``renderer_name=role_colon``: the
+cookbook's renderer lookup knows only hub names. A recipe passes when it exits 0, writes its
+metrics, and its output has no failed API call (the cookbook logs some failures as warnings and goes
+on: those count). ``code_rl`` runs on smollm2-135m after a short SFT (the seeds' workload, graded by
+sess's sandbox; its tool prompts need a renderer with tool calls, which ``role_colon`` is not), one
+rollout at a time (``group_size=1 groups_per_batch=1``): two environments render their prompts at once
+in threads with the one tokenizer they share (``rl/message_env.py:132`` → ``renderers/qwen3.py:287``,
+"RuntimeError: Already borrowed"). Each recipe's seconds per step are printed (``-s``) for
+docs/tinker.md's table."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sess.engine import ServiceClient
+from sess.engine.server.keys import KeyStore
+from sess.engine.server.tinker import ids
+
+from cookbook_standins import CODE_TASKS, write_standins
+from helpers import sandbox_server
+from tinker_helpers import make_cookbook_venv, run_client
+
+pytestmark = pytest.mark.slow
+
+# what a failed API call leaves in a recipe's output: the SDK's non-retryable errors and retries of
+# failed requests (not its long-poll "try_again"), an HTTP error status, a traceback
+FAILED_CALL = re.compile(
+    r"Request failed|non-retryable|Error code: [45]\d\d|HTTP/1\.1\" [45]\d\d|Traceback|heartbeat failed"
+    r"|Failed to |Exception logged|due to billing|APIStatusError|APIConnectionError|BadRequestError",
+)
+TIMES: dict[str, float] = {}  # recipe -> seconds per step, printed at the end of the module
+SMALL_RL = [
+    "group_size=2",
+    "groups_per_batch=2",
+    "max_tokens=8",
+    "lora_rank=8",
+    "eval_every=0",
+    "save_every=0",
+]
+RECIPES = [
+    # (id, module, options, steps)
+    (
+        "math_rl-arithmetic-ppo",
+        "math_rl.train",
+        ["env=arithmetic", "loss_fn=ppo", "compute_post_kl=True", *SMALL_RL],
+        2,
+    ),
+    ("math_rl-gsm8k-off-policy", "math_rl.train", ["env=gsm8k", "max_steps_off_policy=1", *SMALL_RL], 2),
+    ("dpo-hhh", "preference.dpo.train", ["dataset=hhh", "batch_size=4", "max_length=128"], 2),
+    (
+        "text_arena",
+        "multiplayer_rl.text_arena.train",
+        [
+            "batch_size=2",
+            "num_train_datapoints=2",
+            "num_test_datapoints=2",
+            "max_tokens=8",
+            "eval_every=0",
+            "save_every=0",
+        ],
+        1,
+    ),
+    (
+        "preference-shorter",
+        "preference.shorter.train",
+        ["batch_size=2", "group_size=2", "max_tokens=8", "eval_every=0"],
+        1,
+    ),
+    (
+        "rubric",
+        "rubric.train",
+        [
+            "grader_llm_name={tiny}",  # the judge: a sampler of the base model beside the policy
+            "grader_renderer_name=role_colon",
+            "train_group_size=2",
+            "groups_per_batch=2",
+            "max_tokens=8",
+            "lora_rank=8",
+            "eval_every=0",
+            "save_every=0",
+        ],
+        1,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def cookbook(tmp_path_factory) -> Path:
+    return make_cookbook_venv(tmp_path_factory.mktemp("cookbook"), "math-rl,multiplayer-rl")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, cookbook) -> Path:
+    """The recipes' working directory: the dataset stand-ins, and the rubric recipe's data as its
+    README makes it (``python -m tinker_cookbook.recipes.rubric.generate_data`` writes into
+    ``tinker_cookbook/example_data/`` of the working directory, as in a checkout of the cookbook)."""
+    root = write_standins(tmp_path_factory.mktemp("recipes"))
+    (root / "tinker_cookbook" / "example_data").mkdir(parents=True)
+    generate = [str(cookbook), "-m", "tinker_cookbook.recipes.rubric.generate_data"]
+    subprocess.run(generate, cwd=root, check=True, capture_output=True, timeout=300)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(http_engine, sess_home):
+    """(url, key, {catalog name: the engine's directory of it}, sess SDK client)."""
+    key = KeyStore(sess_home).add("cookbook-recipes")["key"]
+    svc = ServiceClient(http_engine["url"], api_key=key)
+    models = {m: svc.transport.call("model_info", {"base_model": m})["directory"] for m in ("tiny-llama",)}
+    yield http_engine["url"], key, models, svc
+    print("\nseconds per step:", json.dumps(TIMES, indent=1))
+    svc.close()
+
+
+def run_recipe(
+    cookbook, workdir, engine, module: str, log: Path, *options: str, env=None, timeout=1800
+) -> dict:
+    """Run ``python -m tinker_cookbook.recipes.MODULE`` in the stand-ins' directory; assert it exits 0,
+    writes metrics and makes no failed API call. Its metrics rows, output and seconds."""
+    url, key, _, _ = engine
+    environment = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "SESS_"))},
+        "TINKER_BASE_URL": url,
+        "TINKER_API_KEY": key,
+        "TINKER_TELEMETRY": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(workdir / ".datasets-cache"),
+        **(env or {}),
+    }
+    command = [str(cookbook), "-m", f"tinker_cookbook.recipes.{module}", *options]
+    command += [f"log_path={log}", "behavior_if_log_dir_exists=delete"]
+    started = time.monotonic()
+    done = subprocess.run(
+        command, cwd=workdir, capture_output=True, text=True, env=environment, timeout=timeout
+    )
+    seconds = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    failed = sorted({m.group(0) for m in FAILED_CALL.finditer(output)})
+    assert not failed, (failed, output[-8000:])
+    metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert metrics, f"{module} wrote no metrics"
+    return {"metrics": metrics, "output": output, "seconds": seconds}
+
+
+def _tiny(engine) -> list[str]:
+    return [f"model_name={engine[2]['tiny-llama']}", "renderer_name=role_colon"]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The code recipe's grader: sess's sandbox on SandboxFusion's route (the recipe's SANDBOX_URL)."""
+    with sandbox_server(20) as url:  # above the recipe's 6 s per-test alarm, so its own alarm rules
+        yield f"{url}/run_code"
+
+
+@pytest.mark.parametrize("name,module,options,steps", RECIPES, ids=[r[0] for r in RECIPES])
+def test_recipe_runs_to_its_end(cookbook, workdir, engine, tmp_path, name, module, options, steps):
+    options = [
+        *_tiny(engine),
+        *(o.format(tiny=engine[2]["tiny-llama"]) for o in options),
+        f"max_steps={steps}",
+    ]
+    run = run_recipe(cookbook, workdir, engine, module, tmp_path / name, *options)
+    assert [m["step"] for m in run["metrics"]] == list(range(steps))
+    TIMES[name] = round(run["seconds"] / steps, 1)
+
+
+def test_chat_sl_with_rolling_saves_then_from_its_checkpoint(cookbook, workdir, engine, tmp_path):
+    data = next((cookbook.parent.parent / "lib").glob("python*/site-packages")) / "tinker_cookbook"
+    options = [*_tiny(engine), f"dataset={data / 'example_data' / 'conversations.jsonl'}", "batch_size=4"]
+    options += ["max_length=256", "lora_rank=8", "learning_rate=1e-3", "save_every=0", "eval_every=0"]
+    options += ["infrequent_eval_every=0"]
+    first = run_recipe(
+        cookbook,
+        workdir,
+        engine,
+        "chat_sl.train",
+        tmp_path / "sl",
+        *options,
+        "max_steps=2",
+        "rolling_save_every=1",
+    )
+    records = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()]
+    rolling = [r for r in records if r.get("rolling")]
+    assert rolling and "Deleted rolling checkpoint" in first["output"]
+    _, _, _, svc = engine
+    kept = {c["path"] for c in svc.list_checkpoints(ids.sess_name(records[-1]["state_path"].split("/")[2]))}
+    assert ids.to_sess_path(rolling[0]["state_path"]) not in kept  # the rolling save was deleted
+    again = run_recipe(
+        cookbook,
+        workdir,
+        engine,
+        "chat_sl.train",
+        tmp_path / "sl2",
+        *options,
+        "max_steps=1",
+        f"load_checkpoint_path={records[-1]['state_path']}",
+    )
+    # from the trained state: its first loss is below the first run's first
+    assert again["metrics"][0]["train_mean_nll"] < first["metrics"][0]["train_mean_nll"]
+    TIMES["chat_sl"] = round(first["seconds"] / 2, 1)
+    TIMES["chat_sl-from-checkpoint"] = round(again["seconds"], 1)
+
+
+def test_on_policy_distillation_from_a_teacher_checkpoint(cookbook, workdir, engine, tmp_path):
+    """The cookbook makes the teacher's sampler with both ``base_model`` and ``model_path``."""
+    _, _, models, svc = engine
+    teacher = svc.create_lora_training_client("tiny-llama", rank=8, seed=0)
+    path = ids.to_tinker_path(teacher.save_weights_for_sampler("teacher").result().path)
+    teacher.stop()
+    options = [
+        *_tiny(engine),
+        f"teacher_model={models['tiny-llama']}",
+        f"teacher_checkpoint={path}",
+        "dataset=deepmath",
+    ]
+    run = run_recipe(
+        cookbook,
+        workdir,
+        engine,
+        "distillation.on_policy_distillation",
+        tmp_path / "distill",
+        *options,
+        *SMALL_RL,
+        "max_steps=1",
+    )
+    assert [m["step"] for m in run["metrics"]] == [0]
+    TIMES["on_policy_distillation"] = round(run["seconds"], 1)
+
+
+def test_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, engine, sandbox, tmp_path):
+    """The seeds' workload through the cookbook's own code, on smollm2-135m (ChatML, the cookbook's
+    ``qwen3_instruct`` renderer): a short ``chat_sl`` SFT on the stand-in tasks, asked as the code
+    recipe asks them and answered in python code blocks, then ``code_rl`` from that state. Its
+    grader sends each final code block to sess's sandbox: every step's reward is a grade."""
+    _, _, _, svc = engine
+    smol = svc.transport.call("model_info", {"base_model": "smollm2-135m"})["directory"]
+    data = tmp_path / "code_sft.jsonl"
+    spec = {"renderer_name": "qwen3_instruct", "model_name": smol, "path": str(data), "repeats": 4}
+    spec |= {
+        "tasks": [[problem, solution] for problem, _, solution in CODE_TASKS],
+        "out": str(tmp_path / "sft.json"),
+    }
+    run_client(cookbook, "code_sft_data.py", spec, url="", key="")
+    common = [
+        f"model_name={smol}",
+        "renderer_name=qwen3_instruct",
+        "lora_rank=16",
+        "save_every=0",
+        "eval_every=0",
+    ]
+    sft_options = [f"dataset={data}", "batch_size=8", "max_length=1024", "learning_rate=1e-3"]
+    sft_options += ["lr_schedule=constant", "num_epochs=2", "infrequent_eval_every=0"]
+    sft = run_recipe(cookbook, workdir, engine, "chat_sl.train", tmp_path / "code-sft", *common, *sft_options)
+    assert sft["metrics"][-1]["train_mean_nll"] < sft["metrics"][0]["train_mean_nll"] / 2
+    state = json.loads((tmp_path / "code-sft" / "checkpoints.jsonl").read_text().splitlines()[-1])[
+        "state_path"
+    ]
+    # one rollout at a time (the cookbook's tokenizer race, above): one task per step
+    rl_options = [f"load_checkpoint_path={state}", "group_size=1", "groups_per_batch=1", "max_tokens=64"]
+    rl_options += ["learning_rate=1e-5", "max_steps=6"]
+    env = {"SANDBOX_URL": sandbox}
+    rl = run_recipe(
+        cookbook, workdir, engine, "code_rl.train", tmp_path / "code-rl", *common, *rl_options, env=env
+    )
+    steps = [(m["env/all/format"], m["env/all/correct"], m["env/all/reward/total"]) for m in rl["metrics"]]
+    print("\ncode_rl after SFT (format, correct, reward) per step:", steps)
+    # every answer a code block the sandbox graded (reward 1 passed, 0 failed; -0.1 is no code block)
+    assert all(f == 1.0 and r in (0.0, 1.0) and r == c for f, c, r in steps), steps
+    assert any(c == 1.0 for _, c, _ in steps), steps
+    TIMES["code_sft"] = round(sft["seconds"] / len(sft["metrics"]), 1)
+    TIMES["code_rl-after-sft"] = round(rl["seconds"] / len(steps), 1)
+
+
+@pytest.mark.skip(
+    reason="sdft.train / distillation.train_off_policy need top-K prompt logprobs and (N, K) cross_entropy "
+    "targets, which this engine does not serve yet"
+)
+def test_off_policy_distillation_sdft():
+    """Listed so the table stays whole; the recipe's run is added with the engine's support."""
