@@ -135,7 +135,7 @@ def test_same_results_through_both_sdks_on_one_engine(version, tinker_venvs, htt
     tinker = run_client(tinker_python, "parity.py", spec, url=http_engine["url"], key=key)
 
     # the same steps through the sess SDK
-    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0)
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, alpha=32, seed=0)  # Tinker's alpha at every rank
     data = [
         Datum(ModelInput.from_ints(t[:-1]), {"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)})
         for t in sequences
