@@ -103,13 +103,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextlib.contextmanager
 def sandbox_server(limit_s: int):
     """``python -m sess.sandbox.server`` on a free port with ``limit_s`` wall and CPU seconds a run;
     yields its URL once it answers ``/ping`` (a route only sess's server has), stops it after."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     limits = ["--wall-s", str(limit_s), "--cpu-s", str(limit_s)]
     server = subprocess.Popen(
         [sys.executable, "-m", "sess.sandbox.server", "--port", str(port), *limits],

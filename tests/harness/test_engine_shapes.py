@@ -8,7 +8,6 @@ rewards and token counts (sampling is batch-invariant across ranks), loss and gr
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.harness.records import read_jsonl
 
+from helpers import free_port
 from run_helpers import run
 
 LOOPS = {
@@ -33,12 +33,6 @@ LOOPS = {
 }
 CLOSE = {"loss", "grad_norm", "drift/logprob_abs_diff", "drift/kl_sample_train"}  # sums in another order
 TOLERANCE = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _step_one(run_dir) -> dict:
@@ -92,7 +86,7 @@ def test_sess_run_on_two_hosts_like_one_rank(home, tmp_path, loop, monkeypatch):
         one = _run_on(engine["url"], tmp_path / "one", loop)
     finally:
         stop_engine(home)
-    port = _free_port()
+    port = free_port()
     node = ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--join-timeout", "120"]
     with open(tmp_path / "node1.log", "wb") as log:
         node1 = subprocess.Popen(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -21,17 +20,11 @@ from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 
-from helpers import SENTENCES, ce_datum, process_alive
+from helpers import SENTENCES, ce_datum, free_port, process_alive
 
 ADAM = AdamParams(learning_rate=2e-3, weight_decay=0.01, grad_clip_norm=1.0)
 PROMPT = "Two plus three"
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # two engines' ranks on two shared cores
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _node_args(rank: int, port: int, join_timeout: float = 120) -> list[str]:
@@ -93,7 +86,7 @@ def test_bad_host_options_are_refused_by_the_server_command(tmp_path):
 
 
 def test_a_host_that_never_joins_times_out_naming_it(tmp_path):
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     node0 = subprocess.run(
         _server(tmp_path, *_node_args(0, port, join_timeout=3)), capture_output=True, text=True, timeout=120
@@ -171,7 +164,7 @@ def test_two_hosts_train_and_sample_like_one_rank_and_a_dead_host_interrupts(tmp
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     home = tmp_path / "home"
     home.mkdir()
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "node1.log", "wb") as log:
         node1 = subprocess.Popen(
             _server(home, *_node_args(1, port)),
@@ -231,7 +224,7 @@ def test_two_hosts_train_and_sample_like_one_rank_and_a_dead_host_interrupts(tmp
 def test_a_host_with_another_home_is_refused_naming_it(tmp_path):
     """Node 1 with a home of its own: it cannot read node 0's checkpoints, so it stops at start
     with a message naming its home, and node 0 stops naming node 1."""
-    port = _free_port()
+    port = free_port()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with open(tmp_path / "node1.log", "wb") as log:
