@@ -262,12 +262,13 @@ def test_the_tinker_sdk_gets_the_same(http_engine, key, tok, tmp_path):
     assert out["sample_last_n"][:-2] == [None] * (len(full) - 2)
     np.testing.assert_allclose(out["sample_last_n"][-2:], full[-2:], atol=1e-5)
     assert len(out["topk_sample"]["rows"]) == len(out["topk_sample"]["tokens"]) == 3
-    assert all(abs(got - want) < 1e-5 for got, want in out["topk_sample"]["checks"])
+    # the taught model puts the runners-up 28-35 nats down, where fp32's spacing is 3.8e-6: relative
+    assert all(abs(got - want) < 1e-5 * max(1.0, abs(want)) for got, want in out["topk_sample"]["checks"])
     values, ids = np.asarray(out["target"]["values"]), np.asarray(out["target"]["ids"])
     np.testing.assert_allclose(values[:, 0], full[1:], atol=1e-5)
     assert values[1, 1] == 0.0 and ids[1, 1] == -1
     assert np.asarray(out["alt"]["tokens"]).shape == (len(full) - 1, 2)
-    assert all(abs(got - want) < 1e-5 for got, want in out["alt"]["checks"])
+    assert all(abs(got - want) < 1e-5 * max(1.0, abs(want)) for got, want in out["alt"]["checks"])
     assert "record_stability_info" in out["stability_error"]
     assert out["after_sampling_errors"] == 1
     flight = out["inflight"]
