@@ -42,12 +42,3 @@ class Config(importance_sampling.Config):
 
 
 PRESETS = ("data=code_tasks", "eval_samples=4")  # what `loop=code_rl` sets unless the command line does
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=code_rl`
-    import sys
-
-    sys.modules["sess.loops.code_rl"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("code_rl")

@@ -172,12 +172,3 @@ def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
     )
     want = torch.tensor([f.desirable for f in items])
     return {f"eval/{k}": v for k, v in _margin(sums - ref_B, want).items()}
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=kto`
-    import sys
-
-    sys.modules["sess.loops.kto"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("kto")

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sess.engine import AdamParams, SamplingParams, TrainingClient
+from sess.engine import AdamParams, TrainingClient
 from sess.rl import drift, rollouts
+from sess.rl import step as rl_step
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
-from sess.rl.rollouts import Episode, derive_seed
+from sess.rl.rollouts import Episode
 
 
 @dataclass
@@ -81,27 +82,13 @@ def train(
     rollouts.check_observation_cap(cfg.max_observation_tokens)
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     ref_sc = tc.service.create_sampling_client(base_model=tc.base_model)
     clip = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
     sc = tc.save_weights_and_get_sampling_client()
     for step in range(start_step, cfg.steps):
         started = time.perf_counter()
         # Rollouts from the current policy; their sampler logprobs are logp_old for every epoch.
-        make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
-        seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.rollout_groups(
-            sc,
-            tok,
-            envs_P_G,
-            sampling,
-            seeds_P,
-            policy_step=step,
-            max_turns=cfg.max_turns,
-            max_observation_tokens=cfg.max_observation_tokens,
-            trainer_logprobs=cfg.trainer_logprobs,
-        )
+        groups_P = rl_step.sample_groups(sc, tok, envs, cfg, seed=seed, step=step)
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))
         datums, kls = [], []
@@ -140,12 +127,3 @@ def train(
         )
         hooks.step_done(step, metrics)
     return cfg.steps
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=ppo`
-    import sys
-
-    sys.modules["sess.loops.ppo"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("ppo")

@@ -78,12 +78,3 @@ def train(
             },
         )
     return max(steps, start_step)
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=sft`
-    import sys
-
-    sys.modules["sess.loops.sft"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("sft")

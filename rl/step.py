@@ -1,0 +1,60 @@
+"""The RL step the policy-gradient loops share: sample a batch of groups, then one optimizer update.
+
+:func:`sample_groups` is a step's first half in grpo and ppo: ``batch_size`` problems (items
+``step*batch_size + i`` of the seeded order), ``group_size`` episodes of each with the sampler,
+request seeds derived from (run seed, step, i), the envs' rewards on every episode
+(:func:`sess.rl.rollouts.rollout_groups`). :func:`update` is the last half in grpo and
+importance_sampling: one AdamW ``optim_step`` over the gradients that one or more
+``forward_backward`` passes added up, and the step's ``loss``, ``grad_norm`` and sampler-trainer
+drift. What lies between, how rewards become per-token advantages, is each loop's own math.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sess.engine import AdamParams, APIFuture, Datum, SamplingClient, SamplingParams, TrainingClient
+
+from . import drift, rollouts
+from .data import Dataset
+from .env import EnvFactory
+from .rollouts import Group, derive_seed
+
+
+def sample_groups(
+    sc: SamplingClient, tok: Any, envs: Dataset[EnvFactory], cfg: Any, *, seed: int, step: int
+) -> list[Group]:
+    """``cfg.batch_size`` groups of ``cfg.group_size`` scored episodes, sampled by ``sc`` for ``step``.
+
+    ``cfg`` is a loop's config: its ``max_tokens``, ``temperature``, ``max_turns``,
+    ``max_observation_tokens`` and ``trainer_logprobs`` shape the rollouts."""
+    make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
+    envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
+    seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
+    return rollouts.rollout_groups(
+        sc,
+        tok,
+        envs_P_G,
+        SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+        seeds_P,
+        policy_step=step,
+        max_turns=cfg.max_turns,
+        max_observation_tokens=cfg.max_observation_tokens,
+        trainer_logprobs=cfg.trainer_logprobs,
+    )
+
+
+def update(tc: TrainingClient, passes: list[APIFuture], datums: list[Datum], adam: AdamParams) -> dict:
+    """One AdamW step on the gradients ``passes`` (forward_backward futures over ``datums``, in that
+    order) added up; its metrics: the passes' summed ``loss``, ``grad_norm`` and the drift between
+    the sampler's and the trainer's logprobs. No passes (no group had a signal): no step, loss 0."""
+    if not passes:
+        return {"loss": 0.0}
+    opt = tc.optim_step(adam)  # queued behind the passes on the engine
+    metrics = {
+        "loss": sum(p.result().metrics["loss:sum"] for p in passes),
+        "grad_norm": opt.result().metrics.get("grad_norm", 0.0),
+    }
+    outputs = [out for p in passes for out in p.result().loss_fn_outputs]  # in datums' order
+    metrics.update(drift.sample_train_drift(datums, outputs))
+    return metrics
