@@ -15,7 +15,7 @@ call ``check_solution`` and read the test verdict before its final answer, both 
 
 Which policy samples a group depends on timing, so (like importance_sampling) runs are not bit-for-bit
 reproducible. Launch: ``sess run loop=code_rl``, ``sess run loop=code_rl loop.max_turns=2``, or
-``python -m sess.loops.code_rl model=tiny-llama loop.steps=2``.
+``python -m sess.harness loop=code_rl model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations

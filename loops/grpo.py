@@ -14,8 +14,8 @@ observation tokens get 0. The loss is ``loss`` (ppo by default: ``-min(ρA, clip
 ``save_weights_and_get_sampling_client`` gives the sampler of the next step, so sampling is on-policy.
 
 Launch: ``sess run`` (this is the default loop), ``sess run loop=grpo model=tiny-llama loop.steps=2``,
-or this module alone, which records a run like ``sess run`` does:
-``python -m sess.loops.grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
+or the run harness without the CLI, which records a run like ``sess run`` does:
+``python -m sess.harness loop=grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
 ``grpo.train(grpo.Config(steps=2), tc, data.envs, PrintMetrics())`` for any training client ``tc``
 and, e.g., ``data = load_arithmetic(ArithmeticData(), seed=0)`` (:mod:`sess.tasks.arithmetic.source`).
 """

@@ -32,8 +32,8 @@ moved since the group was sampled. One AdamW ``optim_step`` per step applies the
 then the trainer publishes a new sampler (``save_weights_and_get_sampling_client``) for the workers.
 
 Which policy version samples a group depends on timing, so unlike grpo this loop is not bit-for-bit
-reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or on its
-own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``. ``loop=code_rl``
+reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or without
+the CLI: ``python -m sess.harness loop=importance_sampling model=tiny-llama loop.steps=2``. ``loop=code_rl``
 (:mod:`.code_rl`) is this trainer streaming on the code task.
 """
 

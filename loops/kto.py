@@ -16,7 +16,7 @@ version is ``eval/margin``.
 
 Launch: ``sess run loop=kto`` (arithmetic: correct vs wrong answers),
 ``sess run loop=kto data=feedback_jsonl data.path=feedback.jsonl``, or on its own:
-``python -m sess.loops.kto model=tiny-llama loop.steps=2``.
+``python -m sess.harness loop=kto model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations

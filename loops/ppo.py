@@ -14,7 +14,7 @@ shuffled minibatches, take one ``forward_backward(loss_fn="ppo", clip [clip_low,
 off-policy and the clip bounds them.
 
 Launch: ``sess run loop=ppo``, ``sess run loop=ppo model=tiny-llama loop.steps=2 loop.kl_coef=0.1``,
-or on its own: ``python -m sess.loops.ppo model=tiny-llama loop.steps=2``.
+or without the CLI: ``python -m sess.harness loop=ppo model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations

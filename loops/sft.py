@@ -10,7 +10,7 @@ assistant tokens in the batch, all other tokens weight 0, so the loss
 ``epochs`` caps the number of steps at ``epochs * len(data) / batch_size``.
 
 Launch: ``sess run loop=sft`` (arithmetic chats), ``sess run loop=sft data=chat_jsonl data.path=chats.jsonl``,
-or on its own: ``python -m sess.loops.sft model=tiny-llama loop.steps=2``.
+or without the CLI: ``python -m sess.harness loop=sft model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations

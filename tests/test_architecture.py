@@ -446,7 +446,7 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
     tests = ROOT / "tests"
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     assert folders - {"tinker_scripts"} == TEST_FOLDERS
-    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py"}  # the one cross-package test
+    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py", "test_references.py"}  # cross-package
     borrowing = sorted(
         f"{p.relative_to(tests)}: {line.strip()}"
         for p in tests.rglob("*.py")
