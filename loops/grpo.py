@@ -32,32 +32,21 @@ from sess.rl import step as rl_step
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
     """Sized for smollm2-135m on CPU: short answers, 8 prompts x 8 samples per step, 20 steps (the
-    README's results table gives what it reaches)."""
+    README's results table gives what it reaches). The batch and sampling settings it shares with
+    the other policy-gradient loops: :class:`~sess.rl.step.RolloutConfig`."""
 
     name: str = "grpo"
-    steps: int = 20
-    batch_size: int = 8  # problems per step
-    group_size: int = 8  # episodes per problem
     learning_rate: float = 3e-4
-    grad_clip_norm: float = 1.0
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
     loss: str = "ppo"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
-    scale_by_std: bool = False
 
 
 def check(cfg: Config) -> None:

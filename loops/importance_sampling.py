@@ -50,28 +50,16 @@ from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
 from sess.rl.rollout_workers import RolloutWorkers, check_requeue_limit
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
+    """The batch and sampling settings beside these: :class:`~sess.rl.step.RolloutConfig`."""
+
     name: str = "importance_sampling"
-    steps: int = 20
-    batch_size: int = 8  # groups per training step
-    group_size: int = 8  # episodes per problem
-    learning_rate: float = 1e-4
-    grad_clip_norm: float = 1.0
-    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
     loss: str = "importance_sampling"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
-    scale_by_std: bool = False
     rollout_workers: int = 2  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard

@@ -32,25 +32,15 @@ from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
 from sess.rl.rollouts import Episode
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
+    """The batch and sampling settings beside these: :class:`~sess.rl.step.RolloutConfig`."""
+
     name: str = "ppo"
-    steps: int = 20
-    batch_size: int = 8  # problems per step
     group_size: int = 4  # episodes per problem
-    learning_rate: float = 1e-4
-    grad_clip_norm: float = 1.0
-    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8

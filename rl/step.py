@@ -1,6 +1,8 @@
-"""The RL step the policy-gradient loops share: sample a batch of groups, then one optimizer update.
+"""The RL step the policy-gradient loops share: its settings, sampling a batch of groups, one update.
 
-:func:`sample_groups` is a step's first half in grpo and ppo: ``batch_size`` problems (items
+:class:`RolloutConfig` holds the settings grpo, ppo and importance_sampling have in common (the
+batch, the sampling, AdamW's learning rate and clip); each loop's ``Config`` extends it with its own
+fields and the defaults it changes. :func:`sample_groups` is a step's first half in grpo and ppo: ``batch_size`` problems (items
 ``step*batch_size + i`` of the seeded order), ``group_size`` episodes of each with the sampler,
 request seeds derived from (run seed, step, i), the envs' rewards on every episode
 (:func:`sess.rl.rollouts.rollout_groups`). :func:`update` is the last half in grpo and
@@ -11,6 +13,7 @@ drift. What lies between, how rewards become per-token advantages, is each loop'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sess.engine import AdamParams, APIFuture, Datum, SamplingClient, SamplingParams, TrainingClient
@@ -21,13 +24,28 @@ from .env import EnvFactory
 from .rollouts import Group, derive_seed
 
 
-def sample_groups(
-    sc: SamplingClient, tok: Any, envs: Dataset[EnvFactory], cfg: Any, *, seed: int, step: int
-) -> list[Group]:
-    """``cfg.batch_size`` groups of ``cfg.group_size`` scored episodes, sampled by ``sc`` for ``step``.
+@dataclass
+class RolloutConfig:
+    steps: int = 20
+    batch_size: int = 8  # problems (groups) per step
+    group_size: int = 8  # episodes per problem
+    learning_rate: float = 1e-4
+    grad_clip_norm: float = 1.0
+    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
+    temperature: float = 1.0
+    # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
+    max_turns: int | None = None
+    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
+    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
+    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
+    trainer_logprobs: bool = False
+    scale_by_std: bool = False  # advantages divided by their group's reward std
 
-    ``cfg`` is a loop's config: its ``max_tokens``, ``temperature``, ``max_turns``,
-    ``max_observation_tokens`` and ``trainer_logprobs`` shape the rollouts."""
+
+def sample_groups(
+    sc: SamplingClient, tok: Any, envs: Dataset[EnvFactory], cfg: RolloutConfig, *, seed: int, step: int
+) -> list[Group]:
+    """``cfg.batch_size`` groups of ``cfg.group_size`` scored episodes, sampled by ``sc`` for ``step``."""
     make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
     envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
     seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
