@@ -6,7 +6,9 @@ An error a user can act on prints as one red line (and, where the fix is a list,
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -56,3 +58,36 @@ def guard(fn: Callable[..., T], *args, **kwargs) -> T:
         if os.environ.get("SESS_DEBUG"):
             raise
         fail(str(exc) or type(exc).__name__)
+
+
+def as_paragraphs(text: str | None) -> str | None:
+    """A hard-wrapped docstring as paragraphs: the single line breaks inside a paragraph become
+    spaces, so Typer wraps each paragraph to the terminal's width; a line that starts a list item
+    (``- ``) or is indented keeps its own line."""
+    if not isinstance(text, str):
+        return text
+    paragraphs = []
+    for paragraph in inspect.cleandoc(text).split("\n\n"):
+        lines: list[str] = []
+        for line in paragraph.splitlines():
+            if lines and not re.match(r"\s|[-*] |\d+\. ", line):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line.rstrip())
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+def unwrap_help(typer_app: typer.Typer) -> None:
+    """Give every command and group of ``typer_app`` its help as paragraphs (:func:`as_paragraphs`);
+    Typer would otherwise keep a docstring's line breaks and break sentences mid-line."""
+    for info in typer_app.registered_commands:
+        info.help = as_paragraphs(info.help if isinstance(info.help, str) else inspect.getdoc(info.callback))
+    for info in [typer_app.info, typer_app.registered_callback]:
+        if info is not None and isinstance(info.help, str):
+            info.help = as_paragraphs(info.help)
+        elif info is not None and info.callback is not None:  # Typer falls back to it last
+            info.callback.__doc__ = as_paragraphs(inspect.getdoc(info.callback))
+    for group in typer_app.registered_groups:
+        group.help = as_paragraphs(group.help)
+        unwrap_help(group.typer_instance)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sess.cli.app import app, report
+from sess.cli.app import app, report, unwrap_help
 
 # The command modules register on ``app`` at import, in the order `sess --help` lists them.
 # isort: off
@@ -18,6 +18,8 @@ from sess.cli import run_cmds  # noqa: F401
 from sess.cli import runs_cmds  # noqa: F401
 from sess.cli import attach_cmd  # noqa: F401
 # isort: on
+
+unwrap_help(app)  # docstrings are hard-wrapped: `--help` shows them as paragraphs
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ option; the schemas below hold what they share (a model's LoRA defaults, a logge
 Hydra's compose API builds the config from ``config.yaml`` plus the command line's overrides; the
 result is merged into the schema of each group, so an unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key (``loop.stpes``), whether the typo is on the command line or
-in a YAML file. ``sess run``, ``sess start`` and ``python -m sess.loops.<loop>`` all compose here.
+in a YAML file. ``sess run``, ``sess start`` and ``python -m sess.harness`` all compose here.
 The runner's schedule (``eval_every``, ``save_every``, ``eval_samples``) is top-level keys, not a loop's.
 """
 

@@ -8,7 +8,7 @@ evaluates on held-out data (:mod:`sess.rl.evaluation`) at the start, every ``eva
 the end, and saves state every ``save_every`` steps and at the end, where the end is the step the
 loop's ``train`` says it reached (SFT's ``epochs`` can end it before ``loop.steps``). At the end it records usage and stops the session
 unless ``keep_session``; a failure is recorded as ``meta.json``'s ``error``. ``python -m
-sess.loops.<loop> [overrides]`` comes here too (:func:`main`).
+sess.harness [overrides]`` comes here too (:func:`main`).
 
 Ctrl-C mid-step finishes the step, saves it and stops the session (:mod:`.interrupts`).
 
@@ -378,20 +378,18 @@ def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_
             svc.close()
 
 
-def main(loop: str, argv: list[str] | None = None) -> None:
-    """``python -m sess.loops.<loop> [overrides]``: the run ``sess run loop=<loop> [overrides]`` makes."""
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sess.harness [overrides]``: the run ``sess run [overrides]`` makes, without the CLI."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(
-            f"usage: python -m sess.loops.{loop} [Hydra overrides, as for sess run: model=tiny-llama loop.steps=2]"
+            "usage: python -m sess.harness [Hydra overrides, as for sess run: loop=grpo model=tiny-llama loop.steps=2]"
         )
         return
-    if any(a.startswith("loop=") for a in argv):
-        sys.exit(f"error: python -m sess.loops.{loop} runs {loop}; drop the loop= override")
     try:
-        cfg = config_mod.compose([f"loop={loop}", *argv])
+        cfg = config_mod.compose(argv)
         was_running = local_engine(cfg) is not None
-        path = start([f"loop={loop}", *argv])
+        path = start(argv)
     except Interrupted as stopped:
         print(stopped, file=sys.stderr)
         sys.exit(130)

@@ -15,7 +15,7 @@ call ``check_solution`` and read the test verdict before its final answer, both 
 
 Which policy samples a group depends on timing, so (like importance_sampling) runs are not bit-for-bit
 reproducible. Launch: ``sess run loop=code_rl``, ``sess run loop=code_rl loop.max_turns=2``, or
-``python -m sess.loops.code_rl model=tiny-llama loop.steps=2``.
+``python -m sess.harness loop=code_rl model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,3 @@ class Config(importance_sampling.Config):
 
 
 PRESETS = ("data=code_tasks", "eval_samples=4")  # what `loop=code_rl` sets unless the command line does
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=code_rl`
-    import sys
-
-    sys.modules["sess.loops.code_rl"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("code_rl")

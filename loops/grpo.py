@@ -14,8 +14,8 @@ observation tokens get 0. The loss is ``loss`` (ppo by default: ``-min(ρA, clip
 ``save_weights_and_get_sampling_client`` gives the sampler of the next step, so sampling is on-policy.
 
 Launch: ``sess run`` (this is the default loop), ``sess run loop=grpo model=tiny-llama loop.steps=2``,
-or this module alone, which records a run like ``sess run`` does:
-``python -m sess.loops.grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
+or the run harness without the CLI, which records a run like ``sess run`` does:
+``python -m sess.harness loop=grpo model=tiny-llama loop.steps=2``. From Python with no runner at all:
 ``grpo.train(grpo.Config(steps=2), tc, data.envs, PrintMetrics())`` for any training client ``tc``
 and, e.g., ``data = load_arithmetic(ArithmeticData(), seed=0)`` (:mod:`sess.tasks.arithmetic.source`).
 """
@@ -25,45 +25,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.rl import drift, rollouts
+from sess.engine import AdamParams, TrainingClient
+from sess.engine.sdk.loss_registry import check_policy_loss
+from sess.rl import rollouts
+from sess.rl import step as rl_step
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
-from sess.rl.rollouts import derive_seed
-
-LOSSES = ("ppo", "cispo", "importance_sampling", "dro")
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
     """Sized for smollm2-135m on CPU: short answers, 8 prompts x 8 samples per step, 20 steps (the
-    README's results table gives what it reaches)."""
+    README's results table gives what it reaches). The batch and sampling settings it shares with
+    the other policy-gradient loops: :class:`~sess.rl.step.RolloutConfig`."""
 
     name: str = "grpo"
-    steps: int = 20
-    batch_size: int = 8  # problems per step
-    group_size: int = 8  # episodes per problem
     learning_rate: float = 3e-4
-    grad_clip_norm: float = 1.0
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
-    loss: str = "ppo"  # ppo | cispo | importance_sampling | dro
+    loss: str = "ppo"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
-    scale_by_std: bool = False
 
 
 def check(cfg: Config) -> None:
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
+    check_policy_loss("loop.loss", cfg.loss)
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
     rollouts.check_observation_cap(cfg.max_observation_tokens)
@@ -82,39 +69,19 @@ def train(
     check(cfg)
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     sc = tc.save_weights_and_get_sampling_client()
     for step in range(start_step, cfg.steps):
         started = time.perf_counter()
         # 1. Sample and score: group_size episodes of each of batch_size problems; the envs give rewards.
-        make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
-        seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.rollout_groups(
-            sc,
-            tok,
-            envs_P_G,
-            sampling,
-            seeds_P,
-            policy_step=step,
-            max_turns=cfg.max_turns,
-            max_observation_tokens=cfg.max_observation_tokens,
-            trainer_logprobs=cfg.trainer_logprobs,
-        )
+        groups_P = rl_step.sample_groups(sc, tok, envs, cfg, seed=seed, step=step)
         metrics = rollouts.batch_metrics(groups_P)
         # 2. Datums: group-relative advantages (a group whose rewards are all equal has no signal), each
         #    episode's divided by the batch's sampled tokens, on its sampled tokens.
         datums = rollouts.batch_datums(groups_P, cfg.scale_by_std)
         # 3. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
-        if datums:
-            fb = tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=dict(cfg.loss_config) or None)
-            opt = tc.optim_step(adam)
-            metrics.update(
-                loss=fb.result().metrics["loss:sum"], grad_norm=opt.result().metrics.get("grad_norm", 0.0)
-            )
-            metrics.update(drift.sample_train_drift(datums, fb.result().loss_fn_outputs))
-        else:
-            metrics.update(loss=0.0)
+        loss_config = dict(cfg.loss_config) or None
+        passes = [tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=loss_config)] if datums else []
+        metrics.update(rl_step.update(tc, passes, datums, adam))
         metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
         # 4. The next step samples from the new weights (on-policy).
         sc = tc.save_weights_and_get_sampling_client()
@@ -122,12 +89,3 @@ def train(
         metrics["seconds"] = time.perf_counter() - started
         hooks.step_done(step, metrics)
     return cfg.steps
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=grpo`
-    import sys
-
-    sys.modules["sess.loops.grpo"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("grpo")

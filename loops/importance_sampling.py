@@ -32,8 +32,8 @@ moved since the group was sampled. One AdamW ``optim_step`` per step applies the
 then the trainer publishes a new sampler (``save_weights_and_get_sampling_client``) for the workers.
 
 Which policy version samples a group depends on timing, so unlike grpo this loop is not bit-for-bit
-reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or on its
-own: ``python -m sess.loops.importance_sampling model=tiny-llama loop.steps=2``. ``loop=code_rl``
+reproducible. Launch: ``sess run loop=importance_sampling loop.max_steps_off_policy=2``, or without
+the CLI: ``python -m sess.harness loop=importance_sampling model=tiny-llama loop.steps=2``. ``loop=code_rl``
 (:mod:`.code_rl`) is this trainer streaming on the code task.
 """
 
@@ -43,35 +43,23 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.rl import drift, rollouts
+from sess.engine.sdk.loss_registry import check_policy_loss
+from sess.rl import rollouts
+from sess.rl import step as rl_step
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
 from sess.rl.rollout_workers import RolloutWorkers, check_requeue_limit
-
-LOSSES = ("importance_sampling", "cispo", "ppo", "dro")
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
+    """The batch and sampling settings beside these: :class:`~sess.rl.step.RolloutConfig`."""
+
     name: str = "importance_sampling"
-    steps: int = 20
-    batch_size: int = 8  # groups per training step
-    group_size: int = 8  # episodes per problem
-    learning_rate: float = 1e-4
-    grad_clip_norm: float = 1.0
-    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
-    loss: str = "importance_sampling"  # importance_sampling | cispo | ppo | dro
+    loss: str = "importance_sampling"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
-    scale_by_std: bool = False
     rollout_workers: int = 2  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1
     stale_policy: str = "requeue"  # requeue | discard
@@ -80,8 +68,7 @@ class Config:
 
 
 def check(cfg: Config) -> None:
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"loop.loss: expected one of {', '.join(LOSSES)}, got {cfg.loss!r}")
+    check_policy_loss("loop.loss", cfg.loss)
     if cfg.group_size < 2:
         raise ValueError(f"loop.group_size: group-relative advantages need at least 2, got {cfg.group_size}")
     if cfg.stale_policy not in ("requeue", "discard"):
@@ -150,16 +137,7 @@ def train(
             if not cfg.stream and (datums := rollouts.batch_datums(groups_P, cfg.scale_by_std)):
                 passes.append(tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=loss_config))
             # 3. One AdamW step on the summed gradients; the loss's ratio exp(logp - logp_sampler) corrects the lag.
-            if passes:
-                opt = tc.optim_step(adam)
-                metrics.update(
-                    loss=sum(p.result().metrics["loss:sum"] for p in passes),
-                    grad_norm=opt.result().metrics.get("grad_norm", 0.0),
-                )
-                outputs = [out for p in passes for out in p.result().loss_fn_outputs]  # in datums' order
-                metrics.update(drift.sample_train_drift(datums, outputs))
-            else:
-                metrics.update(loss=0.0)
+            metrics.update(rl_step.update(tc, passes, datums, adam))
             # 4. The workers sample from the new weights from now on.
             pool.publish(step + 1, tc.save_weights_and_get_sampling_client())
             sampled = rollouts.sampled_tokens(groups_P)
@@ -179,12 +157,3 @@ def train(
     finally:
         pool.close()
     return cfg.steps
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=importance_sampling`
-    import sys
-
-    sys.modules["sess.loops.importance_sampling"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("importance_sampling")

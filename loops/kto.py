@@ -16,7 +16,7 @@ version is ``eval/margin``.
 
 Launch: ``sess run loop=kto`` (arithmetic: correct vs wrong answers),
 ``sess run loop=kto data=feedback_jsonl data.path=feedback.jsonl``, or on its own:
-``python -m sess.loops.kto model=tiny-llama loop.steps=2``.
+``python -m sess.harness loop=kto model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -172,12 +172,3 @@ def evaluate(tc: TrainingClient, feedback: Dataset[Feedback]) -> dict:
     )
     want = torch.tensor([f.desirable for f in items])
     return {f"eval/{k}": v for k, v in _margin(sums - ref_B, want).items()}
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=kto`
-    import sys
-
-    sys.modules["sess.loops.kto"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("kto")

@@ -14,7 +14,7 @@ shuffled minibatches, take one ``forward_backward(loss_fn="ppo", clip [clip_low,
 off-policy and the clip bounds them.
 
 Launch: ``sess run loop=ppo``, ``sess run loop=ppo model=tiny-llama loop.steps=2 loop.kl_coef=0.1``,
-or on its own: ``python -m sess.loops.ppo model=tiny-llama loop.steps=2``.
+or without the CLI: ``python -m sess.harness loop=ppo model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -25,31 +25,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sess.engine import AdamParams, SamplingParams, TrainingClient
+from sess.engine import AdamParams, TrainingClient
 from sess.rl import drift, rollouts
+from sess.rl import step as rl_step
 from sess.rl.data import Dataset
 from sess.rl.env import EnvFactory
 from sess.rl.hooks import Hooks
-from sess.rl.rollouts import Episode, derive_seed
+from sess.rl.rollouts import Episode
+from sess.rl.step import RolloutConfig
 
 
 @dataclass
-class Config:
+class Config(RolloutConfig):
+    """The batch and sampling settings beside these: :class:`~sess.rl.step.RolloutConfig`."""
+
     name: str = "ppo"
-    steps: int = 20
-    batch_size: int = 8  # problems per step
     group_size: int = 4  # episodes per problem
-    learning_rate: float = 1e-4
-    grad_clip_norm: float = 1.0
-    max_tokens: int = 24  # per turn, in rollouts and in the runner's greedy evaluation
-    temperature: float = 1.0
-    max_turns: int | None = (
-        None  # replies per episode (None: the env decides, at most rollouts.DEFAULT_MAX_TURNS)
-    )
-    max_observation_tokens: int = rollouts.MAX_OBSERVATION_TOKENS  # longer: the episode ends there
-    # ask each sample for the trainer's logprobs of its tokens and record the drift at sampling
-    # (drift/at_sampling/*; worth it with --sampler vllm): one more forward pass per sample request
-    trainer_logprobs: bool = False
     epochs: int = 2
     minibatches: int = 2
     clip_low: float = 0.8
@@ -81,27 +72,13 @@ def train(
     rollouts.check_observation_cap(cfg.max_observation_tokens)
     tok = tc.get_tokenizer()
     adam = AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
-    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     ref_sc = tc.service.create_sampling_client(base_model=tc.base_model)
     clip = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
     sc = tc.save_weights_and_get_sampling_client()
     for step in range(start_step, cfg.steps):
         started = time.perf_counter()
         # Rollouts from the current policy; their sampler logprobs are logp_old for every epoch.
-        make_env_P = [envs.train(step * cfg.batch_size + i) for i in range(cfg.batch_size)]
-        envs_P_G = [[make_env() for _ in range(cfg.group_size)] for make_env in make_env_P]
-        seeds_P = [derive_seed(seed, "sample", step, i) for i in range(cfg.batch_size)]
-        groups_P = rollouts.rollout_groups(
-            sc,
-            tok,
-            envs_P_G,
-            sampling,
-            seeds_P,
-            policy_step=step,
-            max_turns=cfg.max_turns,
-            max_observation_tokens=cfg.max_observation_tokens,
-            trainer_logprobs=cfg.trainer_logprobs,
-        )
+        groups_P = rl_step.sample_groups(sc, tok, envs, cfg, seed=seed, step=step)
         # Advantages: group baseline minus the KL penalty per sampled token, token-mean normalised.
         n_tokens = max(1, rollouts.sampled_tokens(groups_P))
         datums, kls = [], []
@@ -140,12 +117,3 @@ def train(
         )
         hooks.step_done(step, metrics)
     return cfg.steps
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=ppo`
-    import sys
-
-    sys.modules["sess.loops.ppo"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("ppo")

@@ -10,7 +10,7 @@ assistant tokens in the batch, all other tokens weight 0, so the loss
 ``epochs`` caps the number of steps at ``epochs * len(data) / batch_size``.
 
 Launch: ``sess run loop=sft`` (arithmetic chats), ``sess run loop=sft data=chat_jsonl data.path=chats.jsonl``,
-or on its own: ``python -m sess.loops.sft model=tiny-llama loop.steps=2``.
+or without the CLI: ``python -m sess.harness loop=sft model=tiny-llama loop.steps=2``.
 """
 
 from __future__ import annotations
@@ -78,12 +78,3 @@ def train(
             },
         )
     return max(steps, start_step)
-
-
-if __name__ == "__main__":  # an entry point, like `sess run loop=sft`
-    import sys
-
-    sys.modules["sess.loops.sft"] = sys.modules[__name__]  # the registry's copy is this one
-    from sess.harness.runner import main
-
-    main("sft")

@@ -150,24 +150,41 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles_anywhere():
-    cycle = _cycle(_graph())
+def test_no_import_cycles_anywhere_even_counting_entry_points():
+    """Counting what ``if __name__ == "__main__":`` blocks import: a module run as a script must not
+    import what imports it (``python -m sess.harness`` runs a loop; a loop never runs the harness)."""
+    cycle = _cycle(_graph(entry_points=True))
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    body = 'if __name__ == "__main__":\n    from sess.harness.runner import main\n'
+    path = ROOT / "loops" / "_probe_for_the_test.py"
+    path.write_text(body)
+    try:
+        assert "sess.harness.runner" in _imports(path, entry_points=True)
+    finally:
+        path.unlink()
 
 
-def test_a_loop_run_as_a_module_is_imported_once():
-    """``python -m sess.loops.grpo`` runs the module as ``__main__``; the registry must use that one,
-    not import a second copy (whose dataclasses and functions would be other objects)."""
-    out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "sess.loops.grpo", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
+def test_no_module_swaps_entries_of_sys_modules():
+    """Aliasing ``sys.modules`` (so that a module run as ``__main__`` is also its importable self)
+    hides a cycle; a loop runs through ``python -m sess.harness loop=NAME`` instead."""
+    swapping = sorted(
+        f"{p.relative_to(ROOT)}:{node.lineno}"
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Assign)
+        and ast.unparse(node.value).startswith("sys.modules[")
+        and any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules" for t in node.targets)
     )
-    assert out.stdout.startswith("usage: python -m sess.loops.grpo")
-    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
-    assert "sess.harness.registry" in imported and "sess.loops.grpo" not in imported
+    assert swapping == []
+
+
+def test_the_harness_runs_as_a_module():
+    out = subprocess.run(
+        [sys.executable, "-m", "sess.harness", "--help"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.startswith("usage: python -m sess.harness")
 
 
 def test_files_read_in_one_sitting():
@@ -340,6 +357,74 @@ def test_every_name_of_the_sdk_contract_imports_from_sess_engine():
     assert set(API_NAMES) <= set(sess.engine.__all__)
 
 
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def _loss_lists(source: str, names: set[str]) -> list[str]:
+    """Where ``source`` spells several loss names together, a fact the loss registry keeps: a tuple,
+    list, set or dict keys mostly of them, a class body assigning them (an enum), or a string (not a
+    docstring) listing three or more ("a, b, c"). One name where a loss is used (``loss_fn="ppo"``)
+    is no list."""
+    alternatives = "|".join(sorted(names))
+    listing = re.compile(rf"\b({alternatives})(,\s*({alternatives})\b){{2,}}")
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        items = (
+            node.elts
+            if isinstance(node, ast.Tuple | ast.List | ast.Set)
+            else node.keys
+            if isinstance(node, ast.Dict)
+            else [s.value for s in node.body if isinstance(s, ast.Assign)]
+            if isinstance(node, ast.ClassDef)
+            else []
+        )
+        strings = [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+        named = [v for v in strings if v in names]
+        if len(set(named)) >= 2 and 2 * len(named) > len(strings):
+            found.append(f"line {node.lineno}: {', '.join(named)}")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found += [f"line {node.lineno}: {m.group(0)!r}" for m in listing.finditer(node.value)]
+    return found
+
+
+def test_loss_names_are_listed_only_in_the_loss_registry():
+    """The SDK's LossFunction, the batch checks, the engine's formulas and the loops' checks read
+    :mod:`sess.engine.sdk.loss_registry`; a second list of loss names would drift from it."""
+    from sess.engine.sdk import loss_registry
+
+    names = set(loss_registry.LOSSES) | set(loss_registry.REFUSED)
+    registry = ROOT / "engine" / "sdk" / "loss_registry.py"
+    listed = {
+        str(p.relative_to(ROOT)): found
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if p != registry and (found := _loss_lists(p.read_text(), names))
+    }
+    assert listed == {}
+    probe = textwrap.dedent(
+        """
+        class LossFunction(str, enum.Enum):
+            ppo = "ppo"
+            dro = "dro"
+        LOSSES = ("ppo", "cispo")
+        HELP = {"loss_fn": "cross_entropy, ppo, cispo; custom refused"}
+        LOOPS = {"sft": 1, "grpo": 2, "ppo": 3, "importance_sampling": 4, "kto": 5}
+        tc.forward_backward(datums, loss_fn="ppo")
+        """
+    )
+    assert len(_loss_lists(probe, names)) == 3
+
+
 TEST_FOLDERS = {
     "sdk",
     "runtime",
@@ -361,7 +446,7 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
     tests = ROOT / "tests"
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     assert folders - {"tinker_scripts"} == TEST_FOLDERS
-    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py"}  # the one cross-package test
+    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py", "test_references.py"}  # cross-package
     borrowing = sorted(
         f"{p.relative_to(tests)}: {line.strip()}"
         for p in tests.rglob("*.py")

@@ -249,6 +249,18 @@ class DroppingProxy:
                 writer.close()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        """Stop serving and end every connection's handler on the proxy's loop (a connection that
+        arrived last may not have started its handler yet: cancelled and awaited, not dropped)."""
+        import asyncio
+
+        async def shut() -> None:
+            self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self._loop.close()

@@ -17,10 +17,11 @@ Every loss reduces by token sum; ``weights`` / ``advantages`` act as the mask, a
 ``cross_entropy`` also takes (N, K) ``target_tokens`` and ``weights``; the training op runs such a
 datum as K datums of one column each (:mod:`.training_ops`), so the sum above is over every target.
 ``stable_reinforce`` and ``custom``, which the tinker SDK names, are refused with the reason in
-:data:`sess.engine.sdk.data_checks.REFUSED_LOSSES`.
+:data:`sess.engine.sdk.loss_registry.REFUSED`.
 
-Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.data_checks`;
-:data:`LOSSES` maps each name to its function, whose docstring cites the paper it comes from.
+Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.loss_registry`;
+:data:`LOSSES` maps each of its names to the function of that name here, whose docstring cites the
+paper it comes from.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from sess.engine.sdk import loss_registry
 from sess.engine.sdk.errors import InvalidRequest
 
 _RL_INPUTS = ("advantages", "logprobs")
@@ -124,13 +126,12 @@ def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple[torch.Tenso
     return compute
 
 
+# each registry row's formula is the function of its name here; a policy-gradient loss also reports
+# its ratio and the sampler's drift
+_FORMULAS = {f.__name__: f for f in (cross_entropy, importance_sampling, ppo, gspo, cispo, dro)}
 LOSSES: dict[str, Loss] = {
-    "cross_entropy": cross_entropy,
-    "importance_sampling": _policy_gradient(importance_sampling),
-    "ppo": _policy_gradient(ppo),
-    "gspo": _policy_gradient(gspo),
-    "cispo": _policy_gradient(cispo),
-    "dro": _policy_gradient(dro),
+    name: _policy_gradient(_FORMULAS[name]) if row.policy_gradient else _FORMULAS[name]
+    for name, row in loss_registry.LOSSES.items()
 }
 
 

@@ -36,6 +36,7 @@ from sess.engine.runtime.output_layer import (
 )
 from sess.engine.runtime.recompute import recomputing
 from sess.engine.runtime.runtime import Runtime
+from sess.engine.sdk import loss_registry
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.data_checks import MULTI_TARGET_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
@@ -46,7 +47,7 @@ T = TypeVar("T")
 # Losses whose gradient at a token depends on that token's logprob and inputs alone: their gradient
 # goes through the output layer in the same pass as the logprobs. Any other loss takes two passes
 # (logprobs, then the loss's gradient over the micro-batch, then the output layer again).
-PER_TOKEN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
+PER_TOKEN_LOSSES = loss_registry.PER_TOKEN_LOSSES
 
 
 def forward(runtime: Runtime, owner: str, request: rq.ForwardRequest) -> dict:

@@ -1,7 +1,7 @@
 """Checks of a training batch, shared by the SDK (before a request leaves) and the engine.
 
-A loss names the ``loss_fn_inputs`` it needs (:data:`REQUIRED_INPUTS`) and the options it takes with
-their defaults (:data:`DEFAULT_CONFIG`), whose values must keep it the loss it names (clip thresholds
+A loss names the ``loss_fn_inputs`` it needs and the options it takes with their defaults (a row of
+:mod:`.loss_registry`), whose values must keep it the loss it names (clip thresholds
 around the on-policy ratio 1, a penalty weight of 0 or more); every datum's inputs must be finite
 and as long as its ``model_input``, and token ids must lie in the vocabulary. Errors name the datum
 index and the key.
@@ -14,45 +14,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sess.engine.sdk.loss_registry import LOSSES, REFUSED
 from sess.engine.sdk.types import Datum, InvalidRequest, LossFunction
 from sess.engine.sdk.wire_checks import finite
 
-REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-    "cispo": ("target_tokens", "logprobs", "advantages"),
-    "dro": ("target_tokens", "logprobs", "advantages"),
-    "gspo": ("target_tokens", "logprobs", "advantages"),  # optional: sequence_ratio_mask
-}
-
-# losses the tinker SDK names that this engine does not compute, and why
-REFUSED_LOSSES: dict[str, str] = {
-    "stable_reinforce": (
-        "the tinker 0.38 SDK names this loss and its kl_coeff option but defines neither its formula nor "
-        "the stability information it reads (record_stability_info), so this engine cannot compute it as "
-        "Tinker does; use ppo, cispo or gspo"
-    ),
-    "custom": "server-side custom losses are not supported; compute the loss on the client (forward_backward_custom)",
-}
-# inputs that may be (N, K) for these losses: K targets per position, each with its weight
-MULTI_TARGET_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("target_tokens", "weights")}
-
-DEFAULT_CONFIG: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},  # the GSPO paper's
-}
+# views of the loss registry, by loss name
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {name: loss.inputs for name, loss in LOSSES.items()}
+DEFAULT_CONFIG: dict[str, dict[str, float]] = {name: loss.defaults for name, loss in LOSSES.items()}
+MULTI_TARGET_INPUTS: dict[str, tuple[str, ...]] = {name: loss.multi_target for name, loss in LOSSES.items()}
 
 
 def check_loss_fn(loss_fn: str | LossFunction, loss_fn_config: dict | None) -> tuple[str, dict[str, float]]:
     """Normalise the loss name and merge ``loss_fn_config`` over its defaults; unknown names are errors."""
     name = loss_fn.value if isinstance(loss_fn, LossFunction) else loss_fn
-    if name in REFUSED_LOSSES:
-        raise InvalidRequest(f"loss_fn: {name} is not supported by this engine: {REFUSED_LOSSES[name]}")
+    if name in REFUSED:
+        raise InvalidRequest(f"loss_fn: {name} is not supported by this engine: {REFUSED[name]}")
     if name not in REQUIRED_INPUTS:
         raise InvalidRequest(f"loss_fn: unknown loss {name!r}; choose one of {', '.join(REQUIRED_INPUTS)}")
     config = dict(DEFAULT_CONFIG[name])

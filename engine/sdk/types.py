@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.loss_registry import LOSSES
 from sess.engine.sdk.sample_types import SampledSequence, SampleResponse  # noqa: F401 (re-exported)
 from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
 
@@ -32,13 +33,8 @@ class SessionStatus(str, enum.Enum):
     Interrupted = "Interrupted"
 
 
-class LossFunction(str, enum.Enum):
-    cross_entropy = "cross_entropy"
-    importance_sampling = "importance_sampling"
-    ppo = "ppo"
-    cispo = "cispo"
-    dro = "dro"
-    gspo = "gspo"
+# the built-in losses, one member per row of the loss registry (LossFunction.ppo == "ppo")
+LossFunction = enum.Enum("LossFunction", [(name, name) for name in LOSSES], type=str, module=__name__)
 
 
 @dataclass

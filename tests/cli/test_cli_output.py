@@ -148,3 +148,33 @@ def test_time_left_is_near_the_truth_from_the_first_step(monkeypatch, capsys):
     for done, (estimate, at) in enumerate(zip(shown, ends), start=1):
         truth = clock.now - at
         assert abs(estimate - truth) <= 0.5 * truth, (done, estimate, truth)
+
+
+def _commands(command, path=("sess",)):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_texts_are_paragraphs_that_the_terminal_wraps():
+    """A docstring's hard line breaks would show mid-sentence; every command's help reaches Typer
+    as paragraphs, which it wraps to the terminal's width (80 and 120 columns here)."""
+    import typer.main
+
+    broken = {
+        " ".join(path): paragraph
+        for path, command in _commands(typer.main.get_command(app))
+        for paragraph in (command.help or "").split("\n\n")
+        if re.search(r"\n(?![-*] |\s)", paragraph)
+    }
+    assert broken == {}
+    for columns in (80, 120):
+        for command in (["run"], ["engine", "up"], ["runs", "show"], ["checkpoints"]):
+            shown = runner.invoke(app, [*command, "--help"], env={"COLUMNS": str(columns)}).output
+            description = shown.partition("╭")[0]  # above the argument and option panels
+            for paragraph in re.split(r"\n\s*\n", description):
+                lines = [line.strip() for line in paragraph.splitlines() if line.strip()]
+                # wrapped lines run to the right margin (less a long word); a hard break stops short
+                assert all(len(line) > columns - 30 for line in lines[:-1]), (command, columns, lines)
+    run_help = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "120"}).output
+    assert "usage); `sess runs` lists them and" in run_help  # one sentence, not broken after "runs`"

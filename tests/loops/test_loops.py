@@ -129,8 +129,9 @@ def test_a_loop_runs_as_a_bare_script_with_a_trivial_logger(sess_home, capsys):
 
 
 def test_python_m_runs_a_loop_on_its_own(sess_home, tmp_path):
-    """``python -m sess.loops.grpo ...`` composes like ``sess run loop=grpo`` and writes a run record."""
+    """``python -m sess.harness loop=grpo ...`` composes like ``sess run loop=grpo`` and writes a run record."""
     overrides = [
+        "loop=grpo",
         *TINY,
         "engine=inprocess",
         f"runs_dir={tmp_path / 'runs'}",
@@ -139,7 +140,7 @@ def test_python_m_runs_a_loop_on_its_own(sess_home, tmp_path):
     ]
     env = {**os.environ, "SESS_HOME": str(sess_home)}
     done = subprocess.run(
-        [sys.executable, "-m", "sess.loops.grpo", *overrides],
+        [sys.executable, "-m", "sess.harness", *overrides],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -157,13 +158,13 @@ def test_python_m_runs_a_loop_on_its_own(sess_home, tmp_path):
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else written
     refused = subprocess.run(
-        [sys.executable, "-m", "sess.loops.sft", "loop=grpo"],
+        [sys.executable, "-m", "sess.harness", "loop=no_such_loop"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
     )
-    assert refused.returncode == 1 and refused.stderr.startswith("error:") and "loop=" in refused.stderr
+    assert refused.returncode == 1 and refused.stderr.startswith("error:") and "grpo" in refused.stderr
 
 
 assert TINY  # shared overrides come from run_helpers

@@ -397,7 +397,9 @@ def _live_cpu_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+        # type(), not isinstance(): isinstance reads obj.__class__, and some objects warn on any
+        # attribute read (torch.distributed.reduce_op, deprecated)
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
             try:
                 storage = obj.untyped_storage()
             except (NotImplementedError, RuntimeError):  # an opaque tensor (the sampler's oneDNN copies)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sess.engine.sdk import loss_registry
 from sess.engine.sdk.errors import InvalidRequest
 
 ADAMW_ONLY = (
@@ -139,7 +140,7 @@ HONOURED: dict[str, dict[str, str]] = {
     "ForwardRequest": _all(AS_DOCUMENTED, "forward_input", "model_id", "seq_id"),
     "ForwardBackwardInput": {
         "data": "cross_entropy takes (N, K) target_tokens and weights: K targets per position",
-        "loss_fn": "cross_entropy, importance_sampling, ppo, cispo, dro, gspo; stable_reinforce and custom refused",
+        "loss_fn": f"{', '.join(loss_registry.LOSSES)}; {' and '.join(loss_registry.REFUSED)} refused",
         "loss_fn_config": AS_DOCUMENTED,
     },
     "FutureRetrieveRequest": {

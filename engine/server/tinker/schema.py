@@ -8,7 +8,7 @@ must not need the SDK installed, so it carries the schema itself. It is written 
 ``protoc`` output: generated ``_pb2`` modules embed an opaque serialized descriptor and refuse
 protobuf runtimes older than the ``protoc`` that made them, while this table reads like the
 ``.proto`` file and works with any protobuf >= 4.21. Field numbers and types follow the SDK's
-``tinker/proto/tinker_public_pb2.py``; ``tests/test_tinker_sdk.py`` checks the two descriptors
+``tinker/proto/tinker_public_pb2.py``; ``tests/tinker/test_tinker_sdk.py`` checks the two descriptors
 field by field.
 """
 
