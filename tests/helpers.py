@@ -19,7 +19,7 @@ from peft import get_peft_model
 from peft.utils import set_peft_model_state_dict
 
 from sess.engine import AdamParams, Datum, ModelInput
-from sess.engine.runtime.catalog import load_model
+from sess.engine.runtime.models.catalog import load_model
 
 SENTENCES = [
     "The cat sat on the mat.",

@@ -259,15 +259,14 @@ SNAPSHOT = textwrap.dedent(
     # user's plain transformers + peft code runs first, so only what sess does shows below
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from sess.engine.runtime.catalog import prepare
+    from sess.engine.runtime.models.catalog import prepare
 
     for name in ("tiny-llama", "tiny-gpt-oss"):
         own = AutoModelForCausalLM.from_pretrained(prepare(name))
         get_peft_model(own, LoraConfig(r=2, target_modules=["q_proj"]))(input_ids=__import__("torch").tensor([[1, 2]]))
     before = snapshot()
     from sess.engine import AdamParams, SamplingParams, ServiceClient
-    from sess.engine.runtime import memory
-
+    from sess.engine.runtime.memory import malloc_tuning as memory
     svc = ServiceClient("inproc")
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=0)
     tok = tc.get_tokenizer()

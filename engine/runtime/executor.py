@@ -2,7 +2,7 @@
 
 Transports (in-process, HTTP) call :meth:`Executor.submit`, :meth:`Executor.wait` (or
 :meth:`Executor.wait_async`) and :meth:`Executor.call`. Each reads the op's request with its type
-from the ops table (:mod:`.ops`) on the caller's thread, so bad input is refused before anything is
+from the ops table (:mod:`sess.engine.runtime.ops.table`) on the caller's thread, so bad input is refused before anything is
 queued. A session's ordered ops carry the sequence number its client stamped at call time and run
 strictly in that order (an early arrival waits for the ones before it); a resubmitted op with the
 same client token returns the first op instead of running twice. Sample requests join their base
@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.fair_queue import ReadyQueue
-from sess.engine.runtime.operation import Operation, internal_error
-from sess.engine.runtime.ops import OPS, Kind
+from sess.engine.runtime.ops import checkpoint_ops
+from sess.engine.runtime.ops.operation import Operation, internal_error
+from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session_order import SequenceOrder
+from sess.engine.runtime.sequence_order import SequenceOrder
 from sess.engine.runtime.usage import session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import Usage
@@ -312,8 +312,8 @@ class Executor(SequenceOrder):
 
     def _score_over_ranks(self, ops: list[Operation]) -> None:
         """Several ranks: the ``compute_logprobs`` requests waiting together, split over the ranks
-        (:mod:`.distributed_logprobs`); each owner is charged its own requests' seconds."""
-        from sess.engine.runtime.distributed_logprobs import run_group
+        (:mod:`sess.engine.runtime.distributed.logprob_spread`); each owner is charged its own requests' seconds."""
+        from sess.engine.runtime.distributed.logprob_spread import run_group
 
         admitted = []
         for op in ops:

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sess.engine.runtime import checkpoint_ops, session_ops
 from sess.engine.runtime.executor import Executor, Operation
-from sess.engine.runtime.memory import IDLE_TRIM_S, allocator, keep_freed_memory, trim
-from sess.engine.runtime.ops import OPS
+from sess.engine.runtime.memory.malloc_tuning import IDLE_TRIM_S, allocator, keep_freed_memory, trim
+from sess.engine.runtime.ops import checkpoint_ops, session_ops
+from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.runtime.usage import session_of
@@ -289,7 +289,7 @@ class ManagedEngine(Executor):
         log.warning("session %s: %s for over %.0f s: state saved, session stopped", name, silent, timeout)
 
     def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
-        """``session``'s state before it stops (:func:`.checkpoint_ops.save_unsaved_state`), in
+        """``session``'s state before it stops (:func:`sess.engine.runtime.ops.checkpoint_ops.save_unsaved_state`), in
         the registry too; a failure is logged: the session stops anyway, without those steps."""
         try:
             path = checkpoint_ops.save_unsaved_state(runtime, session.owner, session.name, reason)

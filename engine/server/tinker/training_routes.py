@@ -14,7 +14,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.runtime.session_ops import canonical_model
+from sess.engine.runtime.ops.session_ops import canonical_model
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn

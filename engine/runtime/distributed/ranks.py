@@ -3,9 +3,9 @@
 Rank 0's executor runs every op as a single-process engine does; before an op that changes what
 all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
 request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
-(:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
+(:mod:`sess.engine.runtime.distributed.follower`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
 layer, then the whole model); each session's LoRA adapter is one FSDP2 unit of its own, and its
-AdamW moments are sharded as its parameters are (:mod:`.distributed_adapters`), so a rank holds 1/N
+AdamW moments are sharded as its parameters are (:mod:`sess.engine.runtime.distributed.adapter_shards`), so a rank holds 1/N
 of the base weights, of every adapter and of its AdamW state. Every rank computes its share of a
 batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the adapter's gradients
 are reduce-scattered as sums once, after the op's last backward pass (token-sum losses stay sums,
@@ -14,16 +14,16 @@ nothing is divided by the world size), each rank's AdamW steps its shards, and
 
 Sampling runs on every rank with every weight gathered (:meth:`Ranks.full_weights`, one
 all-gather every rank joins and keeps until the next followed op): rank 0 hands whole sample
-requests to the ranks and gathers back what they finished (:mod:`.distributed_sampling`); the
+requests to the ranks and gathers back what they finished (:mod:`sess.engine.runtime.distributed.sample_spread`); the
 sampler's batch invariance makes that exactly what one rank gives for the same seed.
 ``compute_logprobs`` requests waiting together are handed out the same way, whole, on the same
-gathered weights (:mod:`.distributed_logprobs`). Checkpoints
+gathered weights (:mod:`sess.engine.runtime.distributed.logprob_spread`). Checkpoints
 (adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
 helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
 same files as one process writes, and loading one gives each rank its share.
 
 A collective that fails (a rank died) raises :class:`RankFailed`; the launcher
-(:mod:`.distributed_launch`) then stops the engine and its sessions become Interrupted.
+(:mod:`sess.engine.runtime.distributed.launch`) then stops the engine and its sessions become Interrupted.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sess.engine.runtime.batched_forward import plan as plan_batches
-from sess.engine.runtime.checkpoint_ops import checkpoint_dir
-from sess.engine.runtime.checkpoints import read_state
-from sess.engine.runtime.distributed_adapters import AdapterShards
-from sess.engine.runtime.session_ops import default_name
+from sess.engine.runtime.checkpoints.checkpoint_files import read_state
+from sess.engine.runtime.distributed.adapter_shards import AdapterShards
+from sess.engine.runtime.ops.checkpoint_ops import checkpoint_dir
+from sess.engine.runtime.ops.session_ops import default_name
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.requests import Request
 from sess.engine.sdk.types import Datum
@@ -125,8 +125,8 @@ class Ranks:
         self.closing = True
         try:
             if self.leader:
-                from sess.engine.runtime.distributed_launch import MASTER_ENV
-                from sess.engine.runtime.distributed_nodes import announce_stop
+                from sess.engine.runtime.distributed.launch import MASTER_ENV
+                from sess.engine.runtime.distributed.nodes import announce_stop
 
                 if not self.failed:  # other hosts' agents: a stop as asked, not a failure
                     announce_stop(os.environ.get(MASTER_ENV))
@@ -236,7 +236,7 @@ class Ranks:
 
     def join_gather(self) -> None:
         """A follower: take part in rank 0's gather, and keep the whole weights as rank 0 does: it
-        decodes its share of the sample requests on them (:mod:`.distributed_sampling`) until the
+        decodes its share of the sample requests on them (:mod:`sess.engine.runtime.distributed.sample_spread`) until the
         next message that needs the shards (:meth:`sharded` first, as rank 0 before sending it)."""
         self.sharded()
         self._unshard()
@@ -363,7 +363,7 @@ class Ranks:
 
     def announce(self, message: dict) -> None:
         """Rank 0: tell the followers to join a gather of whole tensors (``{"collect": ...}``, see
-        :func:`.checkpoint_ops.whole_adapter`), every FSDP unit sharded first so that all ranks
+        :func:`sess.engine.runtime.ops.checkpoint_ops.whole_adapter`), every FSDP unit sharded first so that all ranks
         start it from the same state."""
         if self.leader:
             self.sharded()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from sess.engine.runtime.tiny_models import CHAT_TEMPLATE, build_random
+from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
 from sess.engine.sdk.home import atomic_dir, models_dir
 
 # Bump when the recipe of a cached build (tokenizer, tiny configs, gguf conversion) changes, so old

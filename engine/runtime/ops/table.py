@@ -16,7 +16,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sess.engine.runtime import checkpoint_lifecycle, checkpoint_ops, sampling_ops, session_ops, training_ops
+from sess.engine.runtime.checkpoints import checkpoint_lifecycle
+from sess.engine.runtime.ops import checkpoint_ops, sampling_ops, session_ops, training_ops
 from sess.engine.sdk import requests as rq
 
 
