@@ -127,7 +127,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         memory = {
             "rss_bytes": resident_bytes(),
             "peak_rss_bytes": peak_resident_bytes(),
-            "trimmed": bool(getattr(engine, "_idle_since_work", False)),  # idle(): free memory handed back
+            "trimmed": engine.idled,  # idle(): free memory handed back
             "trim_after_s": engine.idle_after_s,
         }
         invariance = engine.runtime.batch_invariance()

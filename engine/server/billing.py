@@ -21,9 +21,6 @@ from sess.engine.sdk.prices import PriceTable, format_cost, parse_amount, to_pic
 from sess.engine.server.keys import LOCAL_OWNER, KeyStore
 from sess.engine.server.registry import Registry
 
-# Ops whose tokens a budget pays for; the rest (optim_step, saves, loads, noop) cost nothing and keep a
-# session's state and order whole (an optim_step applies gradients already paid for).
-COSTLY = {"forward", "forward_backward", "sample", "compute_logprobs"}
 TOKEN_FIELDS = ("prefill_tokens", "sampled_tokens", "training_tokens")
 RETRY_AFTER_S = 1
 

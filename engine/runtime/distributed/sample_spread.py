@@ -50,9 +50,6 @@ class Spread:
         self.peak_cache = [0] * ranks.world  # the most bytes each rank's KV cache held after a step
         ranks.spreads.append(self)
 
-    def rows_elsewhere(self) -> int:
-        return sum(job.num_samples for _, job in self.elsewhere.values())
-
     def before(self, batch: DecodeBatch) -> None:
         """Hand the waiting requests out and, if another rank decodes this step, broadcast it."""
         loads = [0] * self.ranks.world
@@ -237,7 +234,7 @@ def exchange(ranks: Ranks, mine) -> list:
     """Every rank's ``mine`` (JSON), in rank order, on every rank: one all-gather of the sizes, one
     of the payloads padded to the largest."""
     data = json.dumps(mine).encode()
-    device = ranks._comm_device
+    device = ranks.comm_device
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(ranks.world)]
     size = torch.tensor([len(data)], dtype=torch.long, device=device)
     ranks.collective("gathering samples", lambda: dist.all_gather(sizes, size))
