@@ -27,7 +27,7 @@ def http(http_engine, sess_home):
 
 
 def _ops(tc):
-    seq = tc._seq = tc._seq + 1
+    seq = tc.reserve_sequence_number()
     return seq
 
 

@@ -194,6 +194,12 @@ def keep_freed_memory(device: str = "cpu") -> bool:
     return _applied
 
 
+
+def tuned() -> bool | None:
+    """Whether :func:`keep_freed_memory` tuned this process's malloc: None if nothing asked it to."""
+    return _applied
+
+
 def _mallopt() -> bool:
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt

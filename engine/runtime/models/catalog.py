@@ -147,9 +147,6 @@ class Dtypes:
         for name in {self.default or default_dtype(device), *dict(self.per_model).values()}:
             check_device_dtype(name, device)
 
-    def to_text(self) -> str:
-        return ",".join([self.default or "auto", *(f"{m}={d}" for m, d in self.per_model)])
-
 
 def list_models() -> list[str]:
     return list(CATALOG)
