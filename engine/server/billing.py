@@ -19,7 +19,7 @@ from typing import Any
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.prices import PriceTable, format_cost, parse_amount, to_pico
 from sess.engine.server.keys import LOCAL_OWNER, KeyStore
-from sess.engine.server.registry import Registry
+from sess.engine.server.sqlite_registry import Registry
 
 TOKEN_FIELDS = ("prefill_tokens", "sampled_tokens", "training_tokens")
 RETRY_AFTER_S = 1

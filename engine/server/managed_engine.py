@@ -33,8 +33,8 @@ from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import SessionStatus, Usage
 from sess.engine.server.billing import Billing
 from sess.engine.server.lifecycle import SWEEP_S, Lifecycle
-from sess.engine.server.registry import Registry
 from sess.engine.server.settings import HEARTBEAT_LAPSE_S, IDLE_TIMEOUT_S, MAX_SESSIONS
+from sess.engine.server.sqlite_registry import Registry
 
 log = logging.getLogger("sess.engine")
 

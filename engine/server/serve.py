@@ -63,8 +63,8 @@ def serve(
     from sess.engine.runtime.memory.training_budget import parse_bytes
     from sess.engine.runtime.models.catalog import Dtypes
     from sess.engine.runtime.runtime import Runtime
-    from sess.engine.server.app import create_app
     from sess.engine.server.billing import Billing
+    from sess.engine.server.http_app import create_app
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 

@@ -33,7 +33,7 @@ def run_agent(nproc: int, argv: list[str], home: str | Path | None, nodes=None) 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from sess.engine.runtime.distributed.launch import run_ranks
-    from sess.engine.server.registry import Registry
+    from sess.engine.server.sqlite_registry import Registry
 
     try:
         failure = run_ranks(nproc, argv, nodes)

@@ -14,7 +14,7 @@ from sess.harness.records import read_jsonl
 from sess.rl import rollouts
 from sess.rl.env import Env, StepResult
 from sess.tasks import sources as datasets
-from sess.tasks.code.env import CodeEnv
+from sess.tasks.code.code_env import CodeEnv
 
 from env_helpers import ADD_TWO, RIGHT, WRONG, readme_env
 from helpers import clear_grads, engine_grads, max_diff, sandbox_server, train_steps

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sess.rl.env import EnvFactory
 
-from .env import CodeEnv
+from .code_env import CodeEnv
 from .tasks import CodeProblem
 
 
