@@ -76,6 +76,11 @@ class Runtime:
         return self.hosts[base_model]
 
     @property
+    def last_work(self) -> str | None:
+        """What the engine last started: ``"train"``, ``"sample"`` or None (see :meth:`entering`)."""
+        return self._work
+
+    @property
     def memory_budget(self) -> int:
         """Bytes a training op may hold in activations (the engine's ``--memory-budget``)."""
         if self._memory_budget is None:

@@ -39,6 +39,11 @@ class SharedGrader:
         self._grader = None
         self._lock = threading.Lock()
 
+    @property
+    def backend(self):
+        """The grader jobs go to (built by the first :meth:`grade`; None before)."""
+        return self._grader
+
     def grade(self, job):
         if self._grader is None:
             with self._lock:

@@ -300,7 +300,7 @@ def test_the_heap_goes_back_where_the_engine_switches_between_sampling_and_train
     from helpers import SENTENCES, train_steps
 
     calls = []
-    monkeypatch.setattr(runtime_module, "trim", lambda: calls.append(runtime._work))
+    monkeypatch.setattr(runtime_module, "trim", lambda: calls.append(runtime.last_work))
     with svc.create_lora_training_client("tiny-llama", rank=4, seed=3) as tc:
         prompt = tc.get_tokenizer().encode("Once upon a time")
         params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)

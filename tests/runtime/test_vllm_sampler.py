@@ -216,5 +216,5 @@ def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(
     batch.running["0"] = (None, 0.0, {"id": 1, "name": names[1], "path": str(kept)})
     delete_session(runtime, "local", rq.DeleteSession(name=names[1], stop_if_active=True))
     assert kept.is_dir()
-    batch._finish({"id": "0", "sequences": []})
+    batch.answer({"id": "0", "sequences": []})
     assert not kept.exists() and not batch.doomed

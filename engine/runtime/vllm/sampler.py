@@ -216,14 +216,15 @@ class VllmBatch:
         except queue.Empty:
             return
         while message is not None:
-            self._finish(message)
+            self.answer(message)
             try:
                 message = self.worker.results.get_nowait()
             except queue.Empty:
                 return
         self.fail_all(self.worker.exited())
 
-    def _finish(self, message: dict) -> None:
+    def answer(self, message: dict) -> None:
+        """Finish the request a worker's ``message`` answers (results or an error)."""
         job, started, _ = self.running.pop(message["id"], (None, 0.0, None))
         self._sweep()
         if job is None:  # its request was failed meanwhile (its session stopped)
