@@ -1,6 +1,6 @@
 """What a training forward saves for the backward pass, by row length, against the probe's price.
 
-The engine prices a position from one 128-token probe (``engine/runtime/memory_budget.py``) and
+The engine prices a position from one 128-token probe (``engine/runtime/memory/training_budget.py``) and
 sizes micro-batches and activation checkpointing by it. This script checks the price on longer
 rows and bigger batches: the bytes autograd saves (``saved_bytes``, weights excluded) for a forward
 of B x T tokens through the session's decoder, plain and checkpointed, next to B x T x the probe's
@@ -21,8 +21,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from sess.engine.runtime.memory_budget import checkpointing, saved_bytes  # noqa: E402
-from sess.engine.runtime.model_host import ModelHost  # noqa: E402
+from sess.engine.runtime.memory.training_budget import checkpointing, saved_bytes  # noqa: E402
+from sess.engine.runtime.models.model_host import ModelHost  # noqa: E402
 from sess.engine.runtime.output_layer import decoder_and_head  # noqa: E402
 
 MB = float(1 << 20)

@@ -32,7 +32,7 @@ from sess.harness.records import RunRecord, read_jsonl
 from sess.rl import evaluation
 from sess.rl.rollouts import derive_seed
 from sess.tasks import sources as datasets
-from sess.tasks.code.grader import SharedGrader, env_of
+from sess.tasks.code.grader_config import SharedGrader, env_of
 from sess.tasks.humaneval.problems import humaneval_problems
 
 

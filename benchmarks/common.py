@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from sess.engine.runtime.memory import exec_as_engine
+from sess.engine.runtime.memory.malloc_tuning import exec_as_engine
 
 T = TypeVar("T")
 
@@ -37,9 +37,9 @@ def in_process_client(
     ``dtype``, training under ``memory_budget`` (the engine's ``--device``, ``--dtype`` and
     ``--memory-budget``; None: the engine's defaults)."""
     from sess.engine import ServiceClient
-    from sess.engine.runtime.catalog import Dtypes
     from sess.engine.runtime.inprocess import shared_engine
-    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.memory.training_budget import parse_bytes
+    from sess.engine.runtime.models.catalog import Dtypes
 
     runtime = shared_engine(home, device=device).runtime
     runtime.dtypes = Dtypes.parse(dtype)

@@ -53,7 +53,7 @@ step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bf16.py -k "$DE
 echo "== 2. bf16 load of the largest model that fits"
 step "bf16 load" 150 "$PY" - "$DEVICE" $MODELS <<'EOF'
 import sys, time, torch
-from sess.engine.runtime.catalog import ModelNotAvailable, load_model, prepare
+from sess.engine.runtime.models.catalog import ModelNotAvailable, load_model, prepare
 
 device, candidates = sys.argv[1], sys.argv[2:]
 free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else None

@@ -37,8 +37,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
-from sess.engine.runtime.catalog import load_model, lora_targets, prepare  # noqa: E402
-from sess.engine.runtime.memory import ENGINE_MALLOC, engine_env  # noqa: E402
+from sess.engine.runtime.memory.malloc_tuning import ENGINE_MALLOC, engine_env  # noqa: E402
+from sess.engine.runtime.models.catalog import load_model, lora_targets, prepare  # noqa: E402
 
 from common import as_engine_process, on_engine  # noqa: E402
 

@@ -12,7 +12,7 @@ every workload gets its own peak:
 3. an SFT step: 4 x 1024 tokens, cross entropy, forward_backward + optim_step;
 4. sampling: 8 prompts x 8 samples x 64 new tokens (temperature 0.7, no early stop);
 5. after the work: RSS at once, and after the engine has been idle long enough to hand freed
-   memory back (``engine/runtime/memory.py``).
+   memory back (``engine/runtime/memory/malloc_tuning.py``).
 
 Targets (issue 14): every workload's peak <= 4x the fp32 weights; RSS after the work <= 2x RSS after
 loading. Each row prints its throughput next to its peak. With ``--sess-run`` it also runs the
@@ -95,7 +95,7 @@ def fp32_weight_bytes(home: Path, model: str) -> int:
     """What the model's weights take in fp32: its parameter count x 4 (tied weights once)."""
     from safetensors import safe_open
 
-    from sess.engine.runtime.catalog import prepare
+    from sess.engine.runtime.models.catalog import prepare
 
     total, seen = 0, set()
     for file in sorted(prepare(model, home, progress=False).glob("*.safetensors")):

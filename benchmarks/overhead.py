@@ -23,8 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from sess.engine.sdk.requests import Noop
-
 from common import as_engine_process
 
 
@@ -36,7 +34,7 @@ def trivial_rtts(tc, n: int) -> list[float]:
     rtts = []
     for _ in range(n):
         started = time.perf_counter()
-        tc._ordered("noop", Noop(session=tc.name), lambda r: r).result()
+        tc.noop().result()
         rtts.append(time.perf_counter() - started)
     return rtts
 

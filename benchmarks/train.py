@@ -26,7 +26,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
-from sess.engine.runtime.catalog import DTYPES, Dtypes, load_model, lora_targets  # noqa: E402
+from sess.engine.runtime.models.catalog import DTYPES, Dtypes, load_model, lora_targets  # noqa: E402
 
 from common import add_device_options, as_engine_process, in_process_client, on_engine  # noqa: E402
 

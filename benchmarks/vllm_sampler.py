@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sess.engine import Datum, ModelInput, SamplingParams, ServiceClient
-from sess.engine.runtime import catalog
+from sess.engine.runtime.models import catalog
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 
 PROMPTS = ["The capital of France is", "12 + 30 =", "Once upon a time", "def fibonacci(n):", "Water boils at"]

@@ -113,7 +113,7 @@ def up(
     A CPU engine runs on glibc's malloc, tuned to keep freed memory for the next step;
     SESS_MALLOC=jemalloc runs it on the system's jemalloc (leaner; Debian: libjemalloc2) and
     SESS_MALLOC=system on glibc's defaults."""
-    from sess.engine.runtime.memory import exec_as_engine
+    from sess.engine.runtime.memory.malloc_tuning import exec_as_engine
     from sess.engine.sdk.home import sess_home
     from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.keys import KeyStore
@@ -145,15 +145,15 @@ def up(
         fail(
             f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
         )
-    from sess.engine.runtime.distributed_launch import check_nproc
-    from sess.engine.runtime.distributed_nodes import Nodes
+    from sess.engine.runtime.distributed.launch import check_nproc
+    from sess.engine.runtime.distributed.nodes import Nodes
 
     try:
         check_nproc(nproc, device)
         nodes = Nodes.parse(nnodes, node_rank, master, join_timeout)
     except ValueError as exc:
         fail(str(exc))
-    from sess.engine.runtime.vllm_sampler import check_sampler
+    from sess.engine.runtime.vllm.sampler import check_sampler
 
     problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
     if problem:
@@ -250,8 +250,8 @@ def up(
 def _differing_options(ctx: typer.Context, running: dict) -> list[str]:
     """The options given on this command line that the running engine (its engine.json) lacks, as
     ``--port 18703 (asked 18704)``; options left at their defaults never differ."""
-    from sess.engine.runtime.catalog import Dtypes, default_dtype
-    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.memory.training_budget import parse_bytes
+    from sess.engine.runtime.models.catalog import Dtypes, default_dtype
 
     recorded = running.get("options", {})  # an engine from before options were recorded: none
     device = recorded.get("device", "cpu")

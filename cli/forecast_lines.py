@@ -13,7 +13,7 @@ from __future__ import annotations
 def _tokenizer(base_model: str):
     from transformers import AutoTokenizer
 
-    from sess.engine.runtime import catalog
+    from sess.engine.runtime.models import catalog
     from sess.engine.sdk.home import models_dir
 
     spec = catalog.resolve(base_model)

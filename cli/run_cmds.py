@@ -150,7 +150,7 @@ def _run_and_note(cfg, work, *args) -> Path:
 def _source(base_model: str) -> str:
     """Where the engine would take the model from (catalog knowledge: needs the engine install)."""
     try:
-        from sess.engine.runtime.catalog import resolve
+        from sess.engine.runtime.models.catalog import resolve
 
         spec = resolve(base_model)
     except Exception:

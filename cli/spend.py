@@ -8,7 +8,7 @@ def spend_by_owner(home) -> tuple[dict, str | None]:
     """(owner -> spend, currency) of the home: what keys list shows beside the budgets."""
     from sess.engine.sdk.home import sess_home
     from sess.engine.sdk.local_engine import engine_info
-    from sess.engine.server.registry import Registry
+    from sess.engine.server.sqlite_registry import Registry
 
     home_path = sess_home(home)
     spend = {}

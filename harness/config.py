@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sess.engine.sdk.checkpoint_paths import check_name
-from sess.tasks.code.grader import GRADERS, GraderConfig
+from sess.tasks.code.grader_config import GRADERS, GraderConfig
 from sess.tasks.sources import DATA_SOURCES
 
 from .registry import LOOPS

@@ -6,7 +6,7 @@ This module holds no training code: ``loop=code_rl`` is :mod:`.importance_sampli
 unless ``data=`` says otherwise, and evaluated with ``eval_samples=4`` sampled answers a problem
 beside the greedy one (the run harness applies both presets, ``sess.harness.registry``).
 
-Each problem is an environment (:mod:`sess.tasks.code.env`): the reply's code blocks run against the
+Each problem is an environment (:mod:`sess.tasks.code.code_env`): the reply's code blocks run against the
 problem's tests in the run's grader (``grader=local``, bubblewrap on this machine, or
 ``grader=sandbox_fusion grader.url=...``); reward 1 when every test passes, 0 otherwise,
 ``-data.format_penalty`` when the reply has no code block. With ``max_turns=2`` the policy may first

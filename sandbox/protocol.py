@@ -1,7 +1,7 @@
 """The host's side of the harness protocol: a job becomes (script, stdin), a finished run becomes a verdict.
 
-The script is `harness.py`'s text with the job appended; stdin carries a fresh random nonce, which only
-the harness ever reads (see `harness.py`). The same pair goes to the local sandbox and to a
+The script is `job_runner.py`'s text with the job appended; stdin carries a fresh random nonce, which only
+the harness ever reads (see `job_runner.py`). The same pair goes to the local sandbox and to a
 SandboxFusion server, and `read_verdict` reads either one's outcome, so both grade alike.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from sess.sandbox.jobs import GradeJob, GradeResult, Limits
 from sess.sandbox.process import RunOutcome
 
-HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text(encoding="utf-8")
+HARNESS_SOURCE = (Path(__file__).parent / "job_runner.py").read_text(encoding="utf-8")
 REPORT_BYTES = 8192  # room for the harness's report line on top of Limits.output_bytes
 SHOWN_BYTES = 16384  # how much of stdout (its start) and stderr (its end) a result keeps
 

@@ -19,7 +19,7 @@ from peft import get_peft_model
 from peft.utils import set_peft_model_state_dict
 
 from sess.engine import AdamParams, Datum, ModelInput
-from sess.engine.runtime.catalog import load_model
+from sess.engine.runtime.models.catalog import load_model
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -172,7 +172,7 @@ def decode_plan(decoder, tok, plan: list[tuple]) -> list[tuple[list[int], list[f
 @contextlib.contextmanager
 def budget(runtime, value: int):
     """The in-process ``runtime``'s memory budget set to ``value`` bytes for the block."""
-    before = runtime._memory_budget
+    before = runtime.memory_budget
     runtime.memory_budget = value
     try:
         yield

@@ -1,5 +1,10 @@
 """The runtime layer: the executor thread and everything it runs on torch.
 
-Sessions and their ops, losses, batched training forwards, checkpoints, the model catalog and the
-host that keeps one base model with many LoRA adapters in memory.
+Here: the runtime's state (:mod:`.runtime`), the executor (:mod:`.executor`) with its fair ready
+queue (:mod:`.fair_queue`) and each session's sequence order (:mod:`.sequence_order`), a training
+session (:mod:`.session`), the in-process transport (:mod:`.inprocess`), what an op costs
+(:mod:`.usage`), and the training forwards: batched forwards, chunked output-layer logprobs,
+activation recompute, the loss table, sample scores. In rooms: :mod:`.ops` (the op table and the
+handlers), :mod:`.models` (catalog and model host), :mod:`.checkpoints`, :mod:`.memory`,
+:mod:`.distributed` (several ranks) and :mod:`.vllm` (vLLM as the sampler).
 """

@@ -1,7 +1,7 @@
 """Batched forward passes: per-token logprobs of datum batches and of prompts.
 
 :func:`plan` splits a batch into micro-batches of at most ``max_positions`` positions each (the
-memory budget's share, :mod:`.memory_budget`; the losses are token sums, so backward per
+memory budget's share, :mod:`sess.engine.runtime.memory.training_budget`; the losses are token sums, so backward per
 micro-batch gives the same gradients). Datums that share a long prefix (the G completions of one
 prompt in RL) form one micro-batch whose prefix runs once: its KV cache is repeated for the members
 and only their suffixes run, which is the same function with fewer FLOPs (in RL batches the prompt

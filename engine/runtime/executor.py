@@ -2,7 +2,7 @@
 
 Transports (in-process, HTTP) call :meth:`Executor.submit`, :meth:`Executor.wait` (or
 :meth:`Executor.wait_async`) and :meth:`Executor.call`. Each reads the op's request with its type
-from the ops table (:mod:`.ops`) on the caller's thread, so bad input is refused before anything is
+from the ops table (:mod:`sess.engine.runtime.ops.table`) on the caller's thread, so bad input is refused before anything is
 queued. A session's ordered ops carry the sequence number its client stamped at call time and run
 strictly in that order (an early arrival waits for the ones before it); a resubmitted op with the
 same client token returns the first op instead of running twice. Sample requests join their base
@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sess.engine.runtime import checkpoint_ops
 from sess.engine.runtime.fair_queue import ReadyQueue
-from sess.engine.runtime.operation import Operation, internal_error
-from sess.engine.runtime.ops import OPS, Kind
+from sess.engine.runtime.ops import checkpoint_ops
+from sess.engine.runtime.ops.operation import Operation, internal_error
+from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session_order import SequenceOrder
+from sess.engine.runtime.sequence_order import SequenceOrder
 from sess.engine.runtime.usage import session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import Usage
@@ -38,7 +38,7 @@ T = TypeVar("T")
 KEEP_RESULTS = 20_000
 
 
-class Executor(SequenceOrder):
+class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
 
@@ -55,8 +55,7 @@ class Executor(SequenceOrder):
         self._ready = ReadyQueue(fair)  # fair=False: arrival order
         self._ops: OrderedDict[str, Operation] = OrderedDict()
         self._tokens: dict[tuple[str, str], str] = {}
-        self._next_seq: dict[str, int] = {}
-        self._parked: dict[str, dict[int, Operation]] = {}
+        self.order = SequenceOrder()  # each session's sequence numbers and parked ops (under _cv)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._closed = False
         self._last_work = time.monotonic()
@@ -99,7 +98,8 @@ class Executor(SequenceOrder):
             if client_token is not None and (owner, client_token) in self._tokens:
                 return self._tokens[(owner, client_token)]  # the same op, sent twice at once
             if spec.kind is Kind.ORDERED:
-                self._order(op)
+                for ready in self.order.arrive(op):
+                    self._ready.append(ready)
             else:
                 self._ready.append(op)
             self._remember(op, client_token)
@@ -160,12 +160,22 @@ class Executor(SequenceOrder):
     def next_seq(self, session: str) -> int:
         """The sequence number the session's next ordered op must carry."""
         with self._cv:
-            return self._next_seq.get(session, 1)
+            return self.order.next_seq(session)
 
     def queued(self) -> int:
         """Ops waiting for the executor thread: queued, or parked until an earlier sequence number."""
         with self._cv:
-            return len(self._ready) + sum(len(parked) for parked in self._parked.values())
+            return len(self._ready) + self.order.waiting()
+
+    def unblocks(self, session: str, seq: Any) -> bool:
+        """Whether an op with sequence number ``seq`` is the one the session's parked ops wait for."""
+        with self._cv:
+            return self.order.unblocks(session, seq)
+
+    @property
+    def idled(self) -> bool:
+        """Whether :meth:`idle` has run since the last op or decode step."""
+        return self._idle_since_work
 
     def close(self) -> None:
         with self._cv:
@@ -228,7 +238,8 @@ class Executor(SequenceOrder):
                     if self._idle_due():
                         break
                     self._cv.wait(timeout=1.0)
-                    self._expire_parked()
+                    for expired, error in self.order.expire():
+                        self._finish(expired, error=error)
                 if self._closed:
                     return
                 idle = self._idle_due()
@@ -305,15 +316,15 @@ class Executor(SequenceOrder):
             result = {**result, "next_seq": self.next_seq(op.request.name)}
         elif spec.forgets_session:
             self._forget_order(op.request.name)
-        elif op.name == "create_session_from_state":  # a stopped session continued: its client starts at 1
+        elif spec.restarts_order:  # a stopped session continued: its client starts at 1
             self._forget_order(result["name"])
         op.usage = usage_of(op.request, result, time.perf_counter() - started)
         self._finish(op, result=result)
 
     def _score_over_ranks(self, ops: list[Operation]) -> None:
         """Several ranks: the ``compute_logprobs`` requests waiting together, split over the ranks
-        (:mod:`.distributed_logprobs`); each owner is charged its own requests' seconds."""
-        from sess.engine.runtime.distributed_logprobs import run_group
+        (:mod:`sess.engine.runtime.distributed.logprob_spread`); each owner is charged its own requests' seconds."""
+        from sess.engine.runtime.distributed.logprob_spread import run_group
 
         admitted = []
         for op in ops:
@@ -345,6 +356,13 @@ class Executor(SequenceOrder):
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
         OPS[op.name].handler(self.runtime, op.owner, op.request, done)
+
+    def _forget_order(self, session: str) -> None:
+        """A deleted session's ordering ends with it; ops still parked for it are refused."""
+        with self._cv:
+            parked = self.order.forget(session)
+        for op, error in parked:
+            self._finish(op, error=error)
 
     def _save_before_stop(self, owner: str, name: str) -> str | None:
         try:

@@ -24,8 +24,9 @@ ENGINE = ""  # the owner of the engine's own work
 class ReadyQueue:
     def __init__(self, fair: bool = True):
         self.fair = fair
+        # every op is held with its arrival stamp, as (stamp, op): the queue's own record of arrivals
         self._arrivals: deque = deque()  # arrival order (fair=False)
-        self._owners: dict[str, OrderedDict[Any, deque]] = {}  # owner -> session -> ops (fair)
+        self._owners: dict[str, OrderedDict[Any, deque]] = {}  # owner -> session -> (stamp, op) (fair)
         self._vtime: dict[str, float] = {}
         self._clock = 0.0  # virtual time of the owner served last
         self._count = 0
@@ -38,39 +39,42 @@ class ReadyQueue:
         return self._count > 0
 
     def __iter__(self) -> Iterator:
+        return iter([op for _, op in self._stamped()])
+
+    def _stamped(self) -> list[tuple[int, Any]]:
         if not self.fair:
-            return iter(list(self._arrivals))
-        return iter([op for sessions in self._owners.values() for ops in sessions.values() for op in ops])
+            return list(self._arrivals)
+        return [entry for sessions in self._owners.values() for ops in sessions.values() for entry in ops]
 
     def append(self, op) -> None:
         self._count += 1
-        op._arrival = next(self._order)
+        entry = (next(self._order), op)
         if not self.fair:
-            self._arrivals.append(op)
+            self._arrivals.append(entry)
             return
         owner = op.owner
         if owner not in self._owners:  # an owner (re)joining starts from now, not from its idle past
             self._owners[owner] = OrderedDict()
             self._vtime[owner] = max(self._vtime.get(owner, 0.0), self._clock)
-        self._owners[owner].setdefault(op.session, deque()).append(op)
+        self._owners[owner].setdefault(op.session, deque()).append(entry)
 
     def popleft(self):
         if not self._count:
             raise IndexError("pop from an empty queue")
         self._count -= 1
         if not self.fair:
-            return self._arrivals.popleft()
+            return self._arrivals.popleft()[1]
         if ENGINE in self._owners:
             owner = ENGINE
         else:
             owner = min(
                 self._owners,
-                key=lambda o: (self._vtime[o], next(iter(self._owners[o].values()))[0]._arrival),
+                key=lambda o: (self._vtime[o], next(iter(self._owners[o].values()))[0][0]),
             )
         self._clock = max(self._clock, self._vtime.get(owner, 0.0))
         sessions = self._owners[owner]
         session, ops = next(iter(sessions.items()))
-        op = ops.popleft()
+        _, op = ops.popleft()
         if ops:
             sessions.move_to_end(session)  # the owner's next op comes from its next session
         else:
@@ -81,14 +85,14 @@ class ReadyQueue:
 
     def take(self, wanted: Callable[[Any], bool]) -> list:
         """Remove and return every queued op ``wanted`` accepts, in arrival order."""
-        taken = [op for op in self if wanted(op)]
+        taken = [entry for entry in self._stamped() if wanted(entry[1])]
         if not taken:
             return []
         if not self.fair:
-            self._arrivals = deque(op for op in self._arrivals if not wanted(op))
+            self._arrivals = deque(entry for entry in self._arrivals if not wanted(entry[1]))
         for owner, sessions in list(self._owners.items()):
             for session, ops in list(sessions.items()):
-                kept = deque(op for op in ops if not wanted(op))
+                kept = deque(entry for entry in ops if not wanted(entry[1]))
                 if kept:
                     sessions[session] = kept
                 else:
@@ -96,7 +100,7 @@ class ReadyQueue:
             if not sessions:
                 del self._owners[owner]
         self._count -= len(taken)
-        return sorted(taken, key=lambda op: op._arrival)
+        return [op for _, op in sorted(taken, key=lambda entry: entry[0])]
 
     def charge(self, owner: str, seconds: float) -> None:
         """Add ``seconds`` of the engine's time to ``owner``'s share."""

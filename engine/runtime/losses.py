@@ -15,7 +15,7 @@ Every loss reduces by token sum; ``weights`` / ``advantages`` act as the mask, a
   lo/hi default 1 - 3e-4 / 1 + 4e-4, the GSPO paper's clip ranges (Zheng et al., 2025).
 
 ``cross_entropy`` also takes (N, K) ``target_tokens`` and ``weights``; the training op runs such a
-datum as K datums of one column each (:mod:`.training_ops`), so the sum above is over every target.
+datum as K datums of one column each (:mod:`sess.engine.runtime.ops.training_ops`), so the sum above is over every target.
 ``stable_reinforce`` and ``custom``, which the tinker SDK names, are refused with the reason in
 :data:`sess.engine.sdk.loss_registry.REFUSED`.
 

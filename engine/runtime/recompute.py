@@ -14,7 +14,7 @@ record how each of those outputs was made (:class:`Recipe`), and a saved-tensor 
 tensor that is one of them as its recipe instead. The backward pass unpacks the recipe by running
 the same modules' code on the same inputs (once per recipe, however many nodes read it), so every
 value, and so every gradient, has the same bits as without it. The activation probe of
-:mod:`.memory_budget` prices a position with the same hook, so the budget holds ~1.7x the positions
+:mod:`sess.engine.runtime.memory.training_budget` prices a position with the same hook, so the budget holds ~1.7x the positions
 it held without it.
 
 Only what the inputs' dtype allows is recorded: a norm in bf16 converts its input to fp32 first, so

@@ -2,7 +2,7 @@
 
 The ops themselves are functions over this state, one module per area (``session_ops``,
 ``training_ops``, ``checkpoint_ops``, ``sampling_ops``), listed with their request types in
-:mod:`.ops`. The runtime is not thread-safe by design: one executor thread owns torch and calls it
+:mod:`sess.engine.runtime.ops.table`. The runtime is not thread-safe by design: one executor thread owns torch and calls it
 (:mod:`.executor`).
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sess.engine.runtime.catalog import DTYPES, Dtypes, ModelNotAvailable
-from sess.engine.runtime.memory import trim
-from sess.engine.runtime.memory_budget import default_budget
-from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.memory.malloc_tuning import trim
+from sess.engine.runtime.memory.training_budget import default_budget
+from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
+from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.session import Session
 from sess.engine.sampling import row_invariant
 from sess.engine.sampling.decode_batch import DecodeBatch
@@ -23,8 +23,8 @@ from sess.engine.sdk.home import sess_home
 from sess.engine.sdk.requests import Request
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed import Ranks
-    from sess.engine.runtime.vllm_sampler import VllmSampler
+    from sess.engine.runtime.distributed.ranks import Ranks
+    from sess.engine.runtime.vllm.sampler import VllmSampler
 
 
 class Runtime:
@@ -39,14 +39,14 @@ class Runtime:
         self.home = sess_home(home)
         self.device = device
         self.dtypes = dtypes or Dtypes()
-        self._memory_budget = memory_budget  # None: memory_budget.default_budget, once a model is in
+        self._memory_budget = memory_budget  # None: training_budget.default_budget, once a model is in
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
-        self.published: set[str] = set()  # sess:// paths every key may read (checkpoint_lifecycle.py)
+        self.published: set[str] = set()  # sess:// paths every key may read (checkpoints/checkpoint_lifecycle.py)
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
-        self.vllm: VllmSampler | None = None  # sample requests go to vLLM (--sampler vllm, vllm_sampler.py)
+        self.vllm: VllmSampler | None = None  # sample requests go to vLLM (--sampler vllm, vllm/sampler.py)
         self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
 
     def batch_invariance(self, *, check: bool = False) -> dict:
@@ -74,6 +74,11 @@ class Runtime:
             except ModelNotAvailable as exc:
                 raise NotFound(f"base_model: {exc}") from None
         return self.hosts[base_model]
+
+    @property
+    def last_work(self) -> str | None:
+        """What the engine last started: ``"train"``, ``"sample"`` or None (see :meth:`entering`)."""
+        return self._work
 
     @property
     def memory_budget(self) -> int:
@@ -111,7 +116,7 @@ class Runtime:
     def prepare(self, name: str, owner: str, request: Request | None) -> Request | None:
         """Called by the executor before op ``name`` runs; returns the request to run. With several
         ranks, rank 0 sends it to the others or gathers the weights it needs
-        (:meth:`.distributed.Ranks.prepare`)."""
+        (:meth:`sess.engine.runtime.distributed.ranks.Ranks.prepare`)."""
         return request if self.ranks is None else self.ranks.prepare(self, name, owner, request)
 
     def full_weights(self) -> None:
@@ -123,7 +128,7 @@ class Runtime:
     def entering(self, work: str) -> None:
         """Training (``"train"``: a backward pass with no sampling in flight) or sampling
         (``"sample"``: a decode step) runs. Where the engine switches from one to the other, it
-        hands the heap's free memory back first (:func:`.memory.trim`): the blocks one kind freed
+        hands the heap's free memory back first (:func:`sess.engine.runtime.memory.malloc_tuning.trim`): the blocks one kind freed
         are of sizes the other's seldom fits, so they stay free and, in a heap never trimmed while
         the engine works, resident. A loop that samples and trains at once never switches, and a
         run of training ops (or of sample requests) trims at most once, so pages freed between its

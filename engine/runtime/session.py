@@ -13,7 +13,7 @@ import torch
 from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed_adapters import ShardedAdapter
+    from sess.engine.runtime.distributed.adapter_shards import ShardedAdapter
 
 
 def adamw_step_dtype() -> torch.dtype:

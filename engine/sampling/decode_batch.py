@@ -46,7 +46,7 @@ class SampleJob:
     on_done: Callable[[list[SampledSequence] | None, BaseException | None], None]
     prompt_logprobs: int = 0  # 0: none, -1: logprobs only, k > 0: also top-k
     # several ranks: the request's target as rank 0 hands it to another rank to decode
-    # ({"session"}, {"model_path"} or {"base_model"}; runtime/distributed_sampling.py); None: here
+    # ({"session"}, {"model_path"} or {"base_model"}; runtime/distributed/sample_spread.py); None: here
     target: dict | None = None
     prompt_result: tuple | None = None
     results: list[SampledSequence | None] = field(default_factory=list)

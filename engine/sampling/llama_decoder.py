@@ -126,6 +126,14 @@ class LlamaDecoder:
             self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
         return self._copy_bytes <= self.pack_budget()
 
+    def copy_bytes(self) -> int | None:
+        """Bytes all prepacked copies of the base weights take (None until :meth:`packs` measured it)."""
+        return self._copy_bytes
+
+    def planned(self, adapter: str) -> bool:
+        """Whether ``adapter``'s decode plan is made and kept (see :meth:`release_memory`)."""
+        return adapter in self._plans
+
     def release_memory(self, keep: set[str] = frozenset()) -> None:
         """Drop the prepacked copies of the base weights (as large as the weights) and the plans
         of adapters not in ``keep`` (a plan holds the adapter's A matrices stacked and its large B

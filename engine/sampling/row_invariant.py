@@ -262,6 +262,10 @@ class RowInvariantLinears:
             return packed_linear(x, weight, bias, packed=False)
         return blas_linear(x, weight, bias)
 
+    def packed_bytes(self) -> int:
+        """Bytes the packed copies held now take."""
+        return sum(copy.numel() * copy.element_size() for _, _, copy in self._packed.values())
+
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""
         self._packed.clear()

@@ -3,7 +3,7 @@
 Kinds: ``weights`` (a PEFT adapter for sampling), ``merged`` (a transformers model directory with the
 adapter folded in), ``state`` (adapter plus AdamW moments) and ``sampler`` (a transient adapter that
 ``save_weights_and_get_sampling_client`` writes; the engine keeps each session's newest few). What
-the files hold is :mod:`sess.engine.runtime.checkpoints`' business; this module only names them.
+the files hold is :mod:`sess.engine.runtime.checkpoints.checkpoint_files`' business; this module only names them.
 """
 
 from __future__ import annotations

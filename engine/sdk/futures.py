@@ -46,6 +46,14 @@ class APIFuture(Generic[T]):
     def add_done_callback(self, fn: Callable[[APIFuture[T]], Any]) -> None:
         self._future.add_done_callback(lambda _: fn(self))
 
+    def set_result(self, value: T) -> None:
+        """Resolve the future with ``value`` (the client that made it, once the op's answer is in)."""
+        self._future.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        """Resolve the future with ``error``, which :meth:`result` raises."""
+        self._future.set_exception(error)
+
     async def result_async(self) -> T:
         return await asyncio.wrap_future(self._future)
 
@@ -96,7 +104,7 @@ class Submitter:
                     name, args, session=session, seq=seq, client_token=token
                 )
             except BaseException as exc:
-                future._future.set_exception(exc)
+                future.set_exception(exc)
                 continue
             self._pollers.submit(self._poll, future, convert)
 
@@ -112,9 +120,9 @@ class Submitter:
                 finished, result = self.transport.wait(future.operation_id, POLL_S)
                 if finished:
                     break
-            future._future.set_result(convert(result))
+            future.set_result(convert(result))
         except BaseException as exc:
-            future._future.set_exception(exc)
+            future.set_exception(exc)
 
     def close(self) -> None:
         self._queue.put(None)

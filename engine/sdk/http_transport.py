@@ -110,7 +110,8 @@ class HttpTransport:
         headers = {"content-type": "application/json"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
-        self._http = httpx.Client(
+        # public: one connection pool for every request (tests stand in for its transport)
+        self.client = httpx.Client(
             base_url=self.url,
             headers=headers,
             transport=httpx.HTTPTransport(
@@ -143,7 +144,7 @@ class HttpTransport:
         busy_until = time.monotonic() + BUSY_DEADLINE_S
         while True:
             try:
-                response = self._http.request(
+                response = self.client.request(
                     method, path, content=content, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw
                 )
                 wait = _retry_after(response)
@@ -218,7 +219,7 @@ class HttpTransport:
             if not target.resolve().is_relative_to(dest_dir.resolve()):
                 raise InvalidRequest(f"checkpoint file {relative!r} escapes the destination")
             target.parent.mkdir(parents=True, exist_ok=True)
-            with self._http.stream(
+            with self.client.stream(
                 "GET", "/api/checkpoints/file", params={"path": path, "file": relative}, timeout=600
             ) as response:
                 if response.status_code >= 400:
@@ -261,4 +262,4 @@ class HttpTransport:
 
     def close(self) -> None:
         self._closed.set()
-        self._http.close()
+        self.client.close()

@@ -5,7 +5,7 @@ the same class back with :meth:`Request.from_wire`, which checks every field's t
 (:mod:`.wire_checks`) before the executor ever sees the op, so bad input is a 400 that names the
 field and never reaches torch. Checks that need the model (token ids against the vocabulary, prompt
 length against the context) run in the op's handler. The engine's table of ops
-(:mod:`sess.engine.runtime.ops`) names each op's request type and handler.
+(:mod:`sess.engine.runtime.ops.table`) names each op's request type and handler.
 """
 
 from __future__ import annotations

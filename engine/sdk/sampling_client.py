@@ -105,7 +105,7 @@ class SamplingClient:
             prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         request.check()
-        return self.service._submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)
+        return self.service.submitter.submit("sample", request.to_wire(), SampleResponse.from_wire)
 
     def compute_logprobs(
         self, prompt, prompt_logprobs_last_n: int | None = None
@@ -123,7 +123,7 @@ class SamplingClient:
             target=self.target, prompt=self._prompt(prompt), prompt_logprobs_last_n=prompt_logprobs_last_n
         )
         request.check()
-        return self.service._submitter.submit("compute_logprobs", request.to_wire(), lambda r: r["logprobs"])
+        return self.service.submitter.submit("compute_logprobs", request.to_wire(), lambda r: r["logprobs"])
 
     def stop(self) -> None:
         """Release this client; checkpoints it sampled from stay on the engine.

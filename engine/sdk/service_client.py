@@ -59,7 +59,7 @@ class ServiceClient(CheckpointAdmin):
             self.transport: Transport = in_process_transport(home, owner=api_key or "local")
         else:
             self.transport = HttpTransport(url, api_key=api_key, home=home, gone=gone)
-        self._submitter = Submitter(self.transport)
+        self.submitter = Submitter(self.transport)  # sends this client's ops and its sessions' in call order
         self._tokenizers: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
 
@@ -303,7 +303,7 @@ class ServiceClient(CheckpointAdmin):
 
         Returns:
             None."""
-        self._submitter.close()
+        self.submitter.close()
         self.transport.close()
 
     def __enter__(self) -> ServiceClient:

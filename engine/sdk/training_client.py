@@ -100,6 +100,19 @@ class TrainingClient:
             An int; the engine runs a session's ordered ops in this order."""
         return self._seq
 
+    def reserve_sequence_number(self) -> int:
+        """Take the session's next sequence number for an op sent by other means (a raw HTTP
+        request); this client's own later ops come after it, so that op must reach the engine for
+        them to run."""
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def noop(self) -> APIFuture[dict]:
+        """An ordered op that does nothing: its answer says every earlier op of the session ran
+        (and its round trip is the engine's overhead per op)."""
+        return self._ordered("noop", rq.Noop(session=self.name), lambda result: result)
+
     def _ordered(self, name: str, request: rq.SessionOp, convert: Callable) -> APIFuture:
         request.check()
         with self._lock:  # stamping and queueing under one lock keeps sequence numbers in send order
@@ -107,7 +120,7 @@ class TrainingClient:
             return self._send(name, request, convert, self._seq)
 
     def _send(self, name: str, request: rq.SessionOp, convert: Callable, seq: int) -> APIFuture:
-        return self.service._submitter.submit(
+        return self.service.submitter.submit(
             name, request.to_wire(), convert, session=self.name, seq=seq, client_token=uuid.uuid4().hex
         )
 
@@ -198,7 +211,7 @@ class TrainingClient:
                 ]
             except BaseException as exc:
                 self._send("noop", rq.Noop(session=self.name), lambda r: r, backward_seq)
-                outer._future.set_exception(exc)
+                outer.set_exception(exc)
                 return
             backward_data = [
                 Datum(
@@ -214,13 +227,13 @@ class TrainingClient:
             def finish(b: APIFuture) -> None:
                 error = b.exception()
                 if error is not None:
-                    outer._future.set_exception(error)
+                    outer.set_exception(error)
                     return
                 result_metrics = {
                     "loss:sum": float(loss.detach()),
                     **{k: float(v) for k, v in metrics.items()},
                 }
-                outer._future.set_result(ForwardBackwardOutput(output.loss_fn_outputs, result_metrics))
+                outer.set_result(ForwardBackwardOutput(output.loss_fn_outputs, result_metrics))
 
             backward.add_done_callback(finish)
 

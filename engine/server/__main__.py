@@ -1,13 +1,13 @@
 """``python -m sess.engine.server``: run an engine server in this process.
 
 It first re-executes itself under the engine's process environment (malloc settings that keep freed
-memory for the next step, oneDNN cache caps: :mod:`sess.engine.runtime.memory`), since glibc reads
+memory for the next step, oneDNN cache caps: :mod:`sess.engine.runtime.memory.malloc_tuning`), since glibc reads
 them only at start; a process started with them in effect goes straight on.
 """
 
 import sys
 
-from sess.engine.runtime.memory import exec_as_engine
+from sess.engine.runtime.memory.malloc_tuning import exec_as_engine
 from sess.engine.server.serve import main
 
 _args = sys.argv[1:]

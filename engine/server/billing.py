@@ -19,11 +19,8 @@ from typing import Any
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.prices import PriceTable, format_cost, parse_amount, to_pico
 from sess.engine.server.keys import LOCAL_OWNER, KeyStore
-from sess.engine.server.registry import Registry
+from sess.engine.server.sqlite_registry import Registry
 
-# Ops whose tokens a budget pays for; the rest (optim_step, saves, loads, noop) cost nothing and keep a
-# session's state and order whole (an optim_step applies gradients already paid for).
-COSTLY = {"forward", "forward_backward", "sample", "compute_logprobs"}
 TOKEN_FIELDS = ("prefill_tokens", "sampled_tokens", "training_tokens")
 RETRY_AFTER_S = 1
 

@@ -1,7 +1,7 @@
 """Reading request bodies, for every protocol the server speaks: a size limit checked while the body
 streams in, and JSON objects whose integers no field could hold are refused as 400s, not 500s.
 
-The sess routes (:mod:`.app`), the OpenAI routes and the Tinker protocol (:mod:`.tinker`) all read
+The sess routes (:mod:`.http_app`), the OpenAI routes and the Tinker protocol (:mod:`.tinker`) all read
 bodies here, so a bad body gets the same answer everywhere.
 """
 

@@ -172,7 +172,7 @@ class KeyStore:
 
     def _audit(self, event: str, entry: dict) -> None:
         """A key change in the registry's audit log (made by the home's operator, owner ``local``)."""
-        from sess.engine.server.registry import Registry
+        from sess.engine.server.sqlite_registry import Registry
 
         registry = Registry(self.home)
         try:

@@ -6,7 +6,7 @@ A checkpoint may carry a TTL (``ttl_seconds``, :data:`MIN_TTL_S` to :data:`MAX_T
 (every :data:`SWEEP_S` seconds, on the executor thread) deletes expired checkpoints, files and
 registry rows, except those something still samples from: a running request, or a sampler a
 front end holds (:attr:`ManagedEngine.checkpoint_users`); those go at the first sweep after their
-release. Publishing makes a checkpoint readable by every key (:mod:`sess.engine.runtime.checkpoint_lifecycle`);
+release. Publishing makes a checkpoint readable by every key (:mod:`sess.engine.runtime.checkpoints.checkpoint_lifecycle`);
 the published set is restored from the registry when the engine starts. Every change here, and
 every session created, resumed or deleted, is an audit entry (``<resource>_<action>``).
 A session's trace is Chrome trace JSON (what Perfetto and chrome://tracing open): one complete
@@ -20,7 +20,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from sess.engine.runtime import checkpoint_lifecycle as lc
+from sess.engine.runtime.checkpoints import checkpoint_lifecycle as lc
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.requests import MAX_TTL_S, MIN_TTL_S, check_checkpoint_metadata

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sess.engine.runtime import checkpoint_ops, session_ops
 from sess.engine.runtime.executor import Executor, Operation
-from sess.engine.runtime.memory import IDLE_TRIM_S, allocator, keep_freed_memory, trim
-from sess.engine.runtime.ops import OPS
+from sess.engine.runtime.memory.malloc_tuning import IDLE_TRIM_S, allocator, keep_freed_memory, trim
+from sess.engine.runtime.ops import checkpoint_ops, session_ops
+from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.runtime.usage import session_of
@@ -31,10 +31,10 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import SessionStatus, Usage
-from sess.engine.server.billing import COSTLY, Billing
+from sess.engine.server.billing import Billing
 from sess.engine.server.lifecycle import SWEEP_S, Lifecycle
-from sess.engine.server.registry import Registry
 from sess.engine.server.settings import HEARTBEAT_LAPSE_S, IDLE_TIMEOUT_S, MAX_SESSIONS
+from sess.engine.server.sqlite_registry import Registry
 
 log = logging.getLogger("sess.engine")
 
@@ -103,9 +103,14 @@ class ManagedEngine(Executor):
         # Another key's session must look absent, not busy: check before sequence ordering answers.
         if isinstance(session, str) and self.runtime.find_session(owner, session) is None:
             raise NotFound(f"session {session!r} not found")
-        if name != "noop" and not (isinstance(session, str) and self._unblocks(session, seq)):
+        # The op a session's parked ops wait for is never held back by the queue limit, since those
+        # parked ops fill the queue until it arrives; nor is a noop, which only keeps an order moving.
+        if name != "noop" and not (isinstance(session, str) and self.unblocks(session, seq)):
             self.billing.check_queue(owner)
-        refusal = self.billing.over_budget(owner) if name in COSTLY else None
+        # A costly op's tokens are paid for (the op table's column); the rest (optim_step, saves,
+        # loads, noop) cost nothing and keep a session's state and order whole.
+        spec = OPS.get(name) if isinstance(name, str) else None
+        refusal = self.billing.over_budget(owner) if spec is not None and spec.costly else None
         if refusal is not None:
             if (
                 not hold_seq
@@ -123,13 +128,6 @@ class ManagedEngine(Executor):
         if isinstance(session, str) and session in self.heartbeats:
             self.heartbeats[session] = time.time()  # its client is alive, however long the op queues
         return op_id
-
-    def _unblocks(self, session, seq) -> bool:
-        """Whether an op is the one its session's parked ops wait for: never held back by the queue
-        limit, since those parked ops fill the queue until it arrives (as does a noop, which only
-        keeps a session's order moving)."""
-        with self._cv:
-            return bool(self._parked.get(session)) and seq == self._next_seq.get(session, 1)
 
     def call(self, owner: str, name: str, args=None):
         result = super().call(owner, name, args)
@@ -289,7 +287,7 @@ class ManagedEngine(Executor):
         log.warning("session %s: %s for over %.0f s: state saved, session stopped", name, silent, timeout)
 
     def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
-        """``session``'s state before it stops (:func:`.checkpoint_ops.save_unsaved_state`), in
+        """``session``'s state before it stops (:func:`sess.engine.runtime.ops.checkpoint_ops.save_unsaved_state`), in
         the registry too; a failure is logged: the session stops anyway, without those steps."""
         try:
             path = checkpoint_ops.save_unsaved_state(runtime, session.owner, session.name, reason)

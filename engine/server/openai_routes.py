@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from sess.engine.runtime.catalog import list_models
-from sess.engine.runtime.sampling_ops import resolve_target
+from sess.engine.runtime.models.catalog import list_models
+from sess.engine.runtime.ops.sampling_ops import resolve_target
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Target
 from sess.engine.sdk.types import SamplingParams, SessionStatus

@@ -57,14 +57,14 @@ def serve(
     """Run an engine in this process until SIGINT/SIGTERM; writes ``engine.json`` into the home.
 
     ``ranks`` (rank 0 of several, :mod:`.serve_ranks`): the engine leads the other ranks.
-    ``sampler="vllm"``: sample requests go to vLLM, run by ``sampler_python`` (:mod:`.vllm_sampler`)."""
+    ``sampler="vllm"``: sample requests go to vLLM, run by ``sampler_python`` (:mod:`sess.engine.runtime.vllm.sampler`)."""
     import uvicorn
 
-    from sess.engine.runtime.catalog import Dtypes
-    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.memory.training_budget import parse_bytes
+    from sess.engine.runtime.models.catalog import Dtypes
     from sess.engine.runtime.runtime import Runtime
-    from sess.engine.server.app import create_app
     from sess.engine.server.billing import Billing
+    from sess.engine.server.http_app import create_app
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
 
@@ -83,7 +83,7 @@ def serve(
         price_table = load_price_table(prices) if prices else None
     except ValueError as exc:
         raise SystemExit(f"sess engine: --prices: {exc}") from None
-    from sess.engine.runtime.vllm_sampler import VllmSampler, check_sampler
+    from sess.engine.runtime.vllm.sampler import VllmSampler, check_sampler
 
     nproc = 1 if ranks is None else ranks.world
     problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
@@ -135,7 +135,7 @@ def serve(
             sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank
         )
     if ranks is not None:
-        from sess.engine.runtime.distributed_follow import session_snapshot
+        from sess.engine.runtime.distributed.follower import session_snapshot
 
         engine.runtime.ranks = ranks
         engine.run(lambda runtime: ranks.send(session_snapshot(runtime)))
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "--join-timeout", type=float, default=None, help="seconds to wait for every host to join (300)"
     )
     args = parser.parse_args(argv)
-    from sess.engine.runtime.distributed_nodes import JOIN_TIMEOUT_S, Nodes
+    from sess.engine.runtime.distributed.nodes import JOIN_TIMEOUT_S, Nodes
 
     try:  # before any rank starts
         nodes = Nodes.parse(
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"sess engine: {problem}")
     ranks = None
     if args.nproc != 1 or nodes is not None:
-        from sess.engine.runtime.distributed_launch import RANKS_ENV, check_nproc
+        from sess.engine.runtime.distributed.launch import RANKS_ENV, check_nproc
 
         try:
             check_nproc(args.nproc, args.device)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             release_start_lock()  # rank 0 writes engine.json; the agent would hold the lock for good
             command = sys.argv[1:] if argv is None else argv
             sys.exit(serve_ranks.run_agent(args.nproc, command, args.home, nodes))
-        from sess.engine.runtime.distributed import Ranks
+        from sess.engine.runtime.distributed.ranks import Ranks
 
         ranks = Ranks(args.device)
         args.device = ranks.device

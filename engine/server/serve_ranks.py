@@ -2,13 +2,13 @@
 
 ``python -m sess.engine.server --nproc N`` (or ``sess engine up --nproc N``) runs
 :func:`run_agent`: torch.distributed's elastic agent starts N ranks of the same command line
-(:mod:`sess.engine.runtime.distributed_launch`). Rank 0 serves the API (:func:`serve` with its
-:class:`~sess.engine.runtime.distributed.Ranks`); the others run :func:`follow_rank`. When a rank dies
+(:mod:`sess.engine.runtime.distributed.launch`). Rank 0 serves the API (:func:`serve` with its
+:class:`~sess.engine.runtime.distributed.ranks.Ranks`); the others run :func:`follow_rank`. When a rank dies
 the agent stops the rest, marks the sessions the engine had live as Interrupted in the registry
 (resumable from their saved state, as after any engine crash) and exits with a message naming the
 rank.
 
-Over several hosts (``--nnodes``, :mod:`sess.engine.runtime.distributed_nodes`) every host runs
+Over several hosts (``--nnodes``, :mod:`sess.engine.runtime.distributed.nodes`) every host runs
 an agent for its ranks, all with the same ``--home`` on a filesystem they share: node 0's rank 0
 serves, writes the registry, ``engine.json`` and every checkpoint there, and the other hosts' ranks
 read checkpoints from it (a saved state they load) and write nothing. Node 0's agent marks the
@@ -29,11 +29,11 @@ log = logging.getLogger("sess.engine")
 
 def run_agent(nproc: int, argv: list[str], home: str | Path | None, nodes=None) -> int:
     """Run the engine as ``nproc`` ranks of ``python -m sess.engine.server *argv`` (this host's, of
-    ``nodes``: :class:`~sess.engine.runtime.distributed_nodes.Nodes`); the exit code."""
+    ``nodes``: :class:`~sess.engine.runtime.distributed.nodes.Nodes`); the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from sess.engine.runtime.distributed_launch import run_ranks
-    from sess.engine.server.registry import Registry
+    from sess.engine.runtime.distributed.launch import run_ranks
+    from sess.engine.server.sqlite_registry import Registry
 
     try:
         failure = run_ranks(nproc, argv, nodes)
@@ -68,9 +68,9 @@ def follow_rank(
 ) -> None:
     """A rank other than 0: hold its share of the weights and run rank 0's ops until told to stop.
     ``dtype`` and ``memory_budget`` are the engine's options (every rank gets the same command line)."""
-    from sess.engine.runtime.catalog import Dtypes
-    from sess.engine.runtime.distributed_follow import follow
-    from sess.engine.runtime.memory_budget import parse_bytes
+    from sess.engine.runtime.distributed.follower import follow
+    from sess.engine.runtime.memory.training_budget import parse_bytes
+    from sess.engine.runtime.models.catalog import Dtypes
     from sess.engine.runtime.runtime import Runtime
 
     runtime = Runtime(
@@ -92,7 +92,7 @@ def start_node(home: Path, host: str, port: int, device: str, extra: list[str], 
     with their output in HOME/engine-node-K.log. What to print."""
     import subprocess
 
-    from sess.engine.runtime.memory import engine_env
+    from sess.engine.runtime.memory.malloc_tuning import engine_env
     from sess.engine.sdk.local_engine import server_command
 
     command = server_command(home, host, port, device, extra)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sess.rl.data import Data, Dataset
 
 from ..humaneval.problems import HUMANEVAL_SIZE, humaneval_problems
-from .grader import GraderConfig, SharedGrader, env_of, envs_of
+from .grader_config import GraderConfig, SharedGrader, env_of, envs_of
 from .tasks import CodeTasks
 
 

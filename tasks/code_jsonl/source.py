@@ -2,7 +2,7 @@
 
 One JSON object a line with ``prompt`` and ``tests`` (asserts, or a HumanEval-style
 ``check(candidate)`` with ``entry_point``), and optionally ``entry_point`` and ``id``; a malformed line
-is named by its number. Solutions run in the run's grader (:mod:`sess.tasks.code.grader`).
+is named by its number. Solutions run in the run's grader (:mod:`sess.tasks.code.grader_config`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from omegaconf import MISSING
 from sess.rl.data import Data, Dataset
 
 from .. import files
-from ..code.grader import GraderConfig, SharedGrader, env_of, envs_of
+from ..code.grader_config import GraderConfig, SharedGrader, env_of, envs_of
 from ..code.tasks import CodeProblem
 
 

@@ -163,7 +163,7 @@ def test_model_targets_match_the_engine_selection():
     """The targets --dry-run shows agree with what the engine wraps (checked on the tiny models)."""
     import torch
 
-    from sess.engine.runtime.catalog import load_model, lora_targets
+    from sess.engine.runtime.models.catalog import load_model, lora_targets
 
     for name, arch in [("tiny-llama", "llama"), ("tiny-gpt-oss", "gpt_oss")]:
         cfg = config.compose([f"model={name}"])

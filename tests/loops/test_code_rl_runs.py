@@ -14,7 +14,7 @@ from sess.harness.records import read_jsonl
 from sess.rl import rollouts
 from sess.rl.env import Env, StepResult
 from sess.tasks import sources as datasets
-from sess.tasks.code.env import CodeEnv
+from sess.tasks.code.code_env import CodeEnv
 
 from env_helpers import ADD_TWO, RIGHT, WRONG, readme_env
 from helpers import clear_grads, engine_grads, max_diff, sandbox_server, train_steps
@@ -204,7 +204,7 @@ def test_grader_choice_sandbox_fusion_grades_through_the_server(tmp_path):
         data = datasets.load(cfg.data, 0, cfg.grader)
         grader = data.envs.train(0)().grader
         assert [CodeEnv(ADD_TWO, grader).step(reply).reward for reply in (RIGHT, WRONG)] == [1.0, 0.0]
-        assert type(grader._grader).__name__ == "SandboxFusionGrader" and grader._grader.url == url
+        assert type(grader.backend).__name__ == "SandboxFusionGrader" and grader.backend.url == url
 
 
 def test_mlflow_logger_keeps_params_metrics_and_config_offline(sess_home, tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.runtime.catalog import Dtypes, dtype_name
 from sess.engine.runtime.inprocess import shared_engine
+from sess.engine.runtime.models.catalog import Dtypes, dtype_name
 from sess.engine.server.serve_checks import check_options
 
 from helpers import SENTENCES, ce_datum, decode_plan, forward_logprobs, train_steps

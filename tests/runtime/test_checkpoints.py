@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from sess.engine import AdamParams, NotFound, SamplingParams
-from sess.engine.runtime.catalog import load_model
+from sess.engine.runtime.models.catalog import load_model
 
 from helpers import SENTENCES, ce_datum, forward_logprobs, train_steps
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sess.engine.runtime.memory import (
+from sess.engine.runtime.memory.malloc_tuning import (
     ENGINE_MALLOC,
     ONEDNN_CACHES,
     OPENMP,
@@ -147,7 +147,7 @@ def test_an_engine_s_onednn_caches_stay_small_however_many_shapes_it_meets():
 # blocks below MMAP_FROM (the heap's), then trim
 TRIM_PROBE = """
 import torch
-from sess.engine.runtime.memory import trim
+from sess.engine.runtime.memory.malloc_tuning import trim
 def rss():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
 xs = [torch.ones(2**18) for _ in range(400)]
@@ -239,7 +239,7 @@ def test_exec_as_engine_restarts_a_process_under_the_settings_once(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys\n"
-        "from sess.engine.runtime.memory import exec_as_engine\n"
+        "from sess.engine.runtime.memory.malloc_tuning import exec_as_engine\n"
         "print('start', flush=True)\n"
         "exec_as_engine([sys.executable, *sys.argv])\n"
         "print(os.environ['MALLOC_ARENA_MAX'], os.environ['MALLOC_MMAP_THRESHOLD_'])\n"
@@ -250,8 +250,7 @@ def test_exec_as_engine_restarts_a_process_under_the_settings_once(tmp_path):
 
 
 def test_sess_malloc_chooses_the_allocator_and_names_what_is_wrong(monkeypatch):
-    from sess.engine.runtime import memory
-
+    from sess.engine.runtime.memory import malloc_tuning as memory
     with pytest.raises(ValueError, match="glibc, jemalloc, system"):
         engine_env({"SESS_MALLOC": "tcmalloc"})
     if not sys.platform.startswith("linux"):
@@ -268,7 +267,7 @@ def test_sess_malloc_chooses_the_allocator_and_names_what_is_wrong(monkeypatch):
 
 
 # the trim probe, then which malloc ran it and whether trim() could trim through it
-JEMALLOC_PROBE = TRIM_PROBE + "from sess.engine.runtime.memory import allocator\nprint(allocator(), trim())\n"
+JEMALLOC_PROBE = TRIM_PROBE + "from sess.engine.runtime.memory.malloc_tuning import allocator\nprint(allocator(), trim())\n"
 
 
 @linux
@@ -301,7 +300,7 @@ def test_the_heap_goes_back_where_the_engine_switches_between_sampling_and_train
     from helpers import SENTENCES, train_steps
 
     calls = []
-    monkeypatch.setattr(runtime_module, "trim", lambda: calls.append(runtime._work))
+    monkeypatch.setattr(runtime_module, "trim", lambda: calls.append(runtime.last_work))
     with svc.create_lora_training_client("tiny-llama", rank=4, seed=3) as tc:
         prompt = tc.get_tokenizer().encode("Once upon a time")
         params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)

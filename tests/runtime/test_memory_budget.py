@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from sess.engine import AdamParams, Datum, ModelInput
-from sess.engine.runtime import memory, memory_budget, output_layer, recompute, training_ops
+from sess.engine.runtime import output_layer, recompute
+from sess.engine.runtime.memory import malloc_tuning as memory
+from sess.engine.runtime.memory import training_budget as memory_budget
+from sess.engine.runtime.ops import training_ops
 
 from helpers import (
     budget,

@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from sess.engine.runtime import catalog as models
-from sess.engine.runtime.catalog import (
+from sess.engine.runtime.models import catalog as models
+from sess.engine.runtime.models.catalog import (
     CATALOG,
     ModelNotAvailable,
     list_models,

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
-from sess.engine.runtime import catalog
+from sess.engine.runtime.models import catalog
+from sess.engine.runtime.ops.session_ops import create_session, delete_session
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.runtime.session_ops import create_session, delete_session
-from sess.engine.runtime.vllm_sampler import VllmBatch, VllmSampler
+from sess.engine.runtime.vllm.sampler import VllmBatch, VllmSampler
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
@@ -216,5 +216,5 @@ def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(
     batch.running["0"] = (None, 0.0, {"id": 1, "name": names[1], "path": str(kept)})
     delete_session(runtime, "local", rq.DeleteSession(name=names[1], stop_if_active=True))
     assert kept.is_dir()
-    batch._finish({"id": "0", "sequences": []})
+    batch.answer({"id": "0", "sequences": []})
     assert not kept.exists() and not batch.doomed

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sess.engine import SamplingParams
-from sess.engine.runtime.catalog import prepare
+from sess.engine.runtime.models.catalog import prepare
 from sess.engine.sampling.llama_decoder import LlamaDecoder
 from sess.engine.sampling.module_decoder import ModuleDecoder
 

@@ -294,7 +294,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
             for (_, a), (_, b) in zip(got, alone):
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, name
     if path == "lean step, no packed copies":
-        assert not host.decoder.linear._packed
+        assert not host.decoder.linear.packed_bytes()
     runtime.memory_budget = budget
     for tc in sessions:
         tc.stop()
@@ -318,15 +318,15 @@ def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_cha
 
     host.release_sampling_memory()
     packed = sample()
-    copies = host.decoder._copy_bytes
-    held = sum(entry[2].numel() * entry[2].element_size() for entry in linear._packed.values())
+    copies = host.decoder.copy_bytes()
+    held = linear.packed_bytes()
     assert 0 < copies <= runtime.memory_budget and held == copies  # every projection and the lm_head
     with budget(runtime, copies - 1):
         assert sample() == packed
-        assert not linear._packed  # the copies made before went at the first step over budget
+        assert not linear.packed_bytes()  # the copies made before went at the first step over budget
     with budget(runtime, copies):
         assert sample() == packed
-        assert linear._packed
+        assert linear.packed_bytes()
     tc.stop()
 
 
@@ -392,8 +392,8 @@ def test_a_training_op_drops_the_lora_plans_no_request_samples_from(runtime, svc
 
     before = sample()
     adapter = runtime.host("tiny-llama").checkpoint_adapters[sampler.model_path]
-    assert adapter in decoder._plans
+    assert decoder.planned(adapter)
     tc.forward_backward([ce_datum(tok.encode(SENTENCES[0]))], "cross_entropy").result()
-    assert adapter not in decoder._plans
+    assert not decoder.planned(adapter)
     assert sample() == before
     tc.stop()

@@ -124,13 +124,13 @@ def test_engine_side_checks_keep_session_alive(svc, tc):
         ("save_weights", {"transient": "yes"}, "transient"),
     ]
     for name, args, pattern in raw:
-        seq = tc._seq = tc._seq + 1
+        seq = tc.reserve_sequence_number()
         op = transport.submit(name, args, session=tc.name, seq=seq, client_token=f"raw-{seq}")
         with pytest.raises(SessError, match=pattern):
             while not transport.wait(op, 5)[0]:
                 pass
     nan_adv = _rl(good, advantages=np.full(len(good) - 1, np.nan, np.float32)).to_wire()
-    seq = tc._seq = tc._seq + 1
+    seq = tc.reserve_sequence_number()
     op = transport.submit("forward_backward", {"data": [nan_adv], "loss_fn": "ppo"}, session=tc.name, seq=seq)
     with pytest.raises(InvalidRequest, match=r"data\[0\].*advantages.*NaN"):
         transport.wait(op, 5)
@@ -167,7 +167,7 @@ def test_optimizer_settings_that_would_poison_the_weights_are_refused(svc, tc):
     for settings, pattern in POISON_ADAM:
         with pytest.raises(InvalidRequest, match=pattern):  # the SDK's check
             tc.optim_step(AdamParams(**{"learning_rate": 1e-4, **settings}))
-        seq = tc._seq = tc._seq + 1  # the engine's, for clients without the SDK
+        seq = tc.reserve_sequence_number()  # the engine's, for clients without the SDK
         _refused(svc.transport, "optim_step", {"adam_params": settings}, pattern, tc.name, seq)
     _still_works(tc, good)
     again = tc.forward_backward([ce_datum(good)]).result()
@@ -201,7 +201,7 @@ def test_values_torch_cannot_hold_and_silent_nonsense_are_4xx_naming_what_was_se
         ({"data": [rl], "loss_fn": "dro", "loss_fn_config": {"beta": -1}}, r"loss_fn_config\.beta.*got -1"),
     ]
     for args, pattern in ordered:
-        seq = tc._seq = tc._seq + 1
+        seq = tc.reserve_sequence_number()
         _refused(svc.transport, "forward_backward", args, pattern, tc.name, seq)
     target = {"session": tc.name}
     for params, pattern in [
@@ -228,7 +228,7 @@ def test_a_loss_that_overflows_reads_back_as_inf_over_strict_json(svc, tc):
         return
     headers = {"authorization": f"Bearer {svc.transport.api_key}"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
-        seq = tc._seq = tc._seq + 1
+        seq = tc.reserve_sequence_number()
         body = {"name": "forward", "args": {"data": [datum.to_wire()]}, "session": tc.name, "seq": seq}
         op_id = http.post("/api/submit", json=body).json()["op_id"]
         answer = http.post("/api/wait", json={"op_id": op_id, "timeout": 30})

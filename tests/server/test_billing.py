@@ -225,7 +225,7 @@ def test_budget_options_are_checked(tmp_path):
 def test_a_home_from_before_costs_is_migrated(tmp_path):
     import sqlite3
 
-    from sess.engine.server.registry import Registry
+    from sess.engine.server.sqlite_registry import Registry
 
     old = sqlite3.connect(tmp_path / "registry.db")
     old.executescript(

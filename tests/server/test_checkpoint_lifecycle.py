@@ -20,7 +20,7 @@ from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
-from sess.engine.server.registry import Registry
+from sess.engine.server.sqlite_registry import Registry
 
 from helpers import SENTENCES, ce_datum
 

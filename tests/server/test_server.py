@@ -27,7 +27,7 @@ def http(http_engine, sess_home):
 
 
 def _ops(tc):
-    seq = tc._seq = tc._seq + 1
+    seq = tc.reserve_sequence_number()
     return seq
 
 
@@ -282,7 +282,7 @@ def test_idle_session_is_saved_and_stopped_and_session_limit(engine_home):
 
 def test_sdk_retries_transient_failures_but_not_4xx(monkeypatch, http):
     transport, calls = http.transport, []
-    real = transport._http.request
+    real = transport.client.request
 
     def flaky(method, path, **kw):
         calls.append(path)
@@ -292,10 +292,10 @@ def test_sdk_retries_transient_failures_but_not_4xx(monkeypatch, http):
             return httpx.Response(503, json={"error": {"message": "busy"}})
         return real(method, path, **kw)
 
-    monkeypatch.setattr(transport._http, "request", flaky)
+    monkeypatch.setattr(transport.client, "request", flaky)
     assert isinstance(http.list_base_models(), list) and len(calls) == 4
     calls.clear()
-    monkeypatch.setattr(transport._http, "request", lambda m, p, **kw: calls.append(p) or real(m, p, **kw))
+    monkeypatch.setattr(transport.client, "request", lambda m, p, **kw: calls.append(p) or real(m, p, **kw))
     with pytest.raises(NotFound):
         http.get_training_client("no-such-session")
     assert len(calls) == 1

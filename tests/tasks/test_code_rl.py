@@ -14,7 +14,7 @@ from sess.engine import SamplingParams, ServiceClient
 from sess.rl import rendering, rollouts
 from sess.rl.env import Env, StepResult
 from sess.sandbox import Grader, Limits
-from sess.tasks.code.env import CodeEnv, code_blocks
+from sess.tasks.code.code_env import CodeEnv, code_blocks
 from sess.tasks.code.tasks import CodeTasks
 from sess.tasks.code_jsonl import source as code_jsonl
 from sess.tasks.humaneval.problems import humaneval_problems

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, wire
-from sess.engine.server.tinker.futures import Answer
+from sess.engine.server.tinker.request_futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 

@@ -29,7 +29,7 @@ from sess.engine.server.bodies import parse_json, read_body
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
-from sess.engine.server.tinker.futures import Answer, Futures
+from sess.engine.server.tinker.request_futures import Answer, Futures
 
 log = logging.getLogger("sess.engine")
 _MISSING = object()

@@ -14,13 +14,13 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.runtime.session_ops import canonical_model
+from sess.engine.runtime.ops.session_ops import canonical_model
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, wire
-from sess.engine.server.tinker.futures import Answer
+from sess.engine.server.tinker.request_futures import Answer
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 LOSSES = ", ".join(REQUIRED_INPUTS)

@@ -1,4 +1,4 @@
-"""In-sandbox harness: runs a job's solution, then its tests, and reports the outcome under a nonce.
+"""The in-sandbox job runner (the harness): runs a job's solution, then its tests, and reports the outcome under a nonce.
 
 The grader ships this file's text into the sandbox with a call `_run(<job as JSON>)` appended (see
 `protocol.py`); it uses only the standard library and runs on Python >= 3.8, so the same script also

@@ -24,8 +24,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from sess.engine.runtime import recompute
-from sess.engine.runtime.catalog import load_model, lora_targets
-from sess.engine.runtime.memory_budget import ActivationCost, measure_cost, transformer_layers
+from sess.engine.runtime.memory.training_budget import ActivationCost, measure_cost, transformer_layers
+from sess.engine.runtime.models.catalog import load_model, lora_targets
 from sess.engine.runtime.output_layer import decoder_and_head
 from sess.engine.runtime.session import flat_views
 from sess.engine.sampling.decoder import Decoder, full_attention_only

@@ -7,7 +7,7 @@ broadcasts the step with the requests for the other ranks (``{"decode": base mod
 [...]}``, JSON: prompt, samples, sampling params, stop settings, and the target: a live session by
 name, a checkpoint by its path, or the base model). Every rank then runs one step of its own
 decode batch, with the whole weights gathered on every rank (FSDP2 unshard,
-:meth:`~.distributed.Ranks.full_weights`), and the requests finished on the other ranks come back
+:meth:`~sess.engine.runtime.distributed.ranks.Ranks.full_weights`), and the requests finished on the other ranks come back
 to rank 0 in one all-gather, where each one's callback runs as for a request decoded there. A
 step is broadcast only while another rank has rows or gets new ones.
 
@@ -35,7 +35,7 @@ from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.types import SampledSequence, SamplingParams
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed import Ranks
+    from sess.engine.runtime.distributed.ranks import Ranks
     from sess.engine.runtime.runtime import Runtime
 
 
@@ -49,9 +49,6 @@ class Spread:
         self.rows = [0] * ranks.world  # rows each rank has decoded (requests x samples handed to it)
         self.peak_cache = [0] * ranks.world  # the most bytes each rank's KV cache held after a step
         ranks.spreads.append(self)
-
-    def rows_elsewhere(self) -> int:
-        return sum(job.num_samples for _, job in self.elsewhere.values())
 
     def before(self, batch: DecodeBatch) -> None:
         """Hand the waiting requests out and, if another rank decodes this step, broadcast it."""
@@ -133,11 +130,11 @@ def adapter_of(runtime: Runtime, host, target: dict) -> str | None:
 
 def follow_samplers(runtime: Runtime, message: dict) -> None:
     """A follower: hold the checkpoint adapters rank 0 holds for base model ``message["base_model"]``
-    (:meth:`~.distributed.Ranks.share_samplers`): drop the others, load the missing ones from the
+    (:meth:`~sess.engine.runtime.distributed.ranks.Ranks.share_samplers`): drop the others, load the missing ones from the
     shared home. Rank 0 never drops one a request still samples from on any rank (its decode
     batch pins the requests handed out too), and this rank evicts nothing on its own: its set is
     rank 0's, at most as large."""
-    from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
+    from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
     from sess.engine.sdk.checkpoint_paths import parse_path
 
     host = runtime.hosts[message["base_model"]]
@@ -237,7 +234,7 @@ def exchange(ranks: Ranks, mine) -> list:
     """Every rank's ``mine`` (JSON), in rank order, on every rank: one all-gather of the sizes, one
     of the payloads padded to the largest."""
     data = json.dumps(mine).encode()
-    device = ranks._comm_device
+    device = ranks.comm_device
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(ranks.world)]
     size = torch.tensor([len(data)], dtype=torch.long, device=device)
     ranks.collective("gathering samples", lambda: dist.all_gather(sizes, size))

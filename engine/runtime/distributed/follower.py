@@ -4,8 +4,8 @@ Rank 0 sends, in the order its executor runs them: followed ops (``{"op", "owner
 the request as its ``to_wire`` JSON), weight gathers (``{"gather"}``; a follower keeps the whole
 weights, as rank 0 does, until a message that needs the shards), decode steps with the sample
 requests handed to each rank (``{"decode", "jobs"}``), the checkpoint adapters to hold for them
-(``{"samplers"}``, :mod:`.distributed_sampling`), ``compute_logprobs`` requests handed to each rank
-(``{"logprobs"}``, :mod:`.distributed_logprobs`), gathers of a session's whole
+(``{"samplers"}``, :mod:`sess.engine.runtime.distributed.sample_spread`), ``compute_logprobs`` requests handed to each rank
+(``{"logprobs"}``, :mod:`sess.engine.runtime.distributed.logprob_spread`), gathers of a session's whole
 adapter for a checkpoint it writes (``{"collect", "optimizer", "merge"}``), base models it loaded outside
 a followed op (``{"host", "ok"}``) and ``{"stop"}``. A follower starts from rank 0's sessions
 (:func:`session_snapshot`), so an op that rank 0 refuses (an unknown or stopped session, a name
@@ -20,14 +20,14 @@ import logging
 import secrets
 from pathlib import Path
 
-from sess.engine.runtime.checkpoint_ops import whole_adapter
-from sess.engine.runtime.distributed import RankFailed, Ranks
-from sess.engine.runtime.distributed_logprobs import follow_group
-from sess.engine.runtime.distributed_sampling import Decoding, follow_samplers
-from sess.engine.runtime.ops import OPS
+from sess.engine.runtime.distributed.logprob_spread import follow_group
+from sess.engine.runtime.distributed.ranks import RankFailed, Ranks
+from sess.engine.runtime.distributed.sample_spread import Decoding, follow_samplers
+from sess.engine.runtime.ops.checkpoint_ops import whole_adapter
+from sess.engine.runtime.ops.session_ops import stop_session
+from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
-from sess.engine.runtime.session_ops import stop_session
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.home import atomic_write_bytes
 from sess.engine.sdk.requests import SessionName

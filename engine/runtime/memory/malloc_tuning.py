@@ -15,7 +15,7 @@ Kept for good, though, the heap is the engine's footprint for the rest of its li
 that has been idle for :data:`IDLE_TRIM_S` seconds gives its free heap back (:func:`trim`, glibc's
 ``malloc_trim``): a loop that sends its next op within seconds keeps its pages, and a finished or
 paused one costs only what it holds. The bound that makes this cheap is the training memory budget
-(:mod:`.memory_budget`): a step's peak is a few times the weights, not dozens.
+(:mod:`sess.engine.runtime.memory.training_budget`): a step's peak is a few times the weights, not dozens.
 
 glibc reads these settings when a process starts, so :func:`engine_env` puts them in the
 environment of the engine processes sess starts (``python -m sess.engine.server`` re-executes
@@ -191,6 +191,12 @@ def keep_freed_memory(device: str = "cpu") -> bool:
     if _applied is None:
         _cap_onednn(os.environ, device)
         _applied = _enabled(os.environ, device) and allocator() == "glibc" and _mallopt()
+    return _applied
+
+
+
+def tuned() -> bool | None:
+    """Whether :func:`keep_freed_memory` tuned this process's malloc: None if nothing asked it to."""
     return _applied
 
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
-from sess.engine.runtime.checkpoint_lifecycle import readable_session
-from sess.engine.runtime.checkpoint_ops import checkpoint_sampler
-from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.checkpoints.checkpoint_lifecycle import readable_session
+from sess.engine.runtime.models.model_host import ModelHost
+from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.prompt_scores import add_scores, keep_last_n, wants_scores
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -42,7 +42,7 @@ def resolve_target(
         session = readable_session(runtime, owner, ref)
         host = runtime.host(session.base_model)
         adapter = checkpoint_sampler(runtime, host, ref)
-        if runtime.ranks is not None:  # every rank holds it: distributed_sampling.py
+        if runtime.ranks is not None:  # every rank holds it: distributed/sample_spread.py
             runtime.ranks.share_samplers(host)
         return host, adapter, session
     return runtime.host(target.base_model), None, None
@@ -112,8 +112,8 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         target=target_wire(request.target, host.name),
     )
     batch = runtime.batch(host)
-    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed_sampling.py
-        from sess.engine.runtime.distributed_sampling import Spread
+    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed/sample_spread.py
+        from sess.engine.runtime.distributed.sample_spread import Spread
 
         batch.spread = Spread(runtime.ranks, host.name)
     batch.submit(job)
@@ -136,7 +136,7 @@ def _start_vllm_sample(
     live: Session | None,
     wants_prompt,
 ) -> None:
-    """Send ``job`` to the vLLM sampler (:mod:`.vllm_sampler`); prompt logprobs come from the
+    """Send ``job`` to the vLLM sampler (:mod:`sess.engine.runtime.vllm.sampler`); prompt logprobs come from the
     engine's own model, as ``compute_logprobs`` computes them."""
     target = request.target
     worker = runtime.vllm.worker(host)

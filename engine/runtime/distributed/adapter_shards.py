@@ -42,7 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed import Ranks
+    from sess.engine.runtime.distributed.ranks import Ranks
 
 T = TypeVar("T")
 

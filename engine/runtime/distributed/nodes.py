@@ -13,7 +13,7 @@ that does not answer in that time), and a host that dies: its heartbeat stops (t
 ranks gone: the host lost power or was killed) or its agent reports its ranks' failure in the
 store. The watch then stops this agent's ranks (SIGTERM to the agent) and keeps the message
 that names the node for the agent to print. A rank also finds a dead peer at once when a
-collective fails (:class:`~sess.engine.runtime.distributed.RankFailed`); the heartbeat finds one
+collective fails (:class:`~sess.engine.runtime.distributed.ranks.RankFailed`); the heartbeat finds one
 while the engine idles, and one whose connection hangs rather than closes.
 """
 

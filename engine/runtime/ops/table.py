@@ -5,9 +5,9 @@ sessions, ...); ``ordered`` ops belong to one session and run in the order of th
 its client stamped (training, saves, loads); ``unordered`` ops run as they come; ``batched`` ops
 (sampling) join their base model's continuous decode batch and finish from the decode loop. The
 executor checks a request against its type before queueing it (:mod:`sess.engine.sdk.requests`),
-so a handler only ever sees well-typed input. What else the executor and the managed engine do around
-an op (save before a stop, forget a deleted session, record a checkpoint) is a property of its row
-here, not a test of its name there.
+so a handler only ever sees well-typed input. What else the executor, the managed engine, billing and the
+other ranks do around an op (save before a stop, forget a deleted session, record a checkpoint, pay
+for its tokens, run it on every rank) is a property of its row here, not a test of its name there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sess.engine.runtime import checkpoint_lifecycle, checkpoint_ops, sampling_ops, session_ops, training_ops
+from sess.engine.runtime.checkpoints import checkpoint_lifecycle
+from sess.engine.runtime.ops import checkpoint_ops, sampling_ops, session_ops, training_ops
 from sess.engine.sdk import requests as rq
 
 
@@ -39,16 +40,28 @@ class Op:
     forgets_session: bool = False  # the session's ordering state and registry record go with it
     adds_checkpoint: bool = False  # its answer's path is a new checkpoint in the registry
     removes_checkpoint: bool = False  # its answer's path leaves the registry
+    restarts_order: bool = False  # its answer's session starts again at sequence number 1
+    costly: bool = False  # its tokens are paid for: refused past its key's budget (billing)
+    followed: bool = False  # every rank runs it: it changes the sessions, adapters or optimizer state all hold
 
 
 OPS: dict[str, Op] = {
     "list_base_models": Op(rq.NoArgs, session_ops.list_base_models, Kind.CONTROL, accounted=False),
-    "create_session": Op(rq.CreateSession, session_ops.create_session, Kind.CONTROL, starts_session=True),
-    "create_session_from_state": Op(
-        rq.CreateSessionFromState, session_ops.create_session_from_state, Kind.CONTROL, starts_session=True
+    "create_session": Op(
+        rq.CreateSession, session_ops.create_session, Kind.CONTROL, starts_session=True, followed=True
     ),
-    "stop_session": Op(rq.SessionName, session_ops.stop_session, Kind.CONTROL, saves_first=True),
-    "delete_session": Op(rq.DeleteSession, session_ops.delete_session, Kind.CONTROL, forgets_session=True),
+    "create_session_from_state": Op(
+        rq.CreateSessionFromState,
+        session_ops.create_session_from_state,
+        Kind.CONTROL,
+        starts_session=True,
+        restarts_order=True,
+        followed=True,
+    ),
+    "stop_session": Op(rq.SessionName, session_ops.stop_session, Kind.CONTROL, saves_first=True, followed=True),
+    "delete_session": Op(
+        rq.DeleteSession, session_ops.delete_session, Kind.CONTROL, forgets_session=True, followed=True
+    ),
     "list_sessions": Op(rq.ListSessions, session_ops.list_sessions, Kind.CONTROL, accounted=False),
     "get_usage": Op(rq.GetUsage, session_ops.get_usage, Kind.CONTROL, accounted=False),
     "session_info": Op(
@@ -66,13 +79,15 @@ OPS: dict[str, Op] = {
         rq.CheckpointPath, checkpoint_lifecycle.checkpoint_info, Kind.CONTROL, accounted=False
     ),
     "checkpoint_files": Op(rq.CheckpointPath, checkpoint_ops.checkpoint_files, Kind.CONTROL, accounted=False),
-    "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED),
-    "forward_backward": Op(rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED),
-    "optim_step": Op(rq.OptimStep, training_ops.optim_step, Kind.ORDERED),
+    "forward": Op(rq.ForwardRequest, training_ops.forward, Kind.ORDERED, costly=True, followed=True),
+    "forward_backward": Op(
+        rq.ForwardRequest, training_ops.forward_backward, Kind.ORDERED, costly=True, followed=True
+    ),
+    "optim_step": Op(rq.OptimStep, training_ops.optim_step, Kind.ORDERED, followed=True),
     "save_weights": Op(rq.SaveWeights, checkpoint_ops.save_weights, Kind.ORDERED, adds_checkpoint=True),
     "save_state": Op(rq.SaveState, checkpoint_ops.save_state, Kind.ORDERED, adds_checkpoint=True),
-    "load_state": Op(rq.LoadState, checkpoint_ops.load_state, Kind.ORDERED),
+    "load_state": Op(rq.LoadState, checkpoint_ops.load_state, Kind.ORDERED, followed=True),
     "noop": Op(rq.Noop, session_ops.noop, Kind.ORDERED, accounted=False),
-    "sample": Op(rq.SampleRequest, sampling_ops.start_sample, Kind.BATCHED),
-    "compute_logprobs": Op(rq.ComputeLogprobs, sampling_ops.compute_logprobs, Kind.UNORDERED),
+    "sample": Op(rq.SampleRequest, sampling_ops.start_sample, Kind.BATCHED, costly=True),
+    "compute_logprobs": Op(rq.ComputeLogprobs, sampling_ops.compute_logprobs, Kind.UNORDERED, costly=True),
 }

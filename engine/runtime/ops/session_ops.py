@@ -1,7 +1,7 @@
 """Session ops: create (fresh or from a state checkpoint), stop, delete, list, usage, and the models.
 
 Each op is a function ``(runtime, owner, request) -> wire dict`` over a typed request (see
-:mod:`sess.engine.sdk.requests`), listed in :mod:`.ops`. A key sees only its own sessions.
+:mod:`sess.engine.sdk.requests`), listed in :mod:`sess.engine.runtime.ops.table`. A key sees only its own sessions.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import secrets
 import time
 from pathlib import Path
 
-from sess.engine.runtime import checkpoint_ops
-from sess.engine.runtime.catalog import CATALOG, list_models
-from sess.engine.runtime.checkpoints import TOKENIZER_FILES, read_state, saved
+from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
+from sess.engine.runtime.models.catalog import CATALOG, list_models
+from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk import requests as rq

@@ -14,7 +14,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from sess.engine.runtime import checkpoints as ckpt
+from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk.checkpoint_paths import CheckpointRef, parse_path

@@ -5,7 +5,7 @@ Transient ``sampler`` saves (``save_weights_and_get_sampling_client`` without a 
 for sampling at once and leave memory when a newer one comes (loaded again from disk if asked for,
 however many newer ones exist); their files live as long as their session: they are deleted when
 it stops. On an engine of several ranks every change to the set of checkpoint adapters held for
-sampling goes to the other ranks (:meth:`~.distributed.Ranks.share_samplers`).
+sampling goes to the other ranks (:meth:`~sess.engine.runtime.distributed.ranks.Ranks.share_samplers`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from sess.engine.runtime import checkpoints as ckpt
-from sess.engine.runtime.checkpoint_lifecycle import owned_dir, readable_session
-from sess.engine.runtime.distributed_adapters import gathered
-from sess.engine.runtime.model_host import ModelHost
+from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
+from sess.engine.runtime.checkpoints.checkpoint_lifecycle import owned_dir, readable_session
+from sess.engine.runtime.distributed.adapter_shards import gathered
+from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session, adamw_step_dtype
 from sess.engine.sdk import requests as rq
@@ -123,7 +123,7 @@ class WholeAdapter:
 def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False, merge: bool = False):
     """``session``'s adapter in whole tensors (:class:`WholeAdapter`). On an engine of several ranks
     each rank holds a shard: rank 0 announces the gather, every rank runs this (followers from
-    their loop, :mod:`.distributed_follow`) and joins each tensor's all-gather in the same order."""
+    their loop, :mod:`sess.engine.runtime.distributed.follower`) and joins each tensor's all-gather in the same order."""
     host, ranks = runtime.hosts[session.base_model], runtime.ranks
     if ranks is None:
         return _whole_adapter(session, host, optimizer, merge, lambda t: t)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from sess.engine.runtime.tiny_models import CHAT_TEMPLATE, build_random
+from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
 from sess.engine.sdk.home import atomic_dir, models_dir
 
 # Bump when the recipe of a cached build (tokenizer, tiny configs, gguf conversion) changes, so old
@@ -146,9 +146,6 @@ class Dtypes:
     def check(self, device: str) -> None:
         for name in {self.default or default_dtype(device), *dict(self.per_model).values()}:
             check_device_dtype(name, device)
-
-    def to_text(self) -> str:
-        return ",".join([self.default or "auto", *(f"{m}={d}" for m, d in self.per_model)])
 
 
 def list_models() -> list[str]:

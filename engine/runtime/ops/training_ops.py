@@ -1,7 +1,7 @@
 """Training ops: ``forward``, ``forward_backward`` (token-sum losses) and ``optim_step`` (AdamW).
 
 A batch runs in micro-batches (:func:`~.batched_forward.plan`) sized by the engine's memory budget
-(:mod:`.memory_budget`): the losses are token sums, so backward per micro-batch accumulates the
+(:mod:`sess.engine.runtime.memory.training_budget`): the losses are token sums, so backward per micro-batch accumulates the
 same gradients as one pass over the whole batch. Datums that share a prefix (an RL group's prompt)
 run it once. A micro-batch that cannot be made to fit (one long datum) runs with activation
 checkpointing; one that would not fit even so is refused before anything runs. Logprobs and the
@@ -23,10 +23,10 @@ from typing import TypeVar
 import torch
 
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
-from sess.engine.runtime.distributed_adapters import gathered, held_bytes, local
+from sess.engine.runtime.distributed.adapter_shards import gathered, held_bytes, local
 from sess.engine.runtime.losses import compute_loss
-from sess.engine.runtime.memory import allocator, resident_bytes, trim
-from sess.engine.runtime.memory_budget import checkpointing, format_bytes
+from sess.engine.runtime.memory.malloc_tuning import allocator, resident_bytes, trim
+from sess.engine.runtime.memory.training_budget import checkpointing, format_bytes
 from sess.engine.runtime.output_layer import (
     activation_budget,
     backward_from,
@@ -104,7 +104,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         # on glibc's heap, free pages go back between a micro-batch's phases where needed: see _Heap
         heap = _Heap(budget) if runtime.device == "cpu" and allocator() == "glibc" else None
         # several ranks: each micro-batch's decoder pass runs through the adapter's FSDP2 unit, which
-        # reduce-scatters the gradients after the last round's backward pass (distributed_adapters.py)
+        # reduce-scatters the gradients after the last round's backward pass (distributed/adapter_shards.py)
         shard = session.shard if ranks and backward else None
         run = shard.forward if shard is not None else _call
         with (
@@ -215,13 +215,13 @@ def _logprobs(
 
 
 class _Heap:
-    """glibc's heap through one training op, which hands its free pages back (:func:`.memory.trim`)
+    """glibc's heap through one training op, which hands its free pages back (:func:`sess.engine.runtime.memory.malloc_tuning.trim`)
     before a micro-batch's forward, its output layer and its backward pass where it must.
 
     glibc serves a block from any free hole it fits, even one over its mmap threshold, so blocks of
     changing sizes (micro-batches of other lengths, the output layer's chunks, the backward pass's
     gradients) leave holes whose pages stay resident in a heap never trimmed while the engine works
-    (:mod:`.memory`): on smollm2 a GRPO step's live bytes rose by the budget and its resident memory
+    (:mod:`sess.engine.runtime.memory.malloc_tuning`): on smollm2 a GRPO step's live bytes rose by the budget and its resident memory
     by ~0.3 GiB more. So where the op's resident memory has grown by more than its budget since it
     began, the next phase starts with a trim. An op whose blocks reuse pages resident already
     (training ops in a row) never gets there and pays nothing; the first op after sampling, whose

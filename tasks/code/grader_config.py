@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sess.rl.env import EnvFactory
 
-from .env import CodeEnv
+from .code_env import CodeEnv
 from .tasks import CodeProblem
 
 
@@ -38,6 +38,11 @@ class SharedGrader:
         self.cfg = cfg
         self._grader = None
         self._lock = threading.Lock()
+
+    @property
+    def backend(self):
+        """The grader jobs go to (built by the first :meth:`grade`; None before)."""
+        return self._grader
 
     def grade(self, job):
         if self._grader is None:
