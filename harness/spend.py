@@ -239,8 +239,10 @@ def forecast_lines(
         held = f" ({_against(final, row['spend/projected_tokens'])})" if final is not None else ""
         currency = f" {usage.get('currency')}" if usage and usage.get("currency") else ""
         cost = f", cost {row['spend/projected_cost']}{currency}" if row.get("spend/projected_cost") else ""
+        share = row.get("spend/projected_share")
+        basis = f", the steps left training {share:.2f} of their groups" if share is not None else ""
         lines.append(
-            f"projected after step {row['step']}: {row['spend/projected_tokens']} tokens{cost}{held}"
+            f"projected after step {row['step']}: {row['spend/projected_tokens']} tokens{cost}{held}{basis}"
         )
     if final is None and projected:
         why = "resumed: the usage above is its last session's" if resumed else f"{status}: not a whole run"
