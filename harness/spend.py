@@ -118,7 +118,9 @@ class SpendMeter:
                 offset += self.last_evaluation
             elif row.get("kind") == "train" and "spend/tokens" in row:
                 offset = Spend.recorded(row, "spend/")
-                self.marks.append((row["step"], offset - self.in_evaluations, row.get("groups_with_signal")))
+                # a row without its trained tokens (recorded before they were) cannot split its step
+                share = row.get("groups_with_signal") if "spend/trained_tokens" in row else None
+                self.marks.append((row["step"], offset - self.in_evaluations, share))
         self.read = lambda: offset + Spend.of(read_usage())
 
     @staticmethod
