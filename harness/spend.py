@@ -6,11 +6,11 @@ left at the cost of the last one. A step's spend leaves out evaluations (measure
 before and after each), and once a second step is measured the first one is left out too:
 off-policy loops' rollout workers fill their queue of groups sampled ahead during it, which later
 steps only keep topped up. Loops that report the share of their groups that trained
-(``groups_with_signal``: GRPO and code_rl train only on groups whose rewards differ) have the steps
-left projected in two parts: what a step samples and prefills, at the rate measured, and what it
-trains, which follows that share as the policy learns: a full batch's trained tokens (measured:
-the trained tokens so far over the shares so far) times the share expected of each step left
-(:mod:`.share`). Other loops' steps are projected at the rate measured, trained tokens and all.
+(``groups_with_signal``: the loops on :mod:`sess.rl.rollouts`, grpo and code_rl among them, train
+only on groups whose rewards differ) have the steps left projected in two parts: what a step
+samples and prefills, at the rate measured, and what it trains, which follows that share as the
+policy learns: a full batch's trained tokens (measured: the trained tokens so far over the shares
+so far) times the share expected of each step left (:mod:`.share`). Other loops' steps are projected at the rate measured, trained tokens and all.
 The figures go into each train row of ``metrics.jsonl`` (``spend/tokens``, ``spend/trained_tokens``,
 ``spend/projected_tokens``, ``spend/projected_share`` where the share is modelled, and
 ``spend/cost``, ``spend/projected_cost`` with prices), each evaluation's row
