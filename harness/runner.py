@@ -119,7 +119,7 @@ class RunHooks:
         done = self.done = step + 1
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         if self.spend is not None:
-            row.update(self.spend.step_done(done))
+            row.update(self.spend.step_done(done, row))
         self.logger.log(row)
         self.progress.update(done, row)
         cfg = self.cfg
