@@ -172,12 +172,12 @@ def decode_plan(decoder, tok, plan: list[tuple]) -> list[tuple[list[int], list[f
 @contextlib.contextmanager
 def budget(runtime, value: int):
     """The in-process ``runtime``'s memory budget set to ``value`` bytes for the block."""
-    before = runtime._memory_budget
+    before = runtime._memory_budget, runtime._budget_given
     runtime.memory_budget = value
     try:
         yield
     finally:
-        runtime.memory_budget = before
+        runtime._memory_budget, runtime._budget_given = before
 
 
 def batch_invariance(svc) -> dict:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from sess.engine.runtime.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.memory import trim
-from sess.engine.runtime.memory_budget import default_budget
+from sess.engine.runtime.memory_budget import default_budget, default_copy_budget
 from sess.engine.runtime.model_host import ModelHost
 from sess.engine.runtime.session import Session
 from sess.engine.sampling import row_invariant
@@ -40,6 +40,8 @@ class Runtime:
         self.device = device
         self.dtypes = dtypes or Dtypes()
         self._memory_budget = memory_budget  # None: memory_budget.default_budget, once a model is in
+        self._budget_given = memory_budget is not None
+        self._copy_budget: int | None = None  # without a budget given: sized once, at first use
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
         self.published: set[str] = set()  # sess:// paths every key may read (checkpoint_lifecycle.py)
@@ -63,7 +65,12 @@ class Runtime:
             def make() -> ModelHost:
                 dtype = DTYPES[self.dtypes.name_for(base_model, self.device)]
                 return ModelHost(
-                    base_model, self.home, self.device, dtype=dtype, memory_budget=lambda: self.memory_budget
+                    base_model,
+                    self.home,
+                    self.device,
+                    dtype=dtype,
+                    memory_budget=lambda: self.memory_budget,
+                    copy_budget=self.copy_budget,
                 )
 
             try:
@@ -85,6 +92,18 @@ class Runtime:
     @memory_budget.setter
     def memory_budget(self, value: int | None) -> None:
         self._memory_budget = value
+        self._budget_given = value is not None
+
+    def copy_budget(self) -> int:
+        """Bytes the sampler's prepacked copies of the base weights may take: the budget given
+        (``--memory-budget``), else a share of the memory free when first asked
+        (:func:`.memory_budget.default_copy_budget`), kept from then on so the copies, once made,
+        do not talk themselves out of fitting."""
+        if self._budget_given:
+            return self.memory_budget
+        if self._copy_budget is None:
+            self._copy_budget = default_copy_budget(self.device)
+        return self._copy_budget
 
     def session(self, owner: str, name: str, *, live: bool = True) -> Session:
         """``owner``'s session ``name`` (another key's is not found); ``live``: it must be running."""
