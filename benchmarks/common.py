@@ -72,3 +72,41 @@ def as_engine_process(device: str = "cpu") -> None:
     reads them at start, so the script starts again with them if they are missing. Baselines in
     the same process run with them too, which can only help them."""
     exec_as_engine([sys.executable, *sys.argv], device)
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> tuple[float, float]:
+    """This machine's memory bandwidth in bytes/s, on the calling thread's OpenMP team (as torch's
+    kernels see it): a read (the sum of a ``megabytes`` fp32 tensor, far larger than any cache) and
+    a copy (bytes read plus bytes written), the median of ``repeats`` each."""
+    import statistics
+    import time
+
+    import torch
+
+    source = torch.ones(megabytes << 18)  # 4-byte elements
+    target = torch.empty_like(source)
+    reads, copies = [], []
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        start = time.perf_counter()
+        source.sum()
+        middle = time.perf_counter()
+        target.copy_(source)
+        end = time.perf_counter()
+        reads.append(middle - start)
+        copies.append(end - middle)
+    size = source.numel() * 4
+    return size / statistics.median(reads[1:]), 2 * size / statistics.median(copies[1:])
+
+
+def weight_bytes(host, adapter) -> tuple[int, int]:
+    """Bytes of the base weights a decode step reads (every projection and the lm_head) and of the
+    adapter's LoRA weights."""
+    base = lora = 0
+    for name, p in host.model.named_parameters():
+        if "lora_" in name:
+            lora += p.numel() * p.element_size() if f".{adapter}." in name else 0
+        elif "embed_tokens" not in name and "norm" not in name:
+            base += p.numel() * p.element_size()
+    if host.model.config.tie_word_embeddings:
+        base += host.model.get_input_embeddings().weight.numel() * 4
+    return base, lora

@@ -4,7 +4,8 @@ Prints a table of new tokens/s and ratios, all measured in this one process on t
 prompts, num_samples, max_tokens and temperature:
 
 1. batch: P prompts x K samples x T new tokens (default 8 x 8 x 64, temperature 0.7);
-2. latency: 1 prompt x 1 sample;
+2. latency: 1 prompt x 1 sample, with the GB/s of weights it reads beside the memory bandwidth
+   measured in the same process (a large read: ``common.memory_bandwidth``);
 3. adapters: 8 concurrent requests from 4 sessions with different adapters vs the same requests
    served one at a time;
 4. prefill sharing: a long prompt sampled with num_samples=1 and num_samples=K (1 new token each),
@@ -37,7 +38,14 @@ from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
 
-from common import add_device_options, as_engine_process, in_process_client, on_engine  # noqa: E402
+from common import (  # noqa: E402
+    add_device_options,
+    as_engine_process,
+    in_process_client,
+    memory_bandwidth,
+    on_engine,
+    weight_bytes,
+)
 
 TOPICS = [
     "the sea",
@@ -210,6 +218,14 @@ def main() -> None:
             f"{n_hf / t_hf:.1f} (HF generate)",
             f"{(n_sess / t_sess) / (n_hf / t_hf):.2f}x",
         )
+        if args.device == "cpu":  # a token reads every weight once: how near the memory's speed
+            read, _ = on_engine(svc, memory_bandwidth)
+            base, lora = weight_bytes(host, adapter)
+            notes.append(
+                f"batch 1 reads {(base + lora) / 1e6:.0f} MB of weights a token: sess "
+                f"{(base + lora) * n_sess / t_sess / 1e9:.1f} GB/s, HF {(base + lora) * n_hf / t_hf / 1e9:.1f} GB/s, "
+                f"against {read / 1e9:.1f} GB/s measured reading memory in this process"
+            )
     if "adapters" not in skip:
         for s in samplers:  # load every checkpoint adapter before timing either side
             s.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()

@@ -51,7 +51,7 @@ def up(
         "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
         "activation checkpointing, and one too long even then is refused. On cpu the sampler keeps "
         "prepacked copies of the base weights (faster decode steps, as many bytes as the weights) "
-        "only where they fit in it.",
+        "only where they fit in it; without it, where they take at most a quarter of the free memory.",
     ),
     nproc: int = typer.Option(
         1,

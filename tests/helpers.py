@@ -172,7 +172,7 @@ def decode_plan(decoder, tok, plan: list[tuple]) -> list[tuple[list[int], list[f
 @contextlib.contextmanager
 def budget(runtime, value: int):
     """The in-process ``runtime``'s memory budget set to ``value`` bytes for the block."""
-    before = runtime.memory_budget
+    before = runtime.memory_budget if runtime.budget_given else None  # None: the default again
     runtime.memory_budget = value
     try:
         yield

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sess.engine.runtime.memory.malloc_tuning import trim
-from sess.engine.runtime.memory.training_budget import default_budget
+from sess.engine.runtime.memory.training_budget import default_budget, default_copy_budget
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.session import Session
@@ -40,6 +40,8 @@ class Runtime:
         self.device = device
         self.dtypes = dtypes or Dtypes()
         self._memory_budget = memory_budget  # None: training_budget.default_budget, once a model is in
+        self._budget_given = memory_budget is not None
+        self._copy_budget: int | None = None  # without a budget given: sized once, at first use
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
         self.published: set[str] = set()  # sess:// paths every key may read (checkpoints/checkpoint_lifecycle.py)
@@ -63,7 +65,12 @@ class Runtime:
             def make() -> ModelHost:
                 dtype = DTYPES[self.dtypes.name_for(base_model, self.device)]
                 return ModelHost(
-                    base_model, self.home, self.device, dtype=dtype, memory_budget=lambda: self.memory_budget
+                    base_model,
+                    self.home,
+                    self.device,
+                    dtype=dtype,
+                    memory_budget=lambda: self.memory_budget,
+                    copy_budget=self.copy_budget,
                 )
 
             try:
@@ -90,6 +97,23 @@ class Runtime:
     @memory_budget.setter
     def memory_budget(self, value: int | None) -> None:
         self._memory_budget = value
+        self._budget_given = value is not None
+
+    @property
+    def budget_given(self) -> bool:
+        """Whether the memory budget was set (``--memory-budget``) rather than sized by default."""
+        return self._budget_given
+
+    def copy_budget(self) -> int:
+        """Bytes the sampler's prepacked copies of the base weights may take: the budget given
+        (``--memory-budget``), else a share of the memory free when first asked
+        (:func:`.training_budget.default_copy_budget`), kept from then on so the copies, once made,
+        do not talk themselves out of fitting."""
+        if self._budget_given:
+            return self.memory_budget
+        if self._copy_budget is None:
+            self._copy_budget = default_copy_budget(self.device)
+        return self._copy_budget
 
     def session(self, owner: str, name: str, *, live: bool = True) -> Session:
         """``owner``'s session ``name`` (another key's is not found); ``live``: it must be running."""

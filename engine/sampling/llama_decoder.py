@@ -33,17 +33,14 @@ import torch.nn.functional as F
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.row_invariant import (
+    PackedMatmul,
     RowInvariantLinears,
     decode_attention,
     lora_linear,
-    onednn_available,
-    pack_weight,
-    packed_linear,
 )
 from sess.engine.sampling.rows import Groups, add_to_rows, groups_of, take_rows
 
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
-PACK_FROM = 1024  # LoRA B matrices with this many outputs or more go through oneDNN, prepacked
 # projections that read the same input share one LoRA A matmul
 BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
@@ -77,10 +74,13 @@ def unsupported(model: torch.nn.Module) -> str | None:
 @dataclass
 class _Lora:
     """One adapter's LoRA terms for a bundle of projections that read the same input: their A
-    matrices stacked, and per projection its B, scaling and columns of the stacked A's output."""
+    matrices stacked, and per projection its B, scaling and columns of the stacked A's output.
+    Where oneDNN's prepacked kernel is row-invariant at a matrix's shape (:class:`PackedMatmul`),
+    the matrix is prepacked with its calibration (B with its scaling folded in): no padding of
+    small row counts and no lookup per call; elsewhere it goes through :func:`lora_linear`."""
 
-    a: torch.Tensor
-    parts: list[tuple[str, torch.Tensor, float, slice, bool]]  # the last: B prepacked and scaled
+    a: torch.Tensor | PackedMatmul
+    parts: list[tuple[str, torch.Tensor | PackedMatmul, float, slice]]
 
 
 class LlamaDecoder:
@@ -270,7 +270,7 @@ class LlamaDecoder:
         Rebuilt when any of the adapter's weights changed (a training session's after optim_step)."""
         cached = self._plans.get(adapter)
         if cached is not None and all(adapter in m.lora_A for m in cached[0]):
-            if _versions(cached[0], adapter) == cached[1]:
+            if _versions(cached[0], adapter) == cached[1]:  # the thread count included
                 return cached[2]
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
         plan = []
@@ -288,7 +288,9 @@ class LlamaDecoder:
 
 
 def _versions(modules, adapter: str) -> tuple:
-    return tuple(
+    """What a plan depends on: the adapter's weights (their versions) and the thread count (its
+    prepacked matrices' calibrations)."""
+    return (torch.get_num_threads(),) + tuple(
         (id(w), w._version) for m in modules for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)
     )
 
@@ -314,23 +316,22 @@ def _bundle(parent, names, adapter: str) -> _Lora | None:
         a = module.lora_A[adapter].weight
         a_parts.append(a)
         b, scaling = module.lora_B[adapter].weight, float(module.scaling[adapter])
-        packed = b.is_cpu and b.shape[0] >= PACK_FROM and onednn_available()
-        if packed:  # oneDNN is faster than the BLAS for these; scaling goes into the copy
-            b = pack_weight(b.detach() * scaling)
-        parts.append((name, b, scaling, slice(start, start + a.shape[0]), packed))
+        packed = PackedMatmul.of(b.detach() * scaling)  # the scaling goes into the copy
+        parts.append((name, packed or b, scaling, slice(start, start + a.shape[0])))
         start += a.shape[0]
     a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts).contiguous()
-    return _Lora(a=a, parts=parts)
+    return _Lora(a=PackedMatmul.of(a.detach()) or a, parts=parts)
 
 
 def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
     """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
-    part = take_rows(x, rows)
     # LoRA weights stay fp32 under a bf16 base model: its terms run in fp32, as peft runs them
-    low = lora_linear(part.to(terms.a.dtype), terms.a)  # [rows, sum of ranks]
-    for name, b, scaling, columns, packed in terms.parts:
-        if packed:
-            delta = packed_linear(low[:, columns], b)
+    a = terms.a
+    part = take_rows(x, rows).to(torch.float32 if isinstance(a, PackedMatmul) else a.dtype)
+    low = a(part) if isinstance(a, PackedMatmul) else lora_linear(part, a)  # [rows, sum of ranks]
+    for name, b, scaling, columns in terms.parts:
+        if isinstance(b, PackedMatmul):
+            delta = b(low[:, columns])
         else:
             delta = lora_linear(low[:, columns] * scaling, b)
         add_to_rows(outs[names.index(name)], rows, delta)

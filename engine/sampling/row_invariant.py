@@ -22,8 +22,11 @@ function of the row alone with these pieces:
   row count calibration found to give every row exactly its 64-row result. Frozen base weights
   run through oneDNN, faster than the BLAS for decode-sized batches, and through a prepacked copy
   of each weight where the engine's memory budget holds the copies (the same bits, less time; the
-  copies are as large as the weights). LoRA weights, which change, go through the BLAS, or
-  through oneDNN at a shape where only oneDNN is row-invariant (:func:`lora_linear`). A kernel
+  copies are as large as the weights). LoRA weights, which change, are prepacked in each
+  adapter's plan where oneDNN's packed kernel is row-invariant at their shape
+  (:class:`PackedMatmul`, made again when the adapter changes), else go through the BLAS, or
+  through oneDNN at a shape where only oneDNN is row-invariant (:func:`lora_linear`). Every row
+  count from 1 to CHUNK is calibrated: a decode batch meets them all as its rows finish. A kernel
   whose 64-row result depends on a row's place is reported (:func:`report`): the engine says so
   at start and in ``sess engine status``.
 * Everything else in these models (norms, rotary embeddings, activations, log-softmax) works row by
@@ -37,10 +40,10 @@ this is best effort, and the oneDNN copies are CPU-only.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +85,9 @@ def decode_attention(query, key, value, bias):
 
 # linear layers ---------------------------------------------------------------------------------
 CHUNK = 64  # the most rows one matmul call takes; more run as several calls
-# the row counts calibration tries: every count up to 16, then multiples of 4 up to CHUNK
-COUNTS = (*range(1, 17), *range(20, CHUNK + 1, 4))
+# the row counts calibration tries: every count, since a decode batch meets every count as its rows
+# finish (most steps of an 8 x 8 batch run at 62-64 rows); a count found exact runs unpadded
+COUNTS = tuple(range(1, CHUNK + 1))
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -225,7 +229,29 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rowwise(_kernel(kernel, weight, None), x, counts, weight.shape[0])
 
 
-@cache
+@dataclass(frozen=True)
+class PackedMatmul:
+    """A fixed weight prepacked for oneDNN with its calibration, for a LoRA plan: ``self(x)`` is
+    ``F.linear(x, weight)`` with each row computed as in any other batch, with no lookup per call."""
+
+    weight: torch.Tensor  # the prepacked copy
+    out_features: int
+    counts: RowCounts
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> PackedMatmul | None:
+        """``weight`` [out, in] packed, where oneDNN's packed kernel gives each row the same bits at
+        this shape on this machine (None where it does not, or without oneDNN)."""
+        if not (weight.is_cpu and weight.dtype == torch.float32 and onednn_available()):
+            return None
+        counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], weight, False)
+        return cls(pack_weight(weight), weight.shape[0], counts) if counts.exact else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rowwise(functools.partial(_onednn_linear, packed=self.weight), x, self.counts, self.out_features)
+
+
+@functools.cache
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (asked on first use, on the engine's
     own thread: a probe on the importing thread would start a second OpenMP team there)."""
@@ -249,16 +275,18 @@ class RowInvariantLinears:
 
     def __init__(self):
         self.pack = True  # through prepacked copies (set by :meth:`packing`)
-        # id(weight) -> (a weak reference to it, its version when packed, the packed copy); tensors
-        # compare element-wise, so they cannot be dictionary keys themselves
+        self._threads = torch.get_num_threads()  # the thread count the copies' calibrations hold for
+        # id(weight) -> (a weak reference to it, its version when packed, the packed copy, the call
+        # on it, its calibration); tensors compare element-wise, so they cannot be dictionary keys
         self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available():
-            if self.pack:
-                return packed_linear(x, self.packed(weight), bias)
+            if self.pack:  # the copy, its kernel and its calibration, looked up once per weight
+                _, _, _, fn, counts = self._entry(weight, bias, x)
+                return rowwise(fn, x, counts, weight.shape[0])
             return packed_linear(x, weight, bias, packed=False)
         return blas_linear(x, weight, bias)
 
@@ -271,15 +299,20 @@ class RowInvariantLinears:
         self._packed.clear()
 
     def packing(self, on: bool) -> None:
-        """Use prepacked copies from now on, or not (dropping those made)."""
-        if not on:
+        """Use prepacked copies from now on, or not (dropping those made). Called before every
+        decode step: a change of the thread count drops the copies with their calibrations."""
+        threads = torch.get_num_threads()
+        if not on or threads != self._threads:
             self.release()
-        self.pack = on
+        self.pack, self._threads = on, threads
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+    def _entry(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> tuple:
         key = id(weight)
         entry = self._packed.get(key)
         if entry is None or entry[0]() is not weight or entry[1] != weight._version:
             gone = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
-            entry = self._packed[key] = (gone, weight._version, pack_weight(weight))
-        return entry[2]
+            packed = pack_weight(weight)
+            counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], x, bias is not None)
+            fn = functools.partial(_onednn_linear, packed=packed, bias=bias)
+            entry = self._packed[key] = (gone, weight._version, packed, fn, counts)
+        return entry

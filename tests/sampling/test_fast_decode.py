@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sess.engine import SamplingParams
 
@@ -11,20 +12,22 @@ from helpers import SENTENCES, forward_logprobs, train_steps
 
 @pytest.mark.parametrize(
     "model,packed",
-    [("tiny-llama", False), ("tiny-qwen3", False), ("tiny-llama", True)],
-    ids=["llama", "qwen3", "llama-packed-lora"],
+    [("tiny-llama", True), ("tiny-qwen3", True), ("tiny-llama", False)],
+    ids=["llama", "qwen3", "llama-unpacked-lora"],
 )
 def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, monkeypatch):
     """The same requests (rows of two adapters and of the base model, prompts of different lengths)
     decoded by the lean step and by the modules: same tokens, logprobs equal to rounding. With
-    ``packed``, every LoRA B goes through oneDNN (as the large ones of real models do)."""
+    ``packed`` (the default), the LoRA matrices go through oneDNN prepacked where it is row-invariant
+    at their shapes; without, through the BLAS (as on a CPU where oneDNN's packed kernel is not)."""
     from sess.engine.sampling import llama_decoder
     from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
     from sess.engine.sampling.module_decoder import ModuleDecoder
+    from sess.engine.sampling.row_invariant import row_counts
     from sess.engine.sampling.token_choice import StopChecker
 
-    if packed:
-        monkeypatch.setattr(llama_decoder, "PACK_FROM", 0)
+    if not packed:
+        monkeypatch.setattr(llama_decoder.PackedMatmul, "of", classmethod(lambda cls, weight: None))
 
     sessions = [svc.create_lora_training_client(model, rank=4, seed=s) for s in (1, 2)]
     tok = sessions[0].get_tokenizer()
@@ -70,6 +73,13 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, packed, 
             return host.decoder.step(*args)
 
     fast, modules = run(Counted()), run(ModuleDecoder(host.activate))
+    plan = host.decoder._plan(host.model, adapters[0])
+    matrices = [m for layer in plan[:-1] for t in layer if t for m in (t.a, *(p[1] for p in t.parts))]
+    for m in matrices:  # prepacked, except where oneDNN's packed kernel is not row-invariant
+        if not packed:
+            assert isinstance(m, torch.Tensor)
+        elif not isinstance(m, llama_decoder.PackedMatmul):
+            assert not row_counts("onednn packed", m.shape[1], m.shape[0], m, False).exact
     assert len(calls) == 15  # every decode step after the prefill went the lean way
     for got, expected in zip(fast, modules):
         for a, b in zip(got, expected):

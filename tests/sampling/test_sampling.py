@@ -259,7 +259,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     host = runtime.host(model)
     assert isinstance(host.decoder, LlamaDecoder)
     decoder = ModuleDecoder(host.activate) if path == "modules" else host.decoder
-    budget = runtime.memory_budget
+    budget = runtime.memory_budget if runtime.budget_given else None  # None: the default again
     if path == "lean step, no packed copies":
         runtime.memory_budget = 1024  # bytes: the copies do not fit, the weights go to oneDNN as they are
     x = tok.encode("Question: what is 3 + 4? Answer:")
@@ -328,6 +328,35 @@ def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_cha
         assert sample() == packed
         assert linear.packed_bytes()
     tc.stop()
+
+
+def test_without_a_budget_the_copies_get_a_share_of_the_free_memory(tmp_path):
+    """No ``--memory-budget``: the sampler's prepacked copies may take a quarter of the memory the
+    machine has available when first asked (so a machine with room samples at their speed), sized
+    once; a budget given bounds them instead, as it bounds training."""
+    from sess.engine.runtime.memory.training_budget import COPY_SHARE, CPU_BUDGET
+    from sess.engine.runtime.runtime import Runtime
+
+    def available() -> int:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+
+    runtime = Runtime(tmp_path / "home")
+    before = available()
+    sized = runtime.copy_budget()
+    after = available()
+    low, high = sorted((before, after))
+    assert max(CPU_BUDGET, int(low * COPY_SHARE * 0.9)) <= sized <= max(CPU_BUDGET, int(high * COPY_SHARE * 1.1))
+    assert runtime.memory_budget == CPU_BUDGET  # training keeps its own default
+    big = bytearray(64 << 20)  # the free memory moves; the size, once taken, does not
+    assert runtime.copy_budget() == sized
+    del big
+    runtime.memory_budget = 1 << 20
+    assert runtime.copy_budget() == 1 << 20
+    runtime.memory_budget = None
+    assert runtime.copy_budget() == sized
+    assert Runtime(tmp_path / "other", memory_budget=3 << 20).copy_budget() == 3 << 20
 
 
 def test_inverse_cdf_picks_what_a_full_scan_picks():

@@ -42,7 +42,10 @@ class ModelHost:
         max_checkpoint_adapters: int = 8,
         dtype: torch.dtype = torch.float32,
         memory_budget: Callable[[], int] | None = None,
+        copy_budget: Callable[[], int] | None = None,
     ):
+        """``memory_budget()``: the training budget; ``copy_budget()``: the bytes the sampler's
+        prepacked weight copies may take (None: the training budget)."""
         self.name = name
         self.dtype = dtype
         self.model, self.tokenizer, self.path = load_model(name, home=home, device=device, dtype=dtype)
@@ -74,7 +77,7 @@ class ModelHost:
         self.decoder: Decoder = (
             ModuleDecoder(self.activate)
             if self.lean_unsupported
-            else LlamaDecoder(lambda: self.model, pack_budget=memory_budget)
+            else LlamaDecoder(lambda: self.model, pack_budget=copy_budget or memory_budget)
         )
 
     # memory -------------------------------------------------------------------------------------

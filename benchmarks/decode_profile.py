@@ -1,0 +1,250 @@
+"""Where a decode step's time goes: matmuls, attention, LoRA, token choice, other ops, padding.
+
+Drives the engine's own decoder (the lean llama decoder, as the sampler runs it at the engine's
+settings) on a sampling client's adapter, step by step, at each batch size asked for (default 1
+row and 64 rows: one request, and 8 prompts x 8 samples), and times each part of a step by
+wrapping the decoder's calls in this process:
+
+- base matmuls: every base projection and the lm_head (the lm_head also on its own line);
+- LoRA: each group of rows' ``B(A x)`` terms;
+- attention: the cache writes and the blocked decode attention;
+- token choice: drawing the token and its logprob from the logits (the decode batch's work);
+- other: the rest of the step (norms, rotary embeddings, residual adds, activations, the
+  embedding, Python between ops), and of it the number of tensor ops a step dispatches;
+- padding: matmul calls run on zero rows added to reach a calibrated row count.
+
+Beside them, measured in the same process: the matmul floor (the base linears alone over the same
+rows, as in ``sampling.py``), the memory bandwidth (a large read and a large copy), and for each
+batch size the bytes of weights a step must read and the GB/s the step achieves.
+
+    python benchmarks/decode_profile.py                    # smollm2-135m, 1 and 64 rows
+    python benchmarks/decode_profile.py --rows 1,16,64 --steps 6
+    python benchmarks/decode_profile.py --model tiny-llama # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from sampling import matmul_floor, prompts_for  # noqa: E402
+
+from sess.engine import AdamParams, SamplingParams  # noqa: E402
+from sess.engine.sampling import block_cache, llama_decoder, row_invariant  # noqa: E402
+from sess.engine.sampling.token_choice import choose_tokens, chosen_logprobs  # noqa: E402
+
+from common import (  # noqa: E402
+    add_device_options,
+    as_engine_process,
+    in_process_client,
+    memory_bandwidth,
+    on_engine,
+    weight_bytes,
+)
+
+PARTS = ("base matmuls", "of them lm_head", "LoRA", "attention", "token choice")
+
+
+@dataclass
+class Job:  # what the decoder's prefill reads of a sample request
+    prompt: list[int]
+    num_samples: int
+    adapter: str | None
+    prompt_logprobs: int = 0
+
+
+class Timers:
+    """Seconds per part, accumulated by the wrappers :func:`instrument` installs."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.calls = 0
+        self.padded_calls = 0
+        self.padded_rows = 0
+
+    def wrap(self, part: str, fn, condition=None):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self.seconds[part] += spent
+                if condition is not None and condition(*args):
+                    self.seconds["of them lm_head"] += spent
+
+        return timed
+
+
+def instrument(decoder, vocab: int, timers: Timers):
+    """Wrap the decoder's parts with ``timers``; returns a function that undoes it."""
+    linear_call = type(decoder.linear).__call__
+    saved = (llama_decoder._add_lora, llama_decoder.decode_attention, block_cache.BlockCache.update)
+    rowwise = row_invariant.rowwise
+
+    def counted_rowwise(fn, x, counts, out_features):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        timers.calls += 1
+        padded = sum(
+            counts.padded[min(row_invariant.CHUNK, rows - s) - 1] - min(row_invariant.CHUNK, rows - s)
+            for s in range(0, rows, row_invariant.CHUNK)
+        )
+        timers.padded_calls += padded > 0
+        timers.padded_rows += padded
+        return rowwise(fn, x, counts, out_features)
+
+    type(decoder.linear).__call__ = timers.wrap(
+        "base matmuls", linear_call, lambda self, x, weight, *rest: weight.shape[0] == vocab
+    )
+    llama_decoder._add_lora = timers.wrap("LoRA", saved[0])
+    llama_decoder.decode_attention = timers.wrap("attention", saved[1])
+    block_cache.BlockCache.update = timers.wrap("attention", saved[2])
+    row_invariant.rowwise = counted_rowwise
+
+    def undo():
+        type(decoder.linear).__call__ = linear_call
+        llama_decoder._add_lora, llama_decoder.decode_attention, block_cache.BlockCache.update = saved
+        row_invariant.rowwise = rowwise
+
+    return undo
+
+
+def ops_per_step(decoder, cache, adapters, tokens, positions) -> int:
+    """Tensor ops one decode step dispatches (top-level aten calls, as the profiler counts them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decoder.step(cache, adapters, tokens, positions)
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
+def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> dict:
+    """Per-step seconds of each part over ``steps`` decode steps of ``len(prompts) x samples`` rows
+    (after ``warmup`` steps), on the engine's thread."""
+    decoder = host.decoder
+    vocab = host.model.config.vocab_size
+    jobs = [Job(p, samples, adapter) for p in prompts]
+    pre = decoder.prefill(jobs)
+    cache, rows = pre.cache, len(prompts) * samples
+    adapters = [adapter] * rows
+    positions = torch.tensor([len(p) for p in prompts for _ in range(samples)])
+    tokens = pre.last_logits.argmax(-1).repeat_interleave(samples)
+    temperature, top_k, top_p = (
+        torch.full((rows,), 0.7),
+        torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows),
+    )
+    gen = torch.Generator().manual_seed(0)
+    walls, choose, timers = [], [], Timers()
+    undo = None
+    for index in range(warmup + steps):
+        if index == warmup:
+            undo = instrument(decoder, vocab, timers)
+        start = time.perf_counter()
+        logits = decoder.step(cache, adapters, tokens, positions)
+        mid = time.perf_counter()
+        tokens = choose_tokens(
+            logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64)
+        )
+        chosen_logprobs(logits, tokens)
+        end = time.perf_counter()
+        if index >= warmup:
+            walls.append(mid - start)
+            choose.append(end - mid)
+        positions = positions + 1
+    undo()
+    ops = ops_per_step(decoder, cache, adapters, tokens, positions)
+    per_step = {part: seconds / steps for part, seconds in timers.seconds.items()}
+    per_step["token choice"] = statistics.mean(choose)
+    step = statistics.mean(walls)
+    per_step["other"] = step - per_step["base matmuls"] - per_step["LoRA"] - per_step["attention"]
+    return {
+        "rows": rows,
+        "step": step + per_step["token choice"],
+        "parts": per_step,
+        "ops": ops,
+        "calls": timers.calls / steps,
+        "padded_calls": timers.padded_calls / steps,
+        "padded_rows": timers.padded_rows / steps,
+        "columns": int(positions.float().mean()),
+        "packed": decoder.linear.pack,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rows", default="1,64", help="batch sizes: 1 (one prompt) or P x 8 samples")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--home", default=None)
+    add_device_options(parser)
+    args = parser.parse_args()
+    as_engine_process(args.device)
+    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
+    runtime = svc.transport.engine.runtime
+    tc = svc.create_lora_training_client(args.model, rank=args.rank, seed=0)
+    tok = tc.get_tokenizer()
+    prompts = prompts_for(tok, 8)
+    tc.forward_backward([prompts[0] + tok.encode(" Once upon a time")]).result()
+    tc.optim_step(AdamParams(learning_rate=1e-3)).result()  # LoRA B off zero
+    sc = tc.save_weights_and_get_sampling_client()
+    sc.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()  # loads the adapter
+    host = runtime.hosts[args.model]
+    adapter = host.checkpoint_adapters[sc.model_path]
+    read, copy = on_engine(svc, memory_bandwidth)
+    base, lora = weight_bytes(host, adapter)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        samples = 1 if rows == 1 else 8
+        use = prompts[: max(1, rows // samples)]
+        result = on_engine(svc, profile, host, adapter, use, samples, args.steps, args.warmup)
+        result["floor"] = on_engine(svc, matmul_floor, host, result["rows"], 3)
+        results.append(result)
+    console = Console()
+    table = Table(
+        title=f"decode step on {args.model} ({host.dtype}, LoRA rank {args.rank}, "
+        f"{torch.get_num_threads()} threads), ms per step"
+    )
+    table.add_column("part")
+    for r in results:
+        table.add_column(f"{r['rows']} rows ({r['columns']} cache columns)")
+    for part in (*PARTS, "other"):
+        table.add_row(
+            part, *(f"{r['parts'][part] * 1e3:.1f} ({r['parts'][part] / r['step']:.0%})" for r in results)
+        )
+    table.add_row(
+        "whole step", *(f"{r['step'] * 1e3:.1f} = {r['rows'] / r['step']:.1f} tok/s" for r in results)
+    )
+    table.add_row("tensor ops a step", *(str(r["ops"]) for r in results))
+    table.add_row(
+        "padding: matmul calls padded, rows added",
+        *(f"{r['padded_calls']:.0f} of {r['calls']:.0f}, {r['padded_rows']:.0f}" for r in results),
+    )
+    table.add_row("prepacked base weights", *("yes" if r["packed"] else "no" for r in results))
+    table.add_row("matmul floor (base linears alone)", *(f"{r['floor'] * 1e3:.1f}" for r in results))
+    table.add_row(
+        "weights read a step / achieved",
+        *(f"{(base + lora) / 1e6:.0f} MB, {(base + lora) / r['step'] / 1e9:.1f} GB/s" for r in results),
+    )
+    table.add_row(
+        "bandwidth limit (weights / read bandwidth)",
+        *(f"{(base + lora) / read * 1e3:.1f}" for _ in results),
+    )
+    console.print(table)
+    console.print(f"memory bandwidth, same process: read {read / 1e9:.1f} GB/s, copy {copy / 1e9:.1f} GB/s")
+    tc.stop()
+    svc.close()
+
+
+if __name__ == "__main__":
+    main()
