@@ -278,7 +278,7 @@ class RowInvariantLinears:
         self._threads = torch.get_num_threads()  # the thread count the copies' calibrations hold for
         # id(weight) -> (a weak reference to it, its version when packed, the packed copy, the call
         # on it, its calibration); tensors compare element-wise, so they cannot be dictionary keys
-        self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._packed: dict[int, tuple] = {}
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -292,7 +292,7 @@ class RowInvariantLinears:
 
     def packed_bytes(self) -> int:
         """Bytes the packed copies held now take."""
-        return sum(copy.numel() * copy.element_size() for _, _, copy in self._packed.values())
+        return sum(entry[2].numel() * entry[2].element_size() for entry in self._packed.values())
 
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""
