@@ -13,8 +13,9 @@ on: those count). ``code_rl`` runs on smollm2-135m after a short SFT (the seeds'
 sess's sandbox; its tool prompts need a renderer with tool calls, which ``role_colon`` is not), one
 rollout at a time (``group_size=1 groups_per_batch=1``): two environments render their prompts at once
 in threads with the one tokenizer they share (``rl/message_env.py:132`` → ``renderers/qwen3.py:287``,
-"RuntimeError: Already borrowed"). Each recipe's seconds per step are printed (``-s``) for
-docs/tinker.md's table."""
+"RuntimeError: Already borrowed"). ``sdft.train`` (self-distillation) runs on a SciKnowEval stand-in:
+top-K prompt logprobs from the teacher, (N, K) ``cross_entropy`` targets for the student. Each
+recipe's seconds per step are printed (``-s``) for docs/tinker.md's table."""
 
 from __future__ import annotations
 
@@ -101,6 +102,11 @@ RECIPES = [
 
 @pytest.fixture(scope="module")
 def cookbook(tmp_path_factory) -> Path:
+    """The cookbook venv's python: built under a temp dir, or (opt-in, to rerun quickly) the python
+    of one this suite built before, named by ``SESS_TEST_COOKBOOK_PYTHON``."""
+    prebuilt = os.environ.get("SESS_TEST_COOKBOOK_PYTHON")
+    if prebuilt:
+        return Path(prebuilt)
     return make_cookbook_venv(tmp_path_factory.mktemp("cookbook"), "math-rl,multiplayer-rl")
 
 
@@ -290,9 +296,34 @@ def test_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, eng
     TIMES["code_rl-after-sft"] = round(rl["seconds"] / len(steps), 1)
 
 
-@pytest.mark.skip(
-    reason="sdft.train / distillation.train_off_policy need top-K prompt logprobs and (N, K) cross_entropy "
-    "targets, which this engine does not serve yet"
-)
-def test_off_policy_distillation_sdft():
-    """Listed so the table stays whole; the recipe's run is added with the engine's support."""
+def test_sdft_off_policy_distillation_with_top_k_targets(cookbook, workdir, engine, tmp_path):
+    """``sdft.train`` on the SciKnowEval stand-in: the teacher (the base model's sampler, prompted
+    with the golden answer) returns its top-K prompt logprobs over the student's completion, and the
+    student trains on them as (N, K) ``cross_entropy`` targets; ``reverse=True`` trains the reverse
+    KL over the same top-K set through ``forward_backward_custom``."""
+    options = [*_tiny(engine), "dataset=sciknoweval", "groups_per_batch=2", "group_size=1"]
+    options += ["max_tokens=8", "lora_rank=8", "eval_every=0", "save_every=0"]
+    forward = run_recipe(cookbook, workdir, engine, "sdft.train", tmp_path / "sdft", *options, "max_steps=2")
+    assert [m["step"] for m in forward["metrics"]] == [0, 1]
+    for m in forward["metrics"]:
+        # every completion position got the teacher's 20 runners-up: none truncated, a spread-out
+        # distribution (a random model's top 20 are far from one-hot)
+        assert m["sdft/topk"] == 20 and m["sdft/num_datums"] == 2 and m["sdft/teacher_truncated_count"] == 0
+        assert 0 < m["sdft/total_completion_tokens"] <= 16 and m["sdft/mean_teacher_entropy"] > 0.1
+    reverse = run_recipe(
+        cookbook,
+        workdir,
+        engine,
+        "sdft.train",
+        tmp_path / "sdft-reverse",
+        *options,
+        "reverse=True",
+        "max_steps=1",
+    )
+    (m,) = reverse["metrics"]
+    # teacher and student are one model here, told apart only by the teacher's golden answer: their
+    # top-K distributions are close, and the loss is the KL the recipe reports
+    assert 0 <= m["sdft/reverse_kl_mean"] < 0.01 and m["sdft/reverse_kl_positions"] > 0
+    assert abs(m["sdft/student_entropy_mean"] - m["sdft/mean_teacher_entropy"]) < 0.05
+    TIMES["sdft"] = round(forward["seconds"] / 2, 1)
+    TIMES["sdft-reverse"] = round(reverse["seconds"], 1)
