@@ -1,4 +1,4 @@
-"""tinker-cookbook's recipes, unchanged, as a regression suite (slow: about 10 minutes on 2 cores).
+"""tinker-cookbook's recipes, unchanged, as a regression suite (slow: 40 minutes on 2 shared cores).
 
 The cookbook 0.5.8 is installed once in a venv of its own (``tinker-cookbook[math-rl,multiplayer-rl]``,
 transformers <= 5.5.4); the hub datasets the recipes load are replaced by small local stand-ins in the
