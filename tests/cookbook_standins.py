@@ -111,6 +111,40 @@ def _deepcoder(tasks: list[tuple]) -> list[dict]:
     ]
 
 
+# SciKnowEval's multiple-choice rows (the SDFT recipe keeps domain Chemistry, level L3, "mcq" types)
+SCIENCE_MCQ = [
+    (
+        "Which gas do plants take in for photosynthesis?",
+        ["Oxygen", "Carbon dioxide", "Nitrogen", "Helium"],
+        "B",
+    ),
+    ("What is the chemical symbol of sodium?", ["Na", "S", "So", "N"], "A"),
+    ("What is the pH of pure water at 25 C?", ["1", "5", "7", "14"], "C"),
+    ("Which element has atomic number 1?", ["Helium", "Carbon", "Oxygen", "Hydrogen"], "D"),
+    ("What is the formula of table salt?", ["KCl", "NaCl", "CaCO3", "H2O"], "B"),
+    ("Which of these is a noble gas?", ["Argon", "Chlorine", "Sodium", "Iron"], "A"),
+    ("What does an acid release in water?", ["OH- ions", "Electrons", "H+ ions", "Neutrons"], "C"),
+    ("How many atoms are in a water molecule?", ["1", "2", "4", "3"], "D"),
+    ("Which bond shares electrons?", ["Ionic", "Covalent", "Metallic", "None"], "B"),
+    ("What is the charge of an electron?", ["Negative", "Positive", "Neutral", "Variable"], "A"),
+]
+
+
+def _sciknoweval() -> list[dict]:
+    return [
+        {
+            "question": question,
+            "choices": {"label": ["A", "B", "C", "D"], "text": texts},
+            "answerKey": key,
+            "answer": "",
+            "type": "mcq-4-choices",
+            "domain": "Chemistry",
+            "details": {"level": "L3", "task": "reaction_prediction", "subtask": "", "source": "stand-in"},
+        }
+        for question, texts, key in SCIENCE_MCQ
+    ]
+
+
 def write_standins(root: Path) -> Path:
     """Every stand-in the recipe suite reads, under ``root`` (the recipes' working directory)."""
     write_dataset(root, "openai/gsm8k", {"main": {"train": _gsm8k("train", 64), "test": _gsm8k("test", 8)}})
@@ -122,6 +156,7 @@ def write_standins(root: Path) -> Path:
         for name in ("primeintellect", "taco", "lcbv5", "codeforces")
     }
     write_dataset(root, "agentica-org/DeepCoder-Preview-Dataset", coder)
+    write_dataset(root, "hicai-zju/SciKnowEval", {"default": {"test": _sciknoweval()}})
     return root
 
 
