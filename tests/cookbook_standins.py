@@ -56,6 +56,14 @@ CODE_TASKS = [
         "print('YES' if int(input()) % 2 == 0 else 'NO')",
     ),
 ]
+# tasks the code SFT does not teach, in the RL split only: near-copies of taught ones with other
+# answers, so a short SFT's model fails some of them and the grader is seen saying no too
+UNTAUGHT_CODE_TASKS = [
+    ("Read two integers a and b on one line and print a minus b.", [("5 2\n", "3\n"), ("1 4\n", "-3\n")], ""),
+    ("Read an integer n and print n cubed.", [("2\n", "8\n"), ("-3\n", "-27\n")], ""),
+    ("Read one line of text and print its length.", [("abc\n", "3\n"), ("hello\n", "5\n")], ""),
+    ("Read integers on one line and print the smallest.", [("1 5 3\n", "1\n"), ("-1 -7\n", "-7\n")], ""),
+]
 
 
 def write_dataset(root: Path, repo: str, configs: dict[str, dict[str, list[dict]]]) -> Path:
@@ -152,7 +160,7 @@ def write_standins(root: Path) -> Path:
     questions = [f"What is {a} + {b}? Answer with a number." for a, b in zip(range(3, 19), range(5, 21))]
     write_dataset(root, "zwhe99/DeepMath-103K", {"default": {"train": [{"question": q} for q in questions]}})
     coder = {
-        name: {"train": _deepcoder(CODE_TASKS), "test": _deepcoder(CODE_TASKS[:2])}
+        name: {"train": _deepcoder(CODE_TASKS + UNTAUGHT_CODE_TASKS), "test": _deepcoder(CODE_TASKS[:2])}
         for name in ("primeintellect", "taco", "lcbv5", "codeforces")
     }
     write_dataset(root, "agentica-org/DeepCoder-Preview-Dataset", coder)

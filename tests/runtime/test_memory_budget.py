@@ -85,7 +85,7 @@ def _reference(model, data, loss_fn):
             adv = inputs["advantages"]
             total = total + -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum()
     total.backward()
-    return float(total), reference_grads(model)
+    return float(total.detach()), reference_grads(model)
 
 
 class Counter:

@@ -259,8 +259,9 @@ def test_on_policy_distillation_from_a_teacher_checkpoint(cookbook, workdir, eng
 def test_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, engine, sandbox, tmp_path):
     """The seeds' workload through the cookbook's own code, on smollm2-135m (ChatML, the cookbook's
     ``qwen3_instruct`` renderer): a short ``chat_sl`` SFT on the stand-in tasks, asked as the code
-    recipe asks them and answered in python code blocks, then ``code_rl`` from that state. Its
-    grader sends each final code block to sess's sandbox: every step's reward is a grade."""
+    recipe asks them and answered in python code blocks, then ``code_rl`` from that state on those
+    tasks and four it was not taught. Its grader sends each final code block to sess's sandbox: every
+    step's reward is a grade, passed and failed both seen."""
     _, _, _, svc = engine
     smol = svc.transport.call("model_info", {"base_model": "smollm2-135m"})["directory"]
     data = tmp_path / "code_sft.jsonl"
@@ -295,7 +296,7 @@ def test_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, eng
     print("\ncode_rl after SFT (format, correct, reward) per step:", steps)
     # every answer a code block the sandbox graded (reward 1 passed, 0 failed; -0.1 is no code block)
     assert all(f == 1.0 and r in (0.0, 1.0) and r == c for f, c, r in steps), steps
-    assert any(c == 1.0 for _, c, _ in steps), steps
+    assert any(c == 1.0 for _, c, _ in steps) and any(c == 0.0 for _, c, _ in steps), steps  # both grades
     TIMES["code_sft"] = round(sft["seconds"] / len(sft["metrics"]), 1)
     TIMES["code_rl-after-sft"] = round(rl["seconds"] / len(steps), 1)
 
