@@ -39,8 +39,8 @@ class Runtime:
         self.home = sess_home(home)
         self.device = device
         self.dtypes = dtypes or Dtypes()
-        self._memory_budget = memory_budget  # None: training_budget.default_budget, once a model is in
-        self._budget_given = memory_budget is not None
+        self._memory_budget = memory_budget  # the budget given (--memory-budget); None: the default
+        self._default_budget: int | None = None  # training_budget.default_budget, sized at first use
         self._copy_budget: int | None = None  # without a budget given: sized once, at first use
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
@@ -90,26 +90,27 @@ class Runtime:
     @property
     def memory_budget(self) -> int:
         """Bytes a training op may hold in activations (the engine's ``--memory-budget``)."""
-        if self._memory_budget is None:
-            self._memory_budget = default_budget(self.device)
-        return self._memory_budget
+        if self._memory_budget is not None:
+            return self._memory_budget
+        if self._default_budget is None:
+            self._default_budget = default_budget(self.device)
+        return self._default_budget
 
     @memory_budget.setter
     def memory_budget(self, value: int | None) -> None:
-        self._memory_budget = value
-        self._budget_given = value is not None
+        self._memory_budget = value  # None: back to the default
 
     @property
     def budget_given(self) -> bool:
         """Whether the memory budget was set (``--memory-budget``) rather than sized by default."""
-        return self._budget_given
+        return self._memory_budget is not None
 
     def copy_budget(self) -> int:
         """Bytes the sampler's prepacked copies of the base weights may take: the budget given
         (``--memory-budget``), else a share of the memory free when first asked
         (:func:`.training_budget.default_copy_budget`), kept from then on so the copies, once made,
         do not talk themselves out of fitting."""
-        if self._budget_given:
+        if self.budget_given:
             return self.memory_budget
         if self._copy_budget is None:
             self._copy_budget = default_copy_budget(self.device)

@@ -44,6 +44,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -264,6 +265,17 @@ def onednn_available() -> bool:
         return False
 
 
+class _PackedCopy(NamedTuple):
+    """A weight's prepacked copy with the call on it and its calibration, valid while ``weight()``
+    is that tensor at ``version``."""
+
+    weight: weakref.ref
+    version: int
+    packed: torch.Tensor
+    call: Callable[[torch.Tensor], torch.Tensor]
+    counts: RowCounts
+
+
 class RowInvariantLinears:
     """``F.linear`` of frozen base weights that gives each row what it gets in any other batch.
 
@@ -276,23 +288,22 @@ class RowInvariantLinears:
     def __init__(self):
         self.pack = True  # through prepacked copies (set by :meth:`packing`)
         self._threads = torch.get_num_threads()  # the thread count the copies' calibrations hold for
-        # id(weight) -> (a weak reference to it, its version when packed, the packed copy, the call
-        # on it, its calibration); tensors compare element-wise, so they cannot be dictionary keys
-        self._packed: dict[int, tuple] = {}
+        # id(weight) -> its copy; tensors compare element-wise, so they cannot be dictionary keys
+        self._packed: dict[int, _PackedCopy] = {}
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available():
             if self.pack:  # the copy, its kernel and its calibration, looked up once per weight
-                _, _, _, fn, counts = self._entry(weight, bias, x)
-                return rowwise(fn, x, counts, weight.shape[0])
+                copy = self._copy(weight, bias, x)
+                return rowwise(copy.call, x, copy.counts, weight.shape[0])
             return packed_linear(x, weight, bias, packed=False)
         return blas_linear(x, weight, bias)
 
     def packed_bytes(self) -> int:
         """Bytes the packed copies held now take."""
-        return sum(entry[2].numel() * entry[2].element_size() for entry in self._packed.values())
+        return sum(copy.packed.numel() * copy.packed.element_size() for copy in self._packed.values())
 
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""
@@ -306,13 +317,13 @@ class RowInvariantLinears:
             self.release()
         self.pack, self._threads = on, threads
 
-    def _entry(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    def _copy(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> _PackedCopy:
         key = id(weight)
-        entry = self._packed.get(key)
-        if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+        copy = self._packed.get(key)
+        if copy is None or copy.weight() is not weight or copy.version != weight._version:
             gone = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
             packed = pack_weight(weight)
             counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], x, bias is not None)
             fn = functools.partial(_onednn_linear, packed=packed, bias=bias)
-            entry = self._packed[key] = (gone, weight._version, packed, fn, counts)
-        return entry
+            copy = self._packed[key] = _PackedCopy(gone, weight._version, packed, fn, counts)
+        return copy
