@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
 from sess.engine.sampling.token_choice import StopChecker
+from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.types import SampledSequence, SamplingParams
 
@@ -134,9 +136,6 @@ def follow_samplers(runtime: Runtime, message: dict) -> None:
     shared home. Rank 0 never drops one a request still samples from on any rank (its decode
     batch pins the requests handed out too), and this rank evicts nothing on its own: its set is
     rank 0's, at most as large."""
-    from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
-    from sess.engine.sdk.checkpoint_paths import parse_path
-
     host = runtime.hosts[message["base_model"]]
     wanted = message["samplers"]
     for uri in [u for u in host.checkpoint_adapters if u not in wanted]:
