@@ -456,10 +456,12 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
 
 
 # Op names in sets beside the op table drift from it: what an op needs done around it is a column of
-# its row (engine/runtime/ops/table.py). The layers that may import the table are held to it; below
-# it the SDK speaks the wire protocol and keeps its own client policy (which calls it retries).
+# its row (engine/runtime/ops/table.py). The SDK, which may not import the table (it brings torch),
+# keeps the client's side of each control call in a table of its own (engine/sdk/calls.py) and is
+# held to it the same way.
 TABLE = ENGINE / "runtime" / "ops" / "table.py"
-TABLE_READERS = ("engine/runtime", "engine/server", "cli")
+CALLS = ENGINE / "sdk" / "calls.py"
+TABLE_READERS = ("engine/runtime", "engine/server", "engine/sdk", "cli")
 
 
 def _op_names() -> set[str]:
@@ -486,7 +488,7 @@ def test_what_an_op_needs_is_a_column_of_the_op_table_not_a_set_of_names():
         str(p.relative_to(ROOT)): found
         for folder in TABLE_READERS
         for p in (ROOT / folder).rglob("*.py")
-        if p != TABLE and (found := _op_name_sets(p.read_text(), ops))
+        if p not in (TABLE, CALLS) and (found := _op_name_sets(p.read_text(), ops))
     }
     assert sets == {}
     assert {"forward", "sample", "optim_step"} <= ops
@@ -495,6 +497,15 @@ def test_what_an_op_needs_is_a_column_of_the_op_table_not_a_set_of_names():
         "line 2: noop, forward",
     ]
     assert _op_name_sets('MODES = ("forward", "sideways")\n', ops) == []
+
+
+def test_the_sdk_call_table_names_the_engine_control_ops():
+    from sess.engine.runtime.ops.table import OPS, Kind
+    from sess.engine.sdk.calls import CALLS
+
+    assert set(CALLS) == {name for name, op in OPS.items() if op.kind is Kind.CONTROL}
+    # a call that changes the engine is never sent twice; reads are
+    assert not any(CALLS[name].reads_only for name, op in OPS.items() if op.kind is Kind.CONTROL and op.accounted)
 
 
 # A module's private names (a leading underscore) are its own: another module uses what it offers

@@ -28,23 +28,13 @@ from typing import Any
 
 import httpx
 
+from sess.engine.sdk import calls
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.home import read_local_key
 
 log = logging.getLogger("sess.engine")
 RETRY_DEADLINE_S = float(os.environ.get("SESS_RETRY_DEADLINE_S", 60.0))
 BUSY_DEADLINE_S = float(os.environ.get("SESS_BUSY_DEADLINE_S", 600.0))
-IDEMPOTENT_CALLS = {
-    "list_sessions",
-    "get_usage",
-    "list_base_models",
-    "tokenizer_files",
-    "list_checkpoints",
-    "session_info",
-    "model_info",
-}
-SESSION_STARTS = {"create_session", "create_session_from_state", "session_info"}
-SESSION_ENDS = {"stop_session", "delete_session"}
 
 
 class EngineUnavailable(SessError):
@@ -186,12 +176,13 @@ class HttpTransport:
 
     # transport verbs ------------------------------------------------------------------------------
     def call(self, name: str, args: dict | None = None) -> Any:
+        row = calls.row(name)
         result = self._post(
-            "/api/call", {"name": name, "args": args or {}}, idempotent=name in IDEMPOTENT_CALLS, timeout=600
+            "/api/call", {"name": name, "args": args or {}}, idempotent=row.reads_only, timeout=600
         )["result"]
-        if name in SESSION_STARTS and isinstance(result, dict) and result.get("status") == "Running":
+        if row.keeps_alive and isinstance(result, dict) and result.get("status") == "Running":
             self.keep_alive(result["name"])
-        elif name in SESSION_ENDS and args:
+        elif row.ends_session and args:
             self.forget(args.get("name"))
         return result
 
