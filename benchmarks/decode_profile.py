@@ -5,8 +5,10 @@ settings) on a sampling client's adapter, step by step, at each batch size asked
 row and 64 rows: one request, and 8 prompts x 8 samples), and times each part of a step by
 wrapping the decoder's calls in this process:
 
-- base matmuls: every base projection and the lm_head (the lm_head also on its own line);
-- LoRA: each group of rows' ``B(A x)`` terms;
+- projections: every projection and the lm_head (the lm_head also on its own line), through the
+  base weights or, where the engine merges adapters' plans (an fp32 base on CPU), through the
+  adapter's merged weights, its LoRA included;
+- LoRA terms: each group of rows' ``B(A x)`` terms, where the plans are not merged;
 - attention: the cache writes and the blocked decode attention;
 - token choice: drawing the token and its logprob from the logits (the decode batch's work);
 - other: the rest of the step (norms, rotary embeddings, residual adds, activations, the
@@ -38,7 +40,7 @@ from rich.table import Table  # noqa: E402
 from sampling import matmul_floor, prompts_for  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
-from sess.engine.sampling import block_cache, llama_decoder, row_invariant  # noqa: E402
+from sess.engine.sampling import block_cache, llama_decoder, lora_plans, row_invariant  # noqa: E402
 from sess.engine.sampling.token_choice import choose_tokens, chosen_logprobs  # noqa: E402
 
 from common import (  # noqa: E402
@@ -50,7 +52,7 @@ from common import (  # noqa: E402
     weight_bytes,
 )
 
-PARTS = ("base matmuls", "of them lm_head", "LoRA", "attention", "token choice")
+PARTS = ("projections", "of them lm_head", "LoRA terms", "attention", "token choice")
 
 
 @dataclass
@@ -87,7 +89,12 @@ class Timers:
 def instrument(decoder, vocab: int, timers: Timers):
     """Wrap the decoder's parts with ``timers``; returns a function that undoes it."""
     linear_call = type(decoder.linear).__call__
-    saved = (llama_decoder._add_lora, llama_decoder.decode_attention, block_cache.BlockCache.update)
+    saved = (
+        lora_plans.project,
+        llama_decoder.add_terms,
+        llama_decoder.decode_attention,
+        block_cache.BlockCache.update,
+    )
     rowwise = row_invariant.rowwise
 
     def counted_rowwise(fn, x, counts, out_features):
@@ -101,17 +108,27 @@ def instrument(decoder, vocab: int, timers: Timers):
         timers.padded_rows += padded
         return rowwise(fn, x, counts, out_features)
 
-    type(decoder.linear).__call__ = timers.wrap(
-        "base matmuls", linear_call, lambda self, x, weight, *rest: weight.shape[0] == vocab
-    )
-    llama_decoder._add_lora = timers.wrap("LoRA", saved[0])
-    llama_decoder.decode_attention = timers.wrap("attention", saved[1])
-    block_cache.BlockCache.update = timers.wrap("attention", saved[2])
+    if decoder.merges_lora():  # every projection goes through lora_plans.project
+        lora_plans.project = timers.wrap(
+            "projections", saved[0], lambda linear, base, *rest: base.weight.shape[0] == vocab
+        )
+    else:
+        type(decoder.linear).__call__ = timers.wrap(
+            "projections", linear_call, lambda self, x, weight, *rest: weight.shape[0] == vocab
+        )
+    llama_decoder.add_terms = timers.wrap("LoRA terms", saved[1])
+    llama_decoder.decode_attention = timers.wrap("attention", saved[2])
+    block_cache.BlockCache.update = timers.wrap("attention", saved[3])
     row_invariant.rowwise = counted_rowwise
 
     def undo():
         type(decoder.linear).__call__ = linear_call
-        llama_decoder._add_lora, llama_decoder.decode_attention, block_cache.BlockCache.update = saved
+        (
+            lora_plans.project,
+            llama_decoder.add_terms,
+            llama_decoder.decode_attention,
+            block_cache.BlockCache.update,
+        ) = saved
         row_invariant.rowwise = rowwise
 
     return undo
@@ -163,7 +180,7 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     per_step = {part: seconds / steps for part, seconds in timers.seconds.items()}
     per_step["token choice"] = statistics.mean(choose)
     step = statistics.mean(walls)
-    per_step["other"] = step - per_step["base matmuls"] - per_step["LoRA"] - per_step["attention"]
+    per_step["other"] = step - per_step["projections"] - per_step["LoRA terms"] - per_step["attention"]
     return {
         "rows": rows,
         "step": step + per_step["token choice"],
@@ -174,6 +191,7 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
         "padded_rows": timers.padded_rows / steps,
         "columns": int(positions.float().mean()),
         "packed": decoder.linear.pack,
+        "merged": decoder.merges_lora(),
     }
 
 
@@ -231,6 +249,7 @@ def main() -> None:
         *(f"{r['padded_calls']:.0f} of {r['calls']:.0f}, {r['padded_rows']:.0f}" for r in results),
     )
     table.add_row("prepacked base weights", *("yes" if r["packed"] else "no" for r in results))
+    table.add_row("adapter plans", *("merged" if r["merged"] else "LoRA terms" for r in results))
     table.add_row("matmul floor (base linears alone)", *(f"{r['floor'] * 1e3:.1f}" for r in results))
     table.add_row(
         "weights read a step / achieved",

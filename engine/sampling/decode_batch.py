@@ -146,9 +146,11 @@ class DecodeBatch:
         merges = self.decoder.merges
         while self.waiting and (merges or self.rows == 0):
             if merges and not self.waiting[0].prompt_logprobs:
-                jobs = [j for j in self.waiting if not j.prompt_logprobs]
+                jobs = self._within_slots([j for j in self.waiting if not j.prompt_logprobs])
             else:
-                jobs = [self.waiting[0]]
+                jobs = self._within_slots([self.waiting[0]])
+            if not jobs:  # every adapter slot is taken: they wait for rows to finish
+                break
             self.waiting = [j for j in self.waiting if all(j is not taken for taken in jobs)]
             try:
                 self._join(jobs)
@@ -157,6 +159,21 @@ class DecodeBatch:
                     job.on_done(None, exc)
             if not merges:
                 break
+
+    def _within_slots(self, jobs: list[SampleJob]) -> list[SampleJob]:
+        """The jobs, in order, whose adapters fit the decoder's adapter slots beside those of the
+        rows already running (base-model rows take none)."""
+        slots = self.decoder.adapter_slots()
+        if slots is None:
+            return jobs
+        held = {a for a in self.adapters if a is not None}
+        taken = []
+        for job in jobs:
+            if job.adapter is None or job.adapter in held or len(held) < slots:
+                taken.append(job)
+                if job.adapter is not None:
+                    held.add(job.adapter)
+        return taken
 
     @torch.no_grad()
     def _join(self, jobs: list[SampleJob]) -> None:

@@ -39,6 +39,10 @@ class Decoder(Protocol):
         cache column ``positions[r]``)."""
         ...
 
+    def adapter_slots(self) -> int | None:
+        """How many adapters' requests may decode at once (None: any number)."""
+        ...
+
 
 def full_attention_only(model: torch.nn.Module) -> bool:
     """Whether every attention layer of ``model`` sees all earlier positions (no sliding window):

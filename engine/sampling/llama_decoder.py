@@ -3,17 +3,20 @@
 A decode step of 64 rows on smollm2-135m does ~1,900 small tensor ops through transformers' and
 peft's modules; the matmuls of the base model are about half of its time and the rest is module
 machinery (masks built and ignored, per-layer hooks and bookkeeping, a LoRA call per projection).
-This decoder runs the same arithmetic directly on the same weights: the base projections through
-:class:`~.row_invariant.RowInvariantLinears`, one LoRA ``A`` matmul for the projections that read
-the same input (q/k/v, gate/up), the ``B`` matmuls per projection, and attention over the batch's
-:class:`~.block_cache.BlockCache`. A prefill lays the new prompts end to end (no padding), runs
-each prompt's attention on its own, and writes each prompt's keys and values into the rows of its
-samples; each group of rows goes through its own adapter (None: the base weights).
+This decoder runs the same arithmetic directly on the same weights, and attention over the batch's
+:class:`~.block_cache.BlockCache`. Each group of rows goes through its own adapter's plan
+(:mod:`.lora_plans`): with merged plans (an fp32 base on CPU, the default there) one matmul a
+projection over the adapter's merged weights, base-model rows through the base weights; with plans
+of LoRA terms the base projections for every row (:class:`~.row_invariant.RowInvariantLinears`)
+plus each group's terms (one ``A`` matmul for the projections that read the same input, q/k/v and
+gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to end (no padding),
+runs each prompt's attention on its own, and writes each prompt's keys and values into the rows of
+its samples.
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
-row, and each group of rows adds its own adapter's LoRA terms. So the batch is invariant, and the
-sampled logprobs equal ``forward``'s to rounding (the parity tests).
+row, and which form an adapter's plan takes is decided per engine, not per batch. So the batch is
+invariant, and the sampled logprobs equal ``forward``'s to rounding (the parity tests).
 
 It computes exactly the models :func:`unsupported` accepts: the architecture, activation, biases,
 rotary embedding type, attention windows and module classes are checked, and anything else (rope
@@ -25,20 +28,23 @@ else. The decoder reads the model's modules but never changes them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
-from sess.engine.sampling.row_invariant import (
-    PackedMatmul,
-    RowInvariantLinears,
-    decode_attention,
-    lora_linear,
+from sess.engine.sampling.lora_plans import (
+    add_terms,
+    base_of,
+    count,
+    merged_of,
+    run_merged,
+    terms_of,
+    versions,
 )
-from sess.engine.sampling.rows import Groups, add_to_rows, groups_of, take_rows
+from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_attention, onednn_available
+from sess.engine.sampling.rows import Groups, groups_of
 
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
 # projections that read the same input share one LoRA A matmul
@@ -71,18 +77,6 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-@dataclass
-class _Lora:
-    """One adapter's LoRA terms for a bundle of projections that read the same input: their A
-    matrices stacked, and per projection its B, scaling and columns of the stacked A's output.
-    Where oneDNN's prepacked kernel is row-invariant at a matrix's shape (:class:`PackedMatmul`),
-    the matrix is prepacked with its calibration (B with its scaling folded in): no padding of
-    small row counts and no lookup per call; elsewhere it goes through :func:`lora_linear`."""
-
-    a: torch.Tensor | PackedMatmul
-    parts: list[tuple[str, torch.Tensor | PackedMatmul, float, slice]]
-
-
 class LlamaDecoder:
     """Prefill and decode steps of one base model, merging every request into one batch.
     ``model_of()`` gives the model at each call, since peft wraps and unwraps its layers as
@@ -96,6 +90,7 @@ class LlamaDecoder:
         self.model_of = model_of
         self.pack_budget = pack_budget
         self._copy_bytes: int | None = None
+        self.merge_lora: bool | None = None  # adapters' plans merged or as terms (None: decided on first use)
         config = model_of().config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -114,7 +109,7 @@ class LlamaDecoder:
         if self._copy_bytes is None:
             model = self.model_of()
             weights = [
-                _base(getattr(part, name)).weight
+                base_of(getattr(part, name)).weight
                 for layer in model.model.layers
                 for part, names in (
                     (layer.self_attn, BUNDLES[0] + BUNDLES[1]),
@@ -122,13 +117,19 @@ class LlamaDecoder:
                 )
                 for name in names
             ]
-            weights.append(_base(model.lm_head).weight)
+            weights.append(base_of(model.lm_head).weight)
             self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
         return self._copy_bytes <= self.pack_budget()
 
     def copy_bytes(self) -> int | None:
         """Bytes all prepacked copies of the base weights take (None until :meth:`packs` measured it)."""
         return self._copy_bytes
+
+    def plan(self, adapter: str) -> list:
+        """``adapter``'s decode plan (made now if it is not kept): per layer its four bundles of
+        projections (q/k/v, o, gate/up, down), each merged matmuls or terms (:mod:`.lora_plans`) or
+        None, then the lm_head's."""
+        return self._plan(self.model_of(), adapter)
 
     def planned(self, adapter: str) -> bool:
         """Whether ``adapter``'s decode plan is made and kept (see :meth:`release_memory`)."""
@@ -191,8 +192,9 @@ class LlamaDecoder:
 
     def _output(self, model, h: torch.Tensor, adapters: list[str | None]) -> torch.Tensor:
         """Logits of the final-normed states ``h``, row ``r`` through ``adapters[r]``'s lm_head."""
-        groups = groups_of(adapters, h.device)
-        plans = [(rows, self._plan(model, adapter)[-1:]) for adapter, rows in groups if adapter is not None]
+        plans = [
+            (rows, p[-1:] if p else p) for rows, p in self._group_plans(model, groups_of(adapters, h.device))
+        ]
         (logits,) = self._project(model, ("lm_head",), h, plans, 0)
         return logits
 
@@ -224,7 +226,7 @@ class LlamaDecoder:
         ``attend(layer, q, k, v)`` ([rows, heads, dim] each) doing attention; returns the final-normed
         states."""
         inner = model.model
-        plans = [(rows, self._plan(model, adapter)) for adapter, rows in groups if adapter is not None]
+        plans = self._group_plans(model, groups)
         count = tokens.shape[0]
         h = inner.embed_tokens(tokens)  # [rows, hidden]
         cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
@@ -233,7 +235,7 @@ class LlamaDecoder:
         # decode attention takes its queries scaled, so the rotation scales them on the way
         q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
         for index, layer in enumerate(inner.layers):
-            lora = [(rows, plan[index]) for rows, plan in plans]
+            lora = [(rows, plan[index] if plan else plan) for rows, plan in plans]
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = self._project(attn, BUNDLES[0], x, lora, 0)
@@ -253,88 +255,76 @@ class LlamaDecoder:
         return _rms_norm(inner.norm, h)
 
     def _project(self, parent, names, x: torch.Tensor, lora, bundle: int) -> list[torch.Tensor]:
-        """The projections ``names`` of ``parent`` on ``x``, plus each group of rows' LoRA terms."""
+        """The projections ``names`` of ``parent`` on ``x``, each group of rows with its adapter's."""
+        if self.merges_lora():
+            return run_merged(self.linear, parent, names, x, lora, bundle)
         outs = []
         for name in names:
-            base = _base(getattr(parent, name))
+            base = base_of(getattr(parent, name))
             outs.append(self.linear(x, base.weight, base.bias))
         for rows, layer_plan in lora:
             terms = layer_plan[bundle]
             if terms is not None:
-                _add_lora(outs, x, rows, terms, names)
+                add_terms(outs, x, rows, terms, names)
         return outs
 
-    # per-adapter LoRA plans ------------------------------------------------------------------------
+    # per-adapter plans -----------------------------------------------------------------------------
+    def merges_lora(self) -> bool:
+        """Whether adapters' plans are merged weights (:mod:`.lora_plans`): for an fp32 base model on
+        CPU with oneDNN, where the copy budget holds two copies of the base weights (the base copies and
+        one adapter's merged plan). Decided on first use (unless
+        :attr:`merge_lora` was set) and kept for the engine's life, so a request's arithmetic never
+        depends on what else is sampling."""
+        if self.merge_lora is None:
+            weight = self.model_of().model.embed_tokens.weight
+            room = self.packs() and (self.pack_budget is None or 2 * self._copy_bytes <= self.pack_budget())
+            self.merge_lora = bool(weight.dtype == torch.float32 and weight.is_cpu and onednn_available() and room)
+        return self.merge_lora
+
+    def adapter_slots(self) -> int | None:
+        """How many adapters' merged plans the copy budget holds beside the base copies (at least
+        one): the decode batch admits requests of at most this many adapters at once. None: no
+        limit (plans of LoRA terms are small)."""
+        if not self.merges_lora() or self.pack_budget is None:
+            return None
+        return max(1, self.pack_budget() // max(self._copy_bytes or 1, 1) - 1)
+
+    def _group_plans(self, model, groups: Groups) -> list:
+        """``(rows, plan)`` for each group of rows: its adapter's plan; base-model rows (plan None)
+        are listed too where plans are merged (they then run apart from the adapters' rows)."""
+        merged = self.merges_lora()
+        return [
+            (rows, self._plan(model, adapter) if adapter is not None else None)
+            for adapter, rows in groups
+            if adapter is not None or merged
+        ]
+
     def _plan(self, model, adapter: str) -> list:
-        """Per layer, per bundle, the adapter's :class:`_Lora` (or None); last, the lm_head's.
-        Rebuilt when any of the adapter's weights changed (a training session's after optim_step)."""
-        cached = self._plans.get(adapter)
+        """Per layer, per bundle, the adapter's merged matmuls or :class:`~.lora_plans.Terms` (or
+        None); last, the lm_head's. Made again when any of the adapter's weights changed (a training
+        session's after optim_step); merged plans beyond :meth:`adapter_slots` go, oldest first."""
+        cached = self._plans.pop(adapter, None)
         if cached is not None and all(adapter in m.lora_A for m in cached[0]):
-            if _versions(cached[0], adapter) == cached[1]:  # the thread count included
+            if (self.merges_lora(), versions(cached[0], adapter)) == cached[1]:  # threads included
+                self._plans[adapter] = cached  # the most recently used last
                 return cached[2]
+        cached = None  # its copies go before the new ones are made
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
+        make = merged_of if self.merges_lora() else terms_of
         plan = []
         for layer in model.model.layers:
             parents = (layer.self_attn, layer.self_attn, layer.mlp, layer.mlp)
-            plan.append([_bundle(parent, names, adapter) for parent, names in zip(parents, BUNDLES)])
-        plan.append(_bundle(model, ("lm_head",), adapter))
-        bundles = [terms for layer_plan in plan[:-1] for terms in layer_plan] + [plan[-1]]
-        if sum(len(terms.parts) for terms in bundles if terms is not None) != len(modules):
+            plan.append([make(parent, names, adapter) for parent, names in zip(parents, BUNDLES)])
+        plan.append(make(model, ("lm_head",), adapter))
+        if count(plan) != len(modules):
             raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
         live = {a for m in modules[:1] for a in m.lora_A}
         self._plans = {a: p for a, p in self._plans.items() if a in live}
-        self._plans[adapter] = (modules, _versions(modules, adapter), plan)
+        slots = self.adapter_slots()
+        while slots is not None and len(self._plans) >= slots:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[adapter] = (modules, (self.merges_lora(), versions(modules, adapter)), plan)
         return plan
-
-
-def _versions(modules, adapter: str) -> tuple:
-    """What a plan depends on: the adapter's weights (their versions) and the thread count (its
-    prepacked matrices' calibrations)."""
-    return (torch.get_num_threads(),) + tuple(
-        (id(w), w._version) for m in modules for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)
-    )
-
-
-def _base(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "base_layer", module)
-
-
-def _bundle(parent, names, adapter: str) -> _Lora | None:
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    present = [
-        (name, getattr(parent, name))
-        for name in names
-        if adapter in getattr(getattr(parent, name), "lora_A", {})
-    ]
-    if not present:
-        return None
-    a_parts, parts, start = [], [], 0
-    for name, module in present:
-        if not isinstance(module, LoraLinear) or module.merged or module.lora_variant.get(adapter):
-            raise RuntimeError(f"adapter {adapter}: {name} is not a plain LoRA linear layer")
-        a = module.lora_A[adapter].weight
-        a_parts.append(a)
-        b, scaling = module.lora_B[adapter].weight, float(module.scaling[adapter])
-        packed = PackedMatmul.of(b.detach() * scaling)  # the scaling goes into the copy
-        parts.append((name, packed or b, scaling, slice(start, start + a.shape[0])))
-        start += a.shape[0]
-    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts).contiguous()
-    return _Lora(a=PackedMatmul.of(a.detach()) or a, parts=parts)
-
-
-def _add_lora(outs, x: torch.Tensor, rows, terms: _Lora, names) -> None:
-    """Add each projection's ``B(A x) * scaling`` for the rows ``rows`` to its output."""
-    # LoRA weights stay fp32 under a bf16 base model: its terms run in fp32, as peft runs them
-    a = terms.a
-    part = take_rows(x, rows).to(torch.float32 if isinstance(a, PackedMatmul) else a.dtype)
-    low = a(part) if isinstance(a, PackedMatmul) else lora_linear(part, a)  # [rows, sum of ranks]
-    for name, b, scaling, columns in terms.parts:
-        if isinstance(b, PackedMatmul):
-            delta = b(low[:, columns])
-        else:
-            delta = lora_linear(low[:, columns] * scaling, b)
-        add_to_rows(outs[names.index(name)], rows, delta)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,10 @@ class ModuleDecoder:
     def __init__(self, activate: Activate):
         self.activate = activate
 
+    def adapter_slots(self) -> None:
+        """No limit: one request decodes at a time, through peft's own modules."""
+        return None
+
     @torch.no_grad()
     def prefill(self, jobs: list) -> Prefill:
         (job,) = jobs

@@ -22,10 +22,11 @@ function of the row alone with these pieces:
   row count calibration found to give every row exactly its 64-row result. Frozen base weights
   run through oneDNN, faster than the BLAS for decode-sized batches, and through a prepacked copy
   of each weight where the engine's memory budget holds the copies (the same bits, less time; the
-  copies are as large as the weights). LoRA weights, which change, are prepacked in each
-  adapter's plan where oneDNN's packed kernel is row-invariant at their shape
-  (:class:`PackedMatmul`, made again when the adapter changes), else go through the BLAS, or
-  through oneDNN at a shape where only oneDNN is row-invariant (:func:`lora_linear`). Every row
+  copies are as large as the weights). An adapter's weights, which change, are prepacked in its
+  plan (:mod:`.lora_plans`: merged into copies of the weights, or LoRA matrices) where oneDNN's
+  packed kernel is row-invariant at their shape (:class:`PackedMatmul`, made again when the
+  adapter changes), else go through the BLAS, or through oneDNN at a shape where only oneDNN is
+  row-invariant (:func:`lora_linear`). Every row
   count from 1 to CHUNK is calibrated: a decode batch meets them all as its rows finish. A kernel
   whose 64-row result depends on a row's place is reported (:func:`report`): the engine says so
   at start and in ``sess engine status``.

@@ -1,10 +1,10 @@
-"""Groups of rows that share an adapter: the decode batch runs each group through its own LoRA terms.
+"""Groups of rows that share an adapter: the decode batch runs each group through its own adapter.
 
 A batch's rows come from requests of different sessions (and of base models, adapter None). The
-lean decoder computes the base model's projections for all rows at once and adds each group's
-``B(A x) * scaling`` to its rows: a slice when the group's rows are contiguous, an index otherwise.
-Per row this is the arithmetic of a single-adapter forward, so a row's tokens and logprobs do not
-depend on which sessions share its batch.
+lean decoder runs each group's rows through its adapter's plan (:mod:`.lora_plans`), reaching them
+by a slice when the group's rows are contiguous, an index otherwise. Per row this is the arithmetic
+of a single-adapter forward, so a row's tokens and logprobs do not depend on which sessions share
+its batch.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_forward_backward_custom_dpo_matches_direct(tc, runtime):
         seq = torch.stack([lp.sum() for lp in logprobs])
         margin = beta * ((seq[0::2] - torch.tensor(ref_lp[0::2])) - (seq[1::2] - torch.tensor(ref_lp[1::2])))
         loss = -torch.nn.functional.logsigmoid(margin).sum()
-        return loss, {"margin": float(margin.mean())}
+        return loss, {"margin": float(margin.mean().detach())}
 
     clear_grads(runtime, tc.name)
     out = tc.forward_backward_custom(data, dpo).result()

@@ -300,14 +300,18 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
         tc.stop()
 
 
-def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_change_no_bit(runtime, svc):
+def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_change_no_bit(
+    runtime, svc, monkeypatch
+):
     """The lean decoder's prepacked copies of the base weights are as large as the weights; a budget
     that cannot hold them all leaves none, and the same seeded request samples the same tokens and
-    logprobs to the bit either way."""
+    logprobs to the bit either way. (An adapter's rows go through the base weights when its plan is
+    LoRA terms, as here; a merged plan has copies of its own, see the next test.)"""
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=2)
     tok = tc.get_tokenizer()
     train_steps(tc, [SENTENCES[0]], 5e-2)
     host = runtime.host("tiny-llama")
+    monkeypatch.setattr(host.decoder, "merge_lora", False)
     linear = host.decoder.linear
     sampler = tc.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
