@@ -195,6 +195,23 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     }
 
 
+def trained_adapter(args):
+    """An in-process engine as the engine process runs (``args``: model, rank, home and the device
+    options), a LoRA session trained one step (B off zero) and its sampler's adapter loaded:
+    ``(svc, tc, prompts, host, adapter)``, with 8 chat prompts."""
+    as_engine_process(args.device)
+    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
+    tc = svc.create_lora_training_client(args.model, rank=args.rank, seed=0)
+    tok = tc.get_tokenizer()
+    prompts = prompts_for(tok, 8)
+    tc.forward_backward([prompts[0] + tok.encode(" Once upon a time")]).result()
+    tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+    sc = tc.save_weights_and_get_sampling_client()
+    sc.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()  # loads the adapter
+    host = svc.transport.engine.runtime.hosts[args.model]
+    return svc, tc, prompts, host, host.checkpoint_adapters[sc.model_path]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -207,18 +224,7 @@ def main() -> None:
     parser.add_argument("--home", default=None)
     add_device_options(parser)
     args = parser.parse_args()
-    as_engine_process(args.device)
-    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
-    runtime = svc.transport.engine.runtime
-    tc = svc.create_lora_training_client(args.model, rank=args.rank, seed=0)
-    tok = tc.get_tokenizer()
-    prompts = prompts_for(tok, 8)
-    tc.forward_backward([prompts[0] + tok.encode(" Once upon a time")]).result()
-    tc.optim_step(AdamParams(learning_rate=1e-3)).result()  # LoRA B off zero
-    sc = tc.save_weights_and_get_sampling_client()
-    sc.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()  # loads the adapter
-    host = runtime.hosts[args.model]
-    adapter = host.checkpoint_adapters[sc.model_path]
+    svc, tc, prompts, host, adapter = trained_adapter(args)
     read, copy = on_engine(svc, memory_bandwidth)
     base, lora = weight_bytes(host, adapter)
     results = []

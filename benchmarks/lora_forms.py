@@ -21,14 +21,12 @@ import time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from decode_profile import Job  # noqa: E402
+from decode_profile import Job, trained_adapter  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from sampling import matmul_floor, prompts_for  # noqa: E402
+from sampling import matmul_floor  # noqa: E402
 
-from sess.engine import AdamParams, SamplingParams  # noqa: E402
-
-from common import add_device_options, as_engine_process, in_process_client, on_engine  # noqa: E402
+from common import add_device_options, on_engine  # noqa: E402
 
 FORMS = {"terms": False, "merged": True}  # form -> LlamaDecoder.merge_lora
 
@@ -64,18 +62,7 @@ def main() -> None:
     parser.add_argument("--home", default=None)
     add_device_options(parser)
     args = parser.parse_args()
-    as_engine_process(args.device)
-    svc = in_process_client(args.home, args.device, args.dtype, args.memory_budget)
-    runtime = svc.transport.engine.runtime
-    tc = svc.create_lora_training_client(args.model, rank=args.rank, seed=0)
-    tok = tc.get_tokenizer()
-    prompts = prompts_for(tok, 8)
-    tc.forward_backward([prompts[0] + tok.encode(" Once upon a time")]).result()
-    tc.optim_step(AdamParams(learning_rate=1e-3)).result()  # LoRA B off zero
-    sc = tc.save_weights_and_get_sampling_client()
-    sc.sample(prompts[0], sampling_params=SamplingParams(max_tokens=2)).result()  # loads the adapter
-    host = runtime.hosts[args.model]
-    adapter = host.checkpoint_adapters[sc.model_path]
+    svc, tc, prompts, host, adapter = trained_adapter(args)
     default = "merged" if host.decoder.merges_lora() else "terms"
     table = Table(title=f"decode step on {args.model} ({host.dtype}, LoRA rank {args.rank}), ms per step")
     for column in ("rows", "LoRA terms", "merged", "terms / merged", "matmul floor", "floor / merged"):
