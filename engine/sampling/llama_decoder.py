@@ -27,6 +27,7 @@ else. The decoder reads the model's modules but never changes them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -310,7 +311,11 @@ class LlamaDecoder:
                 return cached[2]
         cached = None  # its copies go before the new ones are made
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
-        make = merged_of if self.merges_lora() else terms_of
+        if self.merges_lora():
+            largest = max(base_of(m).weight.numel() for m in modules)
+            make = functools.partial(merged_of, scratch=torch.empty(largest, dtype=torch.float32))
+        else:
+            make = terms_of
         plan = []
         for layer in model.model.layers:
             parents = (layer.self_attn, layer.self_attn, layer.mlp, layer.mlp)

@@ -105,10 +105,12 @@ def add_terms(outs, x: torch.Tensor, rows, terms: Terms, names) -> None:
 Merged = list  # per projection of a bundle: its merged matmul, or None where the adapter has no LoRA
 
 
-def merged_of(parent, names, adapter: str) -> Merged | None:
+def merged_of(parent, names, adapter: str, scratch: torch.Tensor) -> Merged | None:
     """Per projection of ``names``, a matmul over ``W + scaling * B A`` (fp32, prepacked where
     oneDNN's packed kernel is row-invariant at the shape), or None where ``adapter`` has no LoRA;
-    None when it has none in the bundle."""
+    None when it has none in the bundle. Each sum is made in ``scratch`` (as many floats as the
+    largest weight) and packed from there, so making a plan leaves no freed weight-sized blocks in
+    the heap."""
     present = dict(_lora_layers(parent, names, adapter))
     if not present:
         return None
@@ -119,15 +121,16 @@ def merged_of(parent, names, adapter: str) -> Merged | None:
             merged.append(None)
             continue
         base = base_of(module)
-        weight = torch.addmm(
+        weight = scratch[: base.weight.numel()].view(base.weight.shape)
+        torch.addmm(
             base.weight.detach(),
             module.lora_B[adapter].weight.detach(),
             module.lora_A[adapter].weight.detach(),
             alpha=float(module.scaling[adapter]),
+            out=weight,
         )
-        merged.append(
-            PackedMatmul.of(weight) or functools.partial(packed_linear, weight=weight, packed=False)
-        )
+        packed = PackedMatmul.of(weight)  # a copy of its own
+        merged.append(packed or functools.partial(packed_linear, weight=weight.clone(), packed=False))
     return merged
 
 
