@@ -311,6 +311,11 @@ class LlamaDecoder:
                 return cached[2]
         cached = None  # its copies go before the new ones are made
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
+        live = {a for m in modules[:1] for a in m.lora_A}
+        self._plans = {a: p for a, p in self._plans.items() if a in live}
+        slots = self.adapter_slots()  # the oldest go before the new copies are made
+        while slots is not None and len(self._plans) >= slots:
+            self._plans.pop(next(iter(self._plans)))
         if self.merges_lora():
             largest = max(base_of(m).weight.numel() for m in modules)
             make = functools.partial(merged_of, scratch=torch.empty(largest, dtype=torch.float32))
@@ -323,11 +328,6 @@ class LlamaDecoder:
         plan.append(make(model, ("lm_head",), adapter))
         if count(plan) != len(modules):
             raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
-        live = {a for m in modules[:1] for a in m.lora_A}
-        self._plans = {a: p for a, p in self._plans.items() if a in live}
-        slots = self.adapter_slots()
-        while slots is not None and len(self._plans) >= slots:
-            self._plans.pop(next(iter(self._plans)))
         self._plans[adapter] = (modules, (self.merges_lora(), versions(modules, adapter)), plan)
         return plan
 

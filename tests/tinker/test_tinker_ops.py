@@ -265,7 +265,8 @@ def test_the_tinker_sdk_gets_the_same(http_engine, key, tok, tmp_path):
     # the taught model puts the runners-up 28-35 nats down, where fp32's spacing is 3.8e-6: relative
     assert all(abs(got - want) < 1e-5 * max(1.0, abs(want)) for got, want in out["topk_sample"]["checks"])
     values, ids = np.asarray(out["target"]["values"]), np.asarray(out["target"]["ids"])
-    np.testing.assert_allclose(values[:, 0], full[1:], atol=1e-5)
+    # the same: some targets sit ~66 nats down, where fp32's spacing is 7.6e-6 (relative, as above)
+    np.testing.assert_allclose(values[:, 0], full[1:], rtol=1e-5, atol=1e-5)
     assert values[1, 1] == 0.0 and ids[1, 1] == -1
     assert np.asarray(out["alt"]["tokens"]).shape == (len(full) - 1, 2)
     assert all(abs(got - want) < 1e-5 * max(1.0, abs(want)) for got, want in out["alt"]["checks"])
