@@ -41,7 +41,7 @@ from sampling import matmul_floor, prompts_for  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
 from sess.engine.sampling import block_cache, llama_decoder, lora_plans, row_invariant  # noqa: E402
-from sess.engine.sampling.token_choice import choose_tokens, chosen_logprobs  # noqa: E402
+from sess.engine.sampling.token_choice import choose  # noqa: E402
 
 from common import (  # noqa: E402
     add_device_options,
@@ -110,7 +110,7 @@ def instrument(decoder, vocab: int, timers: Timers):
 
     if decoder.merges_lora():  # every projection goes through lora_plans.project
         lora_plans.project = timers.wrap(
-            "projections", saved[0], lambda linear, base, *rest: base.weight.shape[0] == vocab
+            "projections", saved[0], lambda linear, parent, names, *rest: names == ("lm_head",)
         )
     else:
         type(decoder.linear).__call__ = timers.wrap(
@@ -158,7 +158,7 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
         torch.ones(rows),
     )
     gen = torch.Generator().manual_seed(0)
-    walls, choose, timers = [], [], Timers()
+    walls, choosing, timers = [], [], Timers()
     undo = None
     for index in range(warmup + steps):
         if index == warmup:
@@ -166,19 +166,16 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
         start = time.perf_counter()
         logits = decoder.step(cache, adapters, tokens, positions)
         mid = time.perf_counter()
-        tokens = choose_tokens(
-            logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64)
-        )
-        chosen_logprobs(logits, tokens)
+        tokens, _ = choose(logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64))
         end = time.perf_counter()
         if index >= warmup:
             walls.append(mid - start)
-            choose.append(end - mid)
+            choosing.append(end - mid)
         positions = positions + 1
     undo()
     ops = ops_per_step(decoder, cache, adapters, tokens, positions)
     per_step = {part: seconds / steps for part, seconds in timers.seconds.items()}
-    per_step["token choice"] = statistics.mean(choose)
+    per_step["token choice"] = statistics.mean(choosing)
     step = statistics.mean(walls)
     per_step["other"] = step - per_step["projections"] - per_step["LoRA terms"] - per_step["attention"]
     return {

@@ -25,8 +25,7 @@ import torch
 from sess.engine.sampling.decoder import Decoder
 from sess.engine.sampling.token_choice import (
     StopChecker,
-    choose_tokens,
-    chosen_logprobs,
+    choose,
     prompt_logprobs_from,
     row_keys,
     uniforms,
@@ -212,9 +211,9 @@ class DecodeBatch:
         new = {name: torch.cat(values) for name, values in parts.items()}
         first = prefill.last_logits.float()[owner]
         draws = uniforms(new["keys"], new["steps"] - 1)
-        new["last"] = choose_tokens(first, new["temperature"], new["top_k"], new["top_p"], draws)
+        new["last"], logprobs = choose(first, new["temperature"], new["top_k"], new["top_p"], draws)
         new["generated"] = new["last"][:, None]
-        new["generated_lp"] = chosen_logprobs(first, new["last"])[:, None]
+        new["generated_lp"] = logprobs[:, None]
         if self.rows == 0:
             self.cache = prefill.cache
             for name, value in new.items():
@@ -264,11 +263,9 @@ class DecodeBatch:
         started = time.perf_counter()
         logits = self.decoder.step(self.cache, self.adapters, self.last, self.positions)
         logits = logits.float()
-        token = choose_tokens(
-            logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
-        )
+        token, logprobs = choose(logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps))
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
-        self.generated_lp = torch.cat([self.generated_lp, chosen_logprobs(logits, token)[:, None]], dim=1)
+        self.generated_lp = torch.cat([self.generated_lp, logprobs[:, None]], dim=1)
         self.positions += 1
         self.steps += 1
         self.last = token

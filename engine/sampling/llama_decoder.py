@@ -109,16 +109,7 @@ class LlamaDecoder:
             return True
         if self._copy_bytes is None:
             model = self.model_of()
-            weights = [
-                base_of(getattr(part, name)).weight
-                for layer in model.model.layers
-                for part, names in (
-                    (layer.self_attn, BUNDLES[0] + BUNDLES[1]),
-                    (layer.mlp, BUNDLES[2] + BUNDLES[3]),
-                )
-                for name in names
-            ]
-            weights.append(base_of(model.lm_head).weight)
+            weights = [base_of(getattr(p, name)).weight for p, names in self._bundles(model) for name in names]
             self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
         return self._copy_bytes <= self.pack_budget()
 
@@ -177,25 +168,25 @@ class LlamaDecoder:
                 )[0].transpose(0, 1)
             return out
 
-        h = self._layers(model, groups, tokens, positions, attend, scale_queries=False)
+        h = self._layers(model, self._group_plans(model, groups), tokens, positions, attend, scale_queries=False)
         rows = (
             list(range(lengths[0]))
             if jobs[0].prompt_logprobs
             else [start + n - 1 for start, n in zip(starts, lengths)]
         )
         owner = [job.adapter for job, n in zip(jobs, lengths) for _ in range(n)]
-        logits = self._output(model, h[rows], [owner[row] for row in rows])
+        plans = self._group_plans(model, groups_of([owner[row] for row in rows], device))
+        logits = self._output(model, h[rows], plans)
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + 16)
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)
 
-    def _output(self, model, h: torch.Tensor, adapters: list[str | None]) -> torch.Tensor:
-        """Logits of the final-normed states ``h``, row ``r`` through ``adapters[r]``'s lm_head."""
-        plans = [
-            (rows, p[-1:] if p else p) for rows, p in self._group_plans(model, groups_of(adapters, h.device))
-        ]
+    def _output(self, model, h: torch.Tensor, plans: list) -> torch.Tensor:
+        """Logits of the final-normed states ``h``, each group of rows of ``plans`` (from
+        :meth:`_group_plans`) through its adapter's lm_head."""
+        plans = [(rows, p[-1:] if p else p) for rows, p in plans]
         (logits,) = self._project(model, ("lm_head",), h, plans, 0)
         return logits
 
@@ -215,19 +206,16 @@ class LlamaDecoder:
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, bias).view(q.shape)
 
-        h = self._layers(
-            model, groups_of(adapters, tokens.device), tokens, positions, attend, scale_queries=True
-        )
-        return self._output(model, h, adapters)
+        plans = self._group_plans(model, groups_of(adapters, tokens.device))
+        h = self._layers(model, plans, tokens, positions, attend, scale_queries=True)
+        return self._output(model, h, plans)
 
-    def _layers(
-        self, model, groups: Groups, tokens, positions, attend, *, scale_queries: bool
-    ) -> torch.Tensor:
-        """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), with
+    def _layers(self, model, plans: list, tokens, positions, attend, *, scale_queries: bool) -> torch.Tensor:
+        """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), each group
+        of rows of ``plans`` (from :meth:`_group_plans`) through its adapter's, with
         ``attend(layer, q, k, v)`` ([rows, heads, dim] each) doing attention; returns the final-normed
         states."""
         inner = model.model
-        plans = self._group_plans(model, groups)
         count = tokens.shape[0]
         h = inner.embed_tokens(tokens)  # [rows, hidden]
         cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
@@ -305,10 +293,9 @@ class LlamaDecoder:
         None); last, the lm_head's. Made again when any of the adapter's weights changed (a training
         session's after optim_step); merged plans beyond :meth:`adapter_slots` go, oldest first."""
         cached = self._plans.pop(adapter, None)
-        if cached is not None and all(adapter in m.lora_A for m in cached[0]):
-            if (self.merges_lora(), versions(cached[0], adapter)) == cached[1]:  # threads included
-                self._plans[adapter] = cached  # the most recently used last
-                return cached[2]
+        if cached is not None and (self.merges_lora(), versions(cached[0], adapter)) == cached[1]:
+            self._plans[adapter] = cached  # the most recently used last (threads included)
+            return cached[2]
         cached = None  # its copies go before the new ones are made
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
         live = {a for m in modules[:1] for a in m.lora_A}
@@ -317,19 +304,30 @@ class LlamaDecoder:
         while slots is not None and len(self._plans) >= slots:
             self._plans.pop(next(iter(self._plans)))
         if self.merges_lora():
-            largest = max(base_of(m).weight.numel() for m in modules)
+            largest = max(
+                sum(base_of(getattr(parent, name)).weight.numel() for name in names)
+                for parent, names in self._bundles(model)
+            )
             make = functools.partial(merged_of, scratch=torch.empty(largest, dtype=torch.float32))
         else:
             make = terms_of
-        plan = []
-        for layer in model.model.layers:
-            parents = (layer.self_attn, layer.self_attn, layer.mlp, layer.mlp)
-            plan.append([make(parent, names, adapter) for parent, names in zip(parents, BUNDLES)])
-        plan.append(make(model, ("lm_head",), adapter))
+        made = [make(parent, names, adapter) for parent, names in self._bundles(model)]
+        plan = [made[i : i + len(BUNDLES)] for i in range(0, len(made) - 1, len(BUNDLES))] + made[-1:]
         if count(plan) != len(modules):
             raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
         self._plans[adapter] = (modules, (self.merges_lora(), versions(modules, adapter)), plan)
         return plan
+
+
+    @staticmethod
+    def _bundles(model) -> list:
+        """``(parent, names)`` of every bundle of projections in model order, the lm_head last."""
+        bundles = [
+            (parent, names)
+            for layer in model.model.layers
+            for parent, names in zip((layer.self_attn, layer.self_attn, layer.mlp, layer.mlp), BUNDLES)
+        ]
+        return bundles + [(model, ("lm_head",))]
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -48,12 +48,19 @@ def base_of(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def versions(modules, adapter: str) -> tuple:
+def versions(modules, adapter: str) -> tuple | None:
     """What a plan depends on: the adapter's weights (their versions) and the thread count (its
-    prepacked matrices' calibrations)."""
-    return (torch.get_num_threads(),) + tuple(
-        (id(w), w._version) for m in modules for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)
-    )
+    prepacked matrices' calibrations); None where a module no longer carries the adapter. Read
+    from the modules' own dictionaries: every decode step checks its plans, and ``nn.Module``'s
+    attribute lookup would make that ~1 ms a check on smollm2."""
+    found = [torch.get_num_threads()]
+    for m in modules:
+        a, b = m._modules["lora_A"]._modules.get(adapter), m._modules["lora_B"]._modules.get(adapter)
+        if a is None or b is None:
+            return None
+        a, b = a._parameters["weight"], b._parameters["weight"]
+        found += ((id(a), a._version), (id(b), b._version))
+    return tuple(found)
 
 
 def _lora_layers(parent, names, adapter: str) -> list:
@@ -105,69 +112,108 @@ def add_terms(outs, x: torch.Tensor, rows, terms: Terms, names) -> None:
 Merged = list  # per projection of a bundle: its merged matmul, or None where the adapter has no LoRA
 
 
-def merged_of(parent, names, adapter: str, scratch: torch.Tensor) -> Merged | None:
-    """Per projection of ``names``, a matmul over ``W + scaling * B A`` (fp32, prepacked where
-    oneDNN's packed kernel is row-invariant at the shape), or None where ``adapter`` has no LoRA;
-    None when it has none in the bundle. Each sum is made in ``scratch`` (as many floats as the
-    largest weight) and packed from there, so making a plan leaves no freed weight-sized blocks in
-    the heap."""
+@dataclass(frozen=True)
+class Fused:
+    """A bundle's projections (q/k/v, gate/up) merged and stacked into one prepacked matmul: its
+    output holds each projection's features in bundle order, ``sizes`` of them each. One call
+    instead of one a projection (fewer kernel calls a step, and one weight large enough to share
+    out evenly between threads); oneDNN sums each output the same way at either shape, so the
+    result is the same as the projections' one by one. ``lora``: how many of them carry LoRA (the
+    others are the base weights' copies)."""
+
+    matmul: PackedMatmul
+    sizes: tuple[int, ...]
+    lora: int
+
+
+def merged_of(parent, names, adapter: str, scratch: torch.Tensor) -> Fused | Merged | None:
+    """``adapter``'s projections ``names`` over ``W + scaling * B A`` (fp32), prepacked where
+    oneDNN's packed kernel is row-invariant at the shape: stacked into one :class:`Fused` matmul
+    where the bundle has several projections, else per projection a matmul, or None where
+    ``adapter`` has no LoRA; None when it has none in the bundle. Each sum is made in ``scratch``
+    (as many floats as the largest bundle's weights) and packed from there, so making a plan leaves
+    no freed weight-sized blocks in the heap."""
     present = dict(_lora_layers(parent, names, adapter))
     if not present:
         return None
+    bases = [base_of(getattr(parent, name)) for name in names]
+    if len(names) > 1 and all(b.bias is None for b in bases):
+        start = 0
+        for name, base in zip(names, bases):
+            _merge_into(scratch[start : start + base.weight.numel()], base, present.get(name), adapter)
+            start += base.weight.numel()
+        packed = PackedMatmul.of(scratch[:start].view(-1, bases[0].in_features))  # a copy of its own
+        if packed is not None:
+            return Fused(packed, tuple(b.out_features for b in bases), len(present))
     merged: Merged = []
-    for name in names:
+    for name, base in zip(names, bases):
         module = present.get(name)
         if module is None:
             merged.append(None)
             continue
-        base = base_of(module)
-        weight = scratch[: base.weight.numel()].view(base.weight.shape)
-        torch.addmm(
-            base.weight.detach(),
-            module.lora_B[adapter].weight.detach(),
-            module.lora_A[adapter].weight.detach(),
-            alpha=float(module.scaling[adapter]),
-            out=weight,
-        )
+        weight = _merge_into(scratch[: base.weight.numel()], base, module, adapter)
         packed = PackedMatmul.of(weight)  # a copy of its own
         merged.append(packed or functools.partial(packed_linear, weight=weight.clone(), packed=False))
     return merged
+
+
+def _merge_into(space: torch.Tensor, base, module, adapter: str) -> torch.Tensor:
+    """``base``'s weight with ``module``'s LoRA term added (a copy of it where ``module`` is None),
+    written into ``space`` and returned [out, in]."""
+    weight = space.view(base.weight.shape)
+    if module is None:
+        return weight.copy_(base.weight.detach())
+    return torch.addmm(
+        base.weight.detach(),
+        module.lora_B[adapter].weight.detach(),
+        module.lora_A[adapter].weight.detach(),
+        alpha=float(module.scaling[adapter]),
+        out=weight,
+    )
 
 
 def count(plan: list) -> int:
     """How many LoRA projections a plan (per layer a list of bundles, then the lm_head's) covers."""
     bundles = [b for layer in plan[:-1] for b in layer] + [plan[-1]]
     return sum(
-        len(b.parts) if isinstance(b, Terms) else sum(m is not None for m in b)
+        len(b.parts) if isinstance(b, Terms) else b.lora if isinstance(b, Fused) else sum(m is not None for m in b)
         for b in bundles
         if b is not None
     )
 
 
-def project(linear: Callable, base, layer_plan, bundle: int, index: int, x: torch.Tensor) -> torch.Tensor:
-    """Projection ``index`` of ``bundle`` on rows ``x``: the plan's merged matmul, or the base
-    weight (``linear``) where the rows' adapter has no LoRA there or they are base-model rows."""
-    merged = layer_plan[bundle] if layer_plan is not None else None
-    fn = merged[index] if merged is not None else None
-    return fn(x) if fn is not None else linear(x, base.weight, base.bias)
+def project(linear: Callable, parent, names, merged: Fused | Merged | None, x: torch.Tensor) -> list[torch.Tensor]:
+    """The projections ``names`` of ``parent`` on rows ``x`` through one adapter's ``merged``
+    bundle: its fused matmul, or per projection its merged matmul, or the base weight
+    (``linear``) where the adapter has no LoRA there (``merged`` None: base-model rows)."""
+    if isinstance(merged, Fused):
+        return list(merged.matmul(x).split(merged.sizes, dim=-1))
+    outs = []
+    for index, name in enumerate(names):
+        fn = merged[index] if merged is not None else None
+        if fn is None:
+            base = base_of(getattr(parent, name))
+            outs.append(linear(x, base.weight, base.bias))
+        else:
+            outs.append(fn(x))
+    return outs
 
 
 def run_merged(linear: Callable, parent, names, x: torch.Tensor, groups, bundle: int) -> list[torch.Tensor]:
     """The projections ``names`` of ``parent`` on ``x`` with merged plans: each group of rows
     (``(rows, layer plan or None)``: None for the base model) through its own weights. One group of
     every row needs no gathering."""
-    outs = []
-    for index, name in enumerate(names):
-        base = base_of(getattr(parent, name))
-        if len(groups) == 1:
-            outs.append(project(linear, base, groups[0][1], bundle, index, x))
-            continue
-        out = x.new_empty(x.shape[0], base.out_features)
-        for rows, layer_plan in groups:
-            part = project(linear, base, layer_plan, bundle, index, take_rows(x, rows))
+    bundles = [(rows, plan[bundle] if plan is not None else None) for rows, plan in groups]
+    if len(bundles) == 1:
+        return project(linear, parent, names, bundles[0][1], x)
+    outs = None
+    for rows, merged in bundles:
+        parts = project(linear, parent, names, merged, take_rows(x, rows))
+        if outs is None:
+            outs = [x.new_empty(x.shape[0], part.shape[-1]) for part in parts]
+        for out, part in zip(outs, parts):
             if isinstance(rows, slice):
                 out[rows] = part
             else:
                 out.index_copy_(0, rows, part)
-        outs.append(out)
     return outs

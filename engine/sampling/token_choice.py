@@ -53,6 +53,30 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
+# the most rows token choice takes at once: its [rows, vocab] temporaries then stay under 2 MiB, which
+# the heap serves again step after step (the engine's malloc maps blocks from 4 MiB on their own,
+# and a fresh mapping costs a page fault a page: ~4 ms for 64 rows of a 49,152-token vocabulary)
+HEAP_BYTES = 2 << 20
+
+
+def choose(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` (rows, vocab) and its logprob (:func:`chosen_logprobs`),
+    taken a few rows at a time (:data:`HEAP_BYTES`); every step works within a row, so a row's
+    token and logprob are the same however the rows are split."""
+    step = max(1, HEAP_BYTES // max(1, logits.shape[-1] * logits.element_size()))
+    tokens, logprobs = [], []
+    for start in range(0, logits.shape[0], step):
+        part = slice(start, start + step)
+        token = choose_tokens(logits[part], temperature[part], top_k[part], top_p[part], u[part])
+        tokens.append(token)
+        logprobs.append(chosen_logprobs(logits[part], token))
+    if len(tokens) == 1:
+        return tokens[0], logprobs[0]
+    return torch.cat(tokens), torch.cat(logprobs)
+
+
 def choose_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -60,28 +84,41 @@ def choose_tokens(
     top_p: torch.Tensor,
     u: torch.Tensor,
 ) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (rows, vocab). temperature 0 = greedy; top_k <= 0 = off."""
-    sampled_rows = temperature > 0
-    if not bool(sampled_rows.any()):
+    """Pick one token per row of ``logits`` (rows, vocab). temperature 0 = greedy; top_k <= 0 = off.
+    A row that truncates (top-k or top-p) draws in sorted order, one that does not in vocabulary
+    order, whatever the other rows do."""
+    sampled = temperature > 0
+    if not bool(sampled.any()):
         return logits.argmax(dim=-1)
-    scaled = logits / torch.where(sampled_rows, temperature, torch.ones_like(temperature))[:, None]
-    truncate = bool(((top_k > 0) | (top_p < 1.0)).any())
-    if truncate:
-        # Work in sorted order: top-k keeps the first k, top-p the shortest prefix reaching p.
-        scaled, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = scaled.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        position = torch.arange(probs.shape[-1], device=probs.device)
-        drop = (before >= top_p[:, None]) | ((top_k[:, None] > 0) & (position[None, :] >= top_k[:, None]))
-        drop[:, 0] = False
-        probs = probs.masked_fill(drop, 0.0)
-    else:
-        probs = scaled.softmax(dim=-1)
-    pick = inverse_cdf(probs, u)
-    token = order.gather(-1, pick[:, None]).squeeze(-1) if truncate else pick
-    if bool(sampled_rows.all()):
-        return token
-    return torch.where(sampled_rows, token, logits.argmax(dim=-1))
+    truncating = sampled & ((top_k > 0) | (top_p < 1.0))
+    token = logits.argmax(dim=-1) if not bool(sampled.all()) else None
+    for chosen, truncate in ((sampled & ~truncating, False), (truncating, True)):
+        if not bool(chosen.any()):
+            continue
+        if token is None and bool(chosen.all()):  # every row (the usual case): no gathering
+            return _draw(logits, temperature, top_k, top_p, u, truncate)
+        if token is None:
+            token = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        rows = chosen.nonzero().squeeze(-1)
+        token[rows] = _draw(logits[rows], temperature[rows], top_k[rows], top_p[rows], u[rows], truncate)
+    return token
+
+
+def _draw(logits, temperature, top_k, top_p, u, truncate: bool) -> torch.Tensor:
+    """One token per row from its tempered distribution (every row sampled), truncated (in sorted
+    order) or not (in vocabulary order)."""
+    scaled = logits / temperature[:, None]
+    if not truncate:
+        return inverse_cdf(scaled.softmax(dim=-1), u)
+    # Work in sorted order: top-k keeps the first k, top-p the shortest prefix reaching p.
+    scaled, order = torch.sort(scaled, dim=-1, descending=True)
+    probs = scaled.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    position = torch.arange(probs.shape[-1], device=probs.device)
+    drop = (before >= top_p[:, None]) | ((top_k[:, None] > 0) & (position[None, :] >= top_k[:, None]))
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    return order.gather(-1, inverse_cdf(probs, u)[:, None]).squeeze(-1)
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

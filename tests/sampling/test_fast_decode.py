@@ -30,7 +30,7 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, form, pa
     oneDNN (as on a CPU where oneDNN's packed kernel is not)."""
     from sess.engine.sampling import llama_decoder
     from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
-    from sess.engine.sampling.lora_plans import Terms
+    from sess.engine.sampling.lora_plans import Fused, Terms
     from sess.engine.sampling.module_decoder import ModuleDecoder
     from sess.engine.sampling.row_invariant import PackedMatmul, row_counts
     from sess.engine.sampling.token_choice import StopChecker
@@ -97,8 +97,17 @@ def test_lean_step_samples_what_the_modules_sample(runtime, svc, model, form, pa
                 assert isinstance(m, torch.Tensor)
             elif not isinstance(m, PackedMatmul):
                 assert not row_counts("onednn packed", m.shape[1], m.shape[0], m, False).exact
-    else:
-        for m in (m for b in bundles for m in b if m is not None):
+    else:  # q/k/v and gate/up stacked into one prepacked matmul each, where it is row-invariant
+        config = host.model.config
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shapes = ((config.num_attention_heads + 2 * config.num_key_value_heads) * dim, 2 * config.intermediate_size)
+        for layer in plan[:-1]:
+            for b, out in zip((layer[0], layer[2]), shapes):
+                exact = row_counts("onednn packed", config.hidden_size, out, torch.zeros(1), False).exact
+                assert isinstance(b, Fused) == (packed and exact)
+                if isinstance(b, Fused):
+                    assert b.matmul.out_features == sum(b.sizes) == out
+        for m in (m for b in bundles if not isinstance(b, Fused) for m in b if m is not None):
             if not packed:
                 assert not isinstance(m, PackedMatmul)
             elif not isinstance(m, PackedMatmul):

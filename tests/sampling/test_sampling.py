@@ -383,6 +383,32 @@ def test_inverse_cdf_picks_what_a_full_scan_picks():
         assert inverse_cdf(probs[row : row + 1], u[row : row + 1]).item() == picks[row].item()
 
 
+def test_each_row_chooses_its_token_as_it_would_alone(monkeypatch):
+    """Token choice is a function of the row: greedy, plain, top-k and top-p rows mixed in one batch
+    (and taken a few rows at a time, as the decode batch takes a large vocabulary) each get the
+    token and logprob they get alone. A plain row draws in vocabulary order even beside rows that
+    truncate (which draw in sorted order)."""
+    import torch
+
+    from sess.engine.sampling import token_choice
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 12, 3000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3] * 3)
+    top_k = torch.tensor([0, 0, 0, 0, 50, 0] * 2)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0] * 2)
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(token_choice, "HEAP_BYTES", 5 * vocab * 4)  # 5 rows at a time
+    tokens, logprobs = token_choice.choose(logits, temperature, top_k, top_p, u)
+    for row in range(rows):
+        one = slice(row, row + 1)
+        token, logprob = token_choice.choose(logits[one], temperature[one], top_k[one], top_p[one], u[one])
+        assert (token.item(), logprob.item()) == (tokens[row].item(), logprobs[row].item()), row
+    assert torch.equal(tokens[2::4], logits[2::4].argmax(-1))  # temperature 0: greedy
+    assert torch.equal(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
 EXIT_SCRIPT = """
 import atexit, sys, threading
 def report():  # registered first, so it runs after sess's own exit handler
