@@ -30,7 +30,7 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -61,6 +61,7 @@ class Job:  # what the decoder's prefill reads of a sample request
     num_samples: int
     adapter: str | None
     prompt_logprobs: int = 0
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))
 
 
 class Timers:

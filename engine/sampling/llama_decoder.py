@@ -48,6 +48,9 @@ from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_atten
 from sess.engine.sampling.rows import Groups, groups_of
 
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
+# the most columns a new cache holds past its longest prompt for the requests' max_tokens: a cache
+# that grows is copied whole, and one that never needs them holds memory for nothing
+AHEAD = 128
 # projections that read the same input share one LoRA A matmul
 BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
@@ -139,8 +142,8 @@ class LlamaDecoder:
     # prefill ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, jobs: list) -> Prefill:
-        """Run the prompts of ``jobs`` (each with ``prompt``, ``num_samples``, ``adapter`` and
-        ``prompt_logprobs``); a job that wants prompt logprobs comes alone."""
+        """Run the prompts of ``jobs`` (each with ``prompt``, ``num_samples``, ``adapter``,
+        ``prompt_logprobs`` and ``params.max_tokens``); a job that wants prompt logprobs comes alone."""
         model = self.model_of()
         self.linear.packing(self.packs())
         inner = model.model
@@ -178,7 +181,8 @@ class LlamaDecoder:
         plans = self._group_plans(model, groups_of([owner[row] for row in rows], device))
         logits = self._output(model, h[rows], plans)
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
-        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + 16)
+        room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
+        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16))
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)

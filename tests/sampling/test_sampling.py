@@ -409,6 +409,36 @@ def test_each_row_chooses_its_token_as_it_would_alone(monkeypatch):
     assert torch.equal(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
 
 
+def test_the_cache_keeps_the_rows_asked_for_in_place_or_in_a_smaller_copy():
+    """Rows leave the decode batch's KV cache as they finish: while at least half of it stays, the
+    kept rows are compacted in the cache's own memory, else copied out; either way each layer holds
+    exactly the kept rows' entries, blocks trimmed to the width, and decoding goes on from there."""
+    import torch
+
+    from sess.engine.sampling.block_cache import BLOCK, BlockCache
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (3, 10, 2, BLOCK, 4)  # blocks, rows, kv heads, columns, dim
+    keys = [torch.randn(shape, generator=gen) for _ in range(2)]
+    values = [torch.randn(shape, generator=gen) for _ in range(2)]
+    cache = BlockCache([k.clone() for k in keys], [v.clone() for v in values])
+    kept = torch.tensor([0, 2, 3, 4, 5, 6, 8, 9])  # 8 of 10 rows, 2 of 3 blocks: in place
+    storage = cache.keys[0].untyped_storage().data_ptr()
+    cache.keep(kept, width=BLOCK - 1)
+    assert cache.keys[0].untyped_storage().data_ptr() == storage
+    for mine, original in zip(cache.keys + cache.values, keys + values):
+        assert mine.is_contiguous() and torch.equal(mine, original[:2, kept])
+    fewer = torch.tensor([1, 6])  # 2 of 8 rows: a copy of its own
+    cache.keep(fewer, width=10)
+    assert cache.keys[0].untyped_storage().data_ptr() != storage
+    for mine, original in zip(cache.keys + cache.values, keys + values):
+        assert torch.equal(mine, original[:2, kept][:, fewer])
+    step = cache.set_positions(torch.tensor([10, 140]))  # grows to 3 blocks and writes
+    new = torch.randn(2, 2, 4, generator=gen)
+    k, _ = cache.update(0, new, new)
+    assert k.shape == (3, 2, 2, BLOCK, 4) and torch.equal(k[step.block, step.rows, :, step.column], new)
+
+
 EXIT_SCRIPT = """
 import atexit, sys, threading
 def report():  # registered first, so it runs after sess's own exit handler
