@@ -6,7 +6,8 @@ machinery (masks built and ignored, per-layer hooks and bookkeeping, a LoRA call
 This decoder runs the same arithmetic directly on the same weights, and attention over the batch's
 :class:`~.block_cache.BlockCache`. Each group of rows goes through its own adapter's plan
 (:mod:`.lora_plans`): with merged plans (an fp32 base on CPU, the default there) one matmul a
-projection over the adapter's merged weights, base-model rows through the base weights; with plans
+bundle of projections (q/k/v, o, gate/up, down) over the adapter's merged weights, base-model rows
+through the base weights; with plans
 of LoRA terms the base projections for every row (:class:`~.row_invariant.RowInvariantLinears`)
 plus each group's terms (one ``A`` matmul for the projections that read the same input, q/k/v and
 gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to end (no padding),

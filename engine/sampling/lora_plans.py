@@ -7,9 +7,10 @@ not depend on which rows share its step:
 
 * **merged** (fp32 base on CPU, where the model's weights fit the copy budget): each projection's
   weight with its LoRA term added once, ``W + scaling * B A``, prepacked for oneDNN with its
-  calibration (:class:`~.row_invariant.PackedMatmul`). A decode step then runs one matmul a
-  projection for the adapter's rows, as for the base model, instead of the base matmul plus two
-  LoRA matmuls and an add; the copies are as large as the adapted weights (425 MB on smollm2).
+  calibration (:class:`~.row_invariant.PackedMatmul`), the projections that read the same input
+  stacked into one (:class:`Fused`). A decode step then runs one matmul a projection, or a bundle,
+  for the adapter's rows instead of the base matmul plus two LoRA matmuls and an add; the copies
+  are as large as the adapted weights (425 MB on smollm2).
 * **terms** (elsewhere: a bf16 base, whose rounding would swallow a merged LoRA term; a budget
   without room for the copies): the adapter's A matrices stacked for the projections that read the
   same input, and per projection its B (prepacked where oneDNN's packed kernel is row-invariant at
