@@ -323,7 +323,6 @@ class LlamaDecoder:
         self._plans[adapter] = (modules, (self.merges_lora(), versions(modules, adapter)), plan)
         return plan
 
-
     @staticmethod
     def _bundles(model) -> list:
         """``(parent, names)`` of every bundle of projections in model order, the lm_head last."""
