@@ -262,7 +262,6 @@ class DecodeBatch:
             return
         started = time.perf_counter()
         logits = self.decoder.step(self.cache, self.adapters, self.last, self.positions)
-        logits = logits.float()
         token, logprobs = choose(logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps))
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
         self.generated_lp = torch.cat([self.generated_lp, logprobs[:, None]], dim=1)

@@ -63,15 +63,16 @@ def choose(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` (rows, vocab) and its logprob (:func:`chosen_logprobs`),
-    taken a few rows at a time (:data:`HEAP_BYTES`); every step works within a row, so a row's
-    token and logprob are the same however the rows are split."""
-    step = max(1, HEAP_BYTES // max(1, logits.shape[-1] * logits.element_size()))
+    taken a few rows at a time (:data:`HEAP_BYTES`), in fp32 whatever the logits' dtype; every step
+    works within a row, so a row's token and logprob are the same however the rows are split."""
+    step = max(1, HEAP_BYTES // max(1, logits.shape[-1] * 4))
     tokens, logprobs = [], []
     for start in range(0, logits.shape[0], step):
         part = slice(start, start + step)
-        token = choose_tokens(logits[part], temperature[part], top_k[part], top_p[part], u[part])
+        rows = logits[part].float()
+        token = choose_tokens(rows, temperature[part], top_k[part], top_p[part], u[part])
         tokens.append(token)
-        logprobs.append(chosen_logprobs(logits[part], token))
+        logprobs.append(chosen_logprobs(rows, token))
     if len(tokens) == 1:
         return tokens[0], logprobs[0]
     return torch.cat(tokens), torch.cat(logprobs)
