@@ -102,18 +102,11 @@ def weight_bytes(host, adapter) -> tuple[int, int]:
     """Bytes of the base weights a decode step reads (every projection and the lm_head) and of the
     adapter's LoRA weights it reads besides (none where the sampler merges them into copies of the
     weights they change, which it reads instead)."""
-    if getattr(host.decoder, "merges_lora", lambda: False)():
-        base, _ = weight_bytes_unmerged(host, adapter)
-        return base, 0
-    return weight_bytes_unmerged(host, adapter)
-
-
-def weight_bytes_unmerged(host, adapter) -> tuple[int, int]:
-    """Bytes of the base weights (every projection and the lm_head) and of the adapter's LoRA weights."""
+    merged = getattr(host.decoder, "merges_lora", lambda: False)()
     base = lora = 0
     for name, p in host.model.named_parameters():
         if "lora_" in name:
-            lora += p.numel() * p.element_size() if f".{adapter}." in name else 0
+            lora += p.numel() * p.element_size() if f".{adapter}." in name and not merged else 0
         elif "embed_tokens" not in name and "norm" not in name:
             base += p.numel() * p.element_size()
     if host.model.config.tie_word_embeddings:
