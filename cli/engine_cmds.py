@@ -327,6 +327,8 @@ def status(
                 else "sampling: NOT batch-invariant on this CPU (logprobs may differ in their last bits with "
                 f"what shares a batch; replays stay exact): {'; '.join(invariance['inexact'])}"
             )
+            if invariance.get("few_rows"):
+                out.print(f"one- and two-row matmuls: {invariance['few_rows']}", highlight=False)
 
 
 @engine_app.command("down")

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sess.engine.sampling import onednn
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.lora_plans import (
@@ -45,7 +46,7 @@ from sess.engine.sampling.lora_plans import (
     terms_of,
     versions,
 )
-from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_attention, onednn_available
+from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_attention
 from sess.engine.sampling.rows import Groups, groups_of
 
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
@@ -272,7 +273,7 @@ class LlamaDecoder:
         if self.merge_lora is None:
             weight = self.model_of().model.embed_tokens.weight
             room = self.packs() and (self.pack_budget is None or 2 * self._copy_bytes <= self.pack_budget())
-            self.merge_lora = bool(weight.dtype == torch.float32 and weight.is_cpu and onednn_available() and room)
+            self.merge_lora = bool(weight.dtype == torch.float32 and weight.is_cpu and onednn.available() and room)
         return self.merge_lora
 
     def adapter_slots(self) -> int | None:

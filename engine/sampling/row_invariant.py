@@ -50,6 +50,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from sess.engine.sampling import few_rows, onednn
+from sess.engine.sampling.onednn import CHUNK
+
 BLOCK = 64  # decode attention works on cache columns in blocks of this many
 
 
@@ -86,7 +89,6 @@ def decode_attention(query, key, value, bias):
 
 
 # linear layers ---------------------------------------------------------------------------------
-CHUNK = 64  # the most rows one matmul call takes; more run as several calls
 # the row counts calibration tries: every count, since a decode batch meets every count as its rows
 # finish (most steps of an 8 x 8 batch run at 62-64 rows); a count found exact runs unpadded
 COUNTS = tuple(range(1, CHUNK + 1))
@@ -129,8 +131,8 @@ def _kernel(kernel: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
     if kernel == "blas":
         return lambda rows: F.linear(rows, weight, bias)
     if kernel == "onednn packed":
-        weight = pack_weight(weight)
-    return lambda rows: _onednn_linear(rows, weight, bias)
+        weight = onednn.pack_weight(weight)
+    return lambda rows: onednn.linear(rows, weight, bias)
 
 
 def row_counts(kernel: str, in_features: int, out_features: int, x: torch.Tensor, bias: bool) -> RowCounts:
@@ -149,15 +151,15 @@ def row_counts(kernel: str, in_features: int, out_features: int, x: torch.Tensor
 
 def report() -> dict:
     """Whether every kernel calibrated so far gives each row the same bits in any batch, for the
-    engine's status: ``exact``, ``kernels`` (how many shapes were measured) and ``inexact`` (those
+    engine's status: ``exact``, ``kernels`` (how many shapes were measured), ``inexact`` (those
     that are not: sampled logprobs may then differ in their last bits between batch compositions,
-    while replays of the same requests stay exact)."""
+    while replays of the same requests stay exact) and ``few_rows`` (:func:`.few_rows.status`)."""
     inexact = [
         f"{kernel} {k}->{n} {str(dtype).removeprefix('torch.')} on {device}"
         for (kernel, k, n, dtype, device, _, _), counts in _calibrated.items()
         if not counts.exact
     ]
-    return {"exact": not inexact, "kernels": len(_calibrated), "inexact": inexact}
+    return {"exact": not inexact, "kernels": len(_calibrated), "inexact": inexact, "few_rows": few_rows.status()}
 
 
 def self_check(device: str = "cpu") -> dict:
@@ -194,24 +196,15 @@ def rowwise(fn, x: torch.Tensor, counts: RowCounts, out_features: int) -> torch.
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's prepacked copy of a [out, in] weight, for :func:`packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True
 ) -> torch.Tensor:
     """``F.linear`` through oneDNN, each row computed as in any other batch; ``weight`` is a
-    :func:`pack_weight` copy (its out features first), or with ``packed=False`` the [out, in]
+    :func:`.onednn.pack_weight` copy (its out features first), or with ``packed=False`` the [out, in]
     weight itself."""
     kernel = "onednn packed" if packed else "onednn"
     counts = row_counts(kernel, x.shape[-1], weight.shape[0], x, bias is not None)
-    return rowwise(lambda rows: _onednn_linear(rows, weight, bias), x, counts, weight.shape[0])
+    return rowwise(lambda rows: onednn.linear(rows, weight, bias), x, counts, weight.shape[0])
 
 
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,10 +217,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A LoRA matmul (weights that change, so never prepacked): through the BLAS where it is
     row-invariant at this shape, else through oneDNN where that is."""
     kernel, counts = "blas", row_counts("blas", x.shape[-1], weight.shape[0], x, False)
-    if not counts.exact and x.is_cpu and x.dtype == torch.float32 and onednn_available():
-        onednn = row_counts("onednn", x.shape[-1], weight.shape[0], x, False)
-        if onednn.exact:
-            kernel, counts = "onednn", onednn
+    if not counts.exact and x.is_cpu and x.dtype == torch.float32 and onednn.available():
+        through_onednn = row_counts("onednn", x.shape[-1], weight.shape[0], x, False)
+        if through_onednn.exact:
+            kernel, counts = "onednn", through_onednn
     return rowwise(_kernel(kernel, weight, None), x, counts, weight.shape[0])
 
 
@@ -239,31 +232,24 @@ class PackedMatmul:
     weight: torch.Tensor  # the prepacked copy
     out_features: int
     counts: RowCounts
+    few: few_rows.FewRows | None = None  # calls of up to few_rows.FEW rows, where it matches
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> PackedMatmul | None:
         """``weight`` [out, in] packed, where oneDNN's packed kernel gives each row the same bits at
         this shape on this machine (None where it does not, or without oneDNN)."""
-        if not (weight.is_cpu and weight.dtype == torch.float32 and onednn_available()):
+        if not (weight.is_cpu and weight.dtype == torch.float32 and onednn.available()):
             return None
         counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], weight, False)
-        return cls(pack_weight(weight), weight.shape[0], counts) if counts.exact else None
+        if not counts.exact:
+            return None
+        packed = onednn.pack_weight(weight)
+        return cls(packed, weight.shape[0], counts, few_rows.FewRows.of(packed, *weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return rowwise(functools.partial(_onednn_linear, packed=self.weight), x, self.counts, self.out_features)
-
-
-@functools.cache
-def onednn_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear (asked on first use, on the engine's
-    own thread: a probe on the importing thread would start a second OpenMP team there)."""
-    try:
-        _onednn_linear(
-            torch.randn(2, 8), torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8), 64), None
-        )
-        return torch.backends.mkldnn.is_available()
-    except (AttributeError, RuntimeError):
-        return False
+        if self.few is not None and x.numel() <= few_rows.FEW * x.shape[-1]:
+            return self.few(x)
+        return rowwise(functools.partial(onednn.linear, packed=self.weight), x, self.counts, self.out_features)
 
 
 class _PackedCopy(NamedTuple):
@@ -275,6 +261,7 @@ class _PackedCopy(NamedTuple):
     packed: torch.Tensor
     call: Callable[[torch.Tensor], torch.Tensor]
     counts: RowCounts
+    few: few_rows.FewRows | None  # calls of up to few_rows.FEW rows (no bias), where it matches
 
 
 class RowInvariantLinears:
@@ -295,9 +282,11 @@ class RowInvariantLinears:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and onednn_available():
+        if x.device.type == "cpu" and x.dtype == torch.float32 and onednn.available():
             if self.pack:  # the copy, its kernel and its calibration, looked up once per weight
                 copy = self._copy(weight, bias, x)
+                if copy.few is not None and x.numel() <= few_rows.FEW * x.shape[-1]:
+                    return copy.few(x)
                 return rowwise(copy.call, x, copy.counts, weight.shape[0])
             return packed_linear(x, weight, bias, packed=False)
         return blas_linear(x, weight, bias)
@@ -323,8 +312,9 @@ class RowInvariantLinears:
         copy = self._packed.get(key)
         if copy is None or copy.weight() is not weight or copy.version != weight._version:
             gone = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
-            packed = pack_weight(weight)
+            packed = onednn.pack_weight(weight)
             counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], x, bias is not None)
-            fn = functools.partial(_onednn_linear, packed=packed, bias=bias)
-            copy = self._packed[key] = _PackedCopy(gone, weight._version, packed, fn, counts)
+            fn = functools.partial(onednn.linear, packed=packed, bias=bias)
+            few = few_rows.FewRows.of(packed, *weight.shape) if bias is None and counts.exact else None
+            copy = self._packed[key] = _PackedCopy(gone, weight._version, packed, fn, counts, few)
         return copy

@@ -1,0 +1,197 @@
+"""Matmuls of one or two rows at memory speed, each row with the bits oneDNN's 64-row call gives it.
+
+At one row a decode step is one pass over every weight of the model (538 MB of fp32 on smollm2),
+so batch-1 decoding runs at the speed its matmuls stream weights at. oneDNN's prepacked kernel
+streams them at ~18 GB/s at one row on a 2-core host whose memory reads at ~32. The kernel here
+(``few_rows.c``) reads the same prepacked copy (no memory of its own) at close to the memory's
+speed, and sums each output in the order oneDNN's packed kernel does at 64 rows: ``k`` in blocks, a
+chain of fused multiply-adds within a block, the blocks' sums added in order. The block size and the
+tile width of the packed layout are not assumed: :func:`order` finds them per shape by comparing
+bits with oneDNN (calibration, as :mod:`.row_invariant` does for row counts), and a shape where
+none matches keeps oneDNN. So a row's result is the same bits as before, alone or in any batch.
+
+The kernel is C, built on first use for this CPU by the system's C compiler (``cc``, or ``$CC``)
+with OpenMP, and loaded into the process, where its threads are torch's own OpenMP team. Where
+there is no compiler, the build fails or would bring a second OpenMP runtime, the rows go through
+oneDNN as before: the same numbers, slower at one row. :func:`status` says which, for the engine's
+status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sess.engine.sampling.onednn import CHUNK, linear, pack_weight
+
+FEW = 2  # calls of at most this many rows go through the kernel (more: oneDNN is faster)
+TILES = (64, 48, 32, 24, 16, 8)  # packed layouts' tile widths the kernel reads (few_rows.c)
+SOURCE = Path(__file__).with_name("few_rows.c")
+_OPENMP = ("libgomp", "libiomp", "libomp")
+
+
+@functools.cache
+def _built() -> tuple[ctypes.CDLL | None, str]:
+    """The kernel built for this CPU and loaded, with how; (None, why not) where it cannot be."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, "not built: no C compiler (cc or $CC)"
+    with tempfile.TemporaryDirectory(prefix="sess-few-rows-") as tmp:
+        library = Path(tmp) / "few_rows.so"
+        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+        try:
+            done = subprocess.run(
+                [*command, str(SOURCE), "-o", str(library)], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"not built: {exc}"
+        if done.returncode != 0:
+            return None, f"not built: {Path(compiler).name} failed: {done.stderr.strip()[-300:]}"
+        lib = ctypes.CDLL(str(library))  # mapped: the file may go
+    runtimes = _openmp_runtimes()
+    if runtimes is None or len(runtimes) > 1:
+        return None, f"not used: OpenMP runtimes in the process {runtimes or 'unknown'} (one is torch's)"
+    fn = lib.sess_few_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib, f"built by {Path(compiler).name} for this CPU"
+
+
+def _openmp_runtimes() -> set[str] | None:
+    """The OpenMP libraries mapped into this process (None where that cannot be read)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if len(line.split()) >= 6}
+    return {p for p in paths if Path(p).name.startswith(_OPENMP)}
+
+
+@dataclass(frozen=True)
+class Order:
+    """How oneDNN's packed kernel lays out and sums one shape: ``tile`` output features a tile of
+    the packed layout (the last tile padded: ``width`` features in all), and ``k`` summed in
+    blocks of ``block``."""
+
+    tile: int
+    width: int
+    block: int
+
+
+# (in features, out features, threads) -> the shape's Order, or None where the kernel cannot match
+_orders: dict[tuple[int, int, int], Order | None] = {}
+
+
+def order(in_features: int, out_features: int) -> Order | None:
+    """oneDNN's order at this shape, measured on first use (None: the kernel does not match it)."""
+    key = (in_features, out_features, torch.get_num_threads())
+    if key not in _orders:
+        _orders[key] = _calibrate(in_features, out_features)
+    return _orders[key]
+
+
+def _calibrate(k: int, n: int) -> Order | None:
+    """Pack a random weight of the shape, find the tile width its packed bytes are laid out in,
+    then the block size with which the kernel gives 64 random rows exactly oneDNN's 64-row result."""
+    lib, _ = _built()
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(n, k, generator=gen)
+    packed = pack_weight(weight)
+    layout = next((t for t in TILES if _laid_out(packed, weight, t)), None)
+    if layout is None:
+        return None
+    x = torch.randn(CHUNK, k, generator=gen)
+    reference = linear(x, packed, None)
+    for block in [k] + [2**i for i in range(3, 14) if 2**i < k]:
+        found = Order(layout, -(-n // layout) * layout, block)
+        few = FewRows(packed, _address(packed), n, found, lib.sess_few_rows)
+        if torch.equal(few(x[:FEW]), reference[:FEW]) and torch.equal(few(x), reference):
+            return found
+    return None
+
+
+def _laid_out(packed: torch.Tensor, weight: torch.Tensor, tile: int) -> bool:
+    """Whether ``packed`` holds ``weight`` [n, k] as tiles of ``tile`` output features, k-major
+    within a tile ([n / tile][k][tile], the last tile padded)."""
+    n, k = weight.shape
+    width = -(-n // tile) * tile
+    if _nbytes(packed) != width * k * 4:
+        return False
+    raw = torch.frombuffer((ctypes.c_float * (width * k)).from_address(_address(packed)), dtype=torch.float32)
+    return torch.equal(raw.view(width // tile, k, tile).transpose(1, 2).reshape(width, k)[:n], weight)
+
+
+def _nbytes(packed: torch.Tensor) -> int:
+    return torch.ops.mkldnn._nbytes(packed)
+
+
+def _address(packed: torch.Tensor) -> int:
+    return torch.ops.mkldnn.data_ptr(packed)
+
+
+@dataclass(frozen=True)
+class FewRows:
+    """One prepacked weight's few-row matmul: ``self(x)`` is the packed weight's ``F.linear`` of the
+    rows ``x`` (fp32), each with the bits a 64-row oneDNN call gives it."""
+
+    packed: torch.Tensor  # holds the bytes ``address`` points at
+    address: int
+    out_features: int
+    order: Order
+    call: ctypes._CFuncPtr
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, out_features: int, in_features: int) -> FewRows | None:
+        """The kernel over ``packed`` (a :func:`.onednn.pack_weight` copy), where it is built
+        and matches oneDNN at this shape; else None."""
+        lib, _ = _built()
+        if lib is None or not packed.is_mkldnn:
+            return None
+        found = order(in_features, out_features)
+        if found is None or _nbytes(packed) != found.width * in_features * 4:
+            return None
+        return cls(packed, _address(packed), out_features, found, lib.sess_few_rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        out = flat.new_empty(rows, self.order.width)
+        failed = self.call(
+            flat.data_ptr(),
+            rows,
+            flat.shape[1],
+            self.address,
+            self.order.width,
+            self.order.tile,
+            self.order.block,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"few-row kernel: tile width {self.order.tile} not built")
+        if self.order.width != self.out_features:  # the padded last tile's extra features go
+            out = out[:, : self.out_features].contiguous()
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def status() -> str:
+    """Whether the kernel runs on this machine and at how many of the shapes met so far it matches
+    oneDNN (it is built on first use, not by asking)."""
+    if not _built.cache_info().currsize:
+        return "not built yet (built on the first matmul of one or two rows)"
+    lib, how = _built()
+    if lib is None:
+        return how + "; one- and two-row matmuls go through oneDNN"
+    matched = sum(o is not None for o in _orders.values())
+    return f"{how}; matches oneDNN at {matched} of {len(_orders)} shapes met"
