@@ -116,7 +116,7 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
 def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     """Median seconds for one pass of the base model's linear layers over ``rows`` rows, in model
     order, through the kernels the lean decoder uses (oneDNN; prepacked weights where the memory
-    budget holds the copies)."""
+    budget holds the copies, and at one or two rows the few-row kernel over them)."""
     linear = host.decoder.linear
     linear.packing(host.decoder.packs())  # as the decoder's own steps decide
     layers = [

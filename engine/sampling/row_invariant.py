@@ -26,7 +26,9 @@ function of the row alone with these pieces:
   plan (:mod:`.lora_plans`: merged into copies of the weights, or LoRA matrices) where oneDNN's
   packed kernel is row-invariant at their shape (:class:`PackedMatmul`, made again when the
   adapter changes), else go through the BLAS, or through oneDNN at a shape where only oneDNN is
-  row-invariant (:func:`lora_linear`). Every row
+  row-invariant (:func:`lora_linear`). Calls of one or two rows against a prepacked copy (a
+  request decoding alone) go through :mod:`.few_rows`, which gives each row its 64-row oneDNN bits
+  at close to memory speed. Every row
   count from 1 to CHUNK is calibrated: a decode batch meets them all as its rows finish. A kernel
   whose 64-row result depends on a row's place is reported (:func:`report`): the engine says so
   at start and in ``sess engine status``.
