@@ -44,18 +44,18 @@ def _built() -> tuple[ctypes.CDLL | None, str]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None, "not built: no C compiler (cc or $CC)"
-    with tempfile.TemporaryDirectory(prefix="sess-few-rows-") as tmp:
-        library = Path(tmp) / "few_rows.so"
-        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-        try:
+    command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    try:
+        with tempfile.TemporaryDirectory(prefix="sess-few-rows-") as tmp:
+            library = Path(tmp) / "few_rows.so"
             done = subprocess.run(
                 [*command, str(SOURCE), "-o", str(library)], capture_output=True, text=True, timeout=120
             )
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"not built: {exc}"
-        if done.returncode != 0:
-            return None, f"not built: {Path(compiler).name} failed: {done.stderr.strip()[-300:]}"
-        lib = ctypes.CDLL(str(library))  # mapped: the file may go
+            if done.returncode != 0:
+                return None, f"not built: {Path(compiler).name} failed: {done.stderr.strip()[-300:]}"
+            lib = ctypes.CDLL(str(library))  # mapped: the file may go
+    except (OSError, subprocess.SubprocessError) as exc:  # no temp dir, a noexec one, a timeout
+        return None, f"not built: {exc}"
     runtimes = _openmp_runtimes()
     if runtimes is None or len(runtimes) > 1:
         return None, f"not used: OpenMP runtimes in the process {runtimes or 'unknown'} (one is torch's)"

@@ -2,6 +2,7 @@
 where the kernel cannot be built or does not match, the rows go through oneDNN with the same bits."""
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -59,6 +60,13 @@ def test_the_lean_decoders_linears_use_it_without_bias_and_keep_their_bits():
 
 
 def test_without_a_compiler_the_build_says_why_and_the_rows_go_through_onednn(monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    lib, why = few_rows._built.__wrapped__()
+    assert lib is None and why.startswith("not built: false failed")
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")  # nowhere to build
+    monkeypatch.setenv("CC", "cc")
+    lib, why = few_rows._built.__wrapped__()
+    assert lib is None and why.startswith("not built: ") and "/nonexistent/tmp" in why
     monkeypatch.setenv("CC", "/nonexistent/cc")
     lib, why = few_rows._built.__wrapped__()
     assert lib is None and "no C compiler" in why
