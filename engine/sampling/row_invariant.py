@@ -249,7 +249,7 @@ class PackedMatmul:
         return cls(packed, weight.shape[0], counts, few_rows.FewRows.of(packed, *weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few is not None and x.numel() <= few_rows.FEW * x.shape[-1]:
+        if self.few is not None and x.numel() <= few_rows.FEW * x.shape[-1] and x.dtype == torch.float32:
             return self.few(x)
         return rowwise(functools.partial(onednn.linear, packed=self.weight), x, self.counts, self.out_features)
 
