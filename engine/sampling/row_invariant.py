@@ -177,10 +177,16 @@ def self_check(device: str = "cpu") -> dict:
     return report()
 
 
-def rowwise(fn, x: torch.Tensor, counts: RowCounts, out_features: int) -> torch.Tensor:
+def rowwise(
+    fn, x: torch.Tensor, counts: RowCounts, out_features: int, few: few_rows.FewRows | None = None
+) -> torch.Tensor:
     """``fn`` over the rows of ``x`` [..., in] in calls of CHUNK rows and one of the rest, padded
-    with zero rows to a calibrated count: each row gets its result in a CHUNK-row call."""
+    with zero rows to a calibrated count: each row gets its result in a CHUNK-row call. With
+    ``few`` (the same packed weight's few-row kernel), fp32 calls of up to few_rows.FEW rows go
+    through it instead: the same bits, faster."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if few is not None and 0 < rows <= few_rows.FEW and x.dtype == torch.float32:
+        return few(x)
     flat = x.reshape(rows, x.shape[-1])
     if not flat.is_contiguous() or flat.data_ptr() % 64:  # as calibrated: dense, aligned rows
         flat = flat.clone(memory_format=torch.contiguous_format)
@@ -249,9 +255,8 @@ class PackedMatmul:
         return cls(packed, weight.shape[0], counts, few_rows.FewRows.of(packed, *weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few is not None and x.numel() <= few_rows.FEW * x.shape[-1] and x.dtype == torch.float32:
-            return self.few(x)
-        return rowwise(functools.partial(onednn.linear, packed=self.weight), x, self.counts, self.out_features)
+        fn = functools.partial(onednn.linear, packed=self.weight)
+        return rowwise(fn, x, self.counts, self.out_features, self.few)
 
 
 class _PackedCopy(NamedTuple):
@@ -287,9 +292,7 @@ class RowInvariantLinears:
         if x.device.type == "cpu" and x.dtype == torch.float32 and onednn.available():
             if self.pack:  # the copy, its kernel and its calibration, looked up once per weight
                 copy = self._copy(weight, bias, x)
-                if copy.few is not None and x.numel() <= few_rows.FEW * x.shape[-1]:
-                    return copy.few(x)
-                return rowwise(copy.call, x, copy.counts, weight.shape[0])
+                return rowwise(copy.call, x, copy.counts, weight.shape[0], copy.few)
             return packed_linear(x, weight, bias, packed=False)
         return blas_linear(x, weight, bias)
 
