@@ -9,7 +9,7 @@ wrapping the decoder's calls in this process:
   base weights or, where the engine merges adapters' plans (an fp32 base on CPU), through the
   adapter's merged weights, its LoRA included;
 - LoRA terms: each group of rows' ``B(A x)`` terms, where the plans are not merged;
-- attention: the cache writes and the blocked decode attention;
+- attention: the cache writes, the rotary embedding where the C kernel does it, and decode attention;
 - token choice: drawing the token and its logprob from the logits (the decode batch's work);
 - other: the rest of the step (norms, rotary embeddings, residual adds, activations, the
   embedding, Python between ops), and of it the number of tensor ops a step dispatches;
@@ -40,7 +40,13 @@ from rich.table import Table  # noqa: E402
 from sampling import matmul_floor, prompts_for  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
-from sess.engine.sampling import block_cache, llama_decoder, lora_plans, row_invariant  # noqa: E402
+from sess.engine.sampling import (  # noqa: E402
+    block_cache,
+    fused_attention,
+    llama_decoder,
+    lora_plans,
+    row_invariant,
+)
 from sess.engine.sampling.token_choice import choose  # noqa: E402
 
 from common import (  # noqa: E402
@@ -95,10 +101,11 @@ def instrument(decoder, vocab: int, timers: Timers):
         llama_decoder.add_terms,
         llama_decoder.decode_attention,
         block_cache.BlockCache.update,
+        fused_attention.attend,
     )
     rowwise = row_invariant.rowwise
 
-    def counted_rowwise(fn, x, counts, out_features):
+    def counted_rowwise(fn, x, counts, out_features, few=None):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         timers.calls += 1
         padded = sum(
@@ -107,7 +114,7 @@ def instrument(decoder, vocab: int, timers: Timers):
         )
         timers.padded_calls += padded > 0
         timers.padded_rows += padded
-        return rowwise(fn, x, counts, out_features)
+        return rowwise(fn, x, counts, out_features, few)
 
     if decoder.merges_lora():  # every projection goes through lora_plans.project
         lora_plans.project = timers.wrap(
@@ -120,6 +127,7 @@ def instrument(decoder, vocab: int, timers: Timers):
     llama_decoder.add_terms = timers.wrap("LoRA terms", saved[1])
     llama_decoder.decode_attention = timers.wrap("attention", saved[2])
     block_cache.BlockCache.update = timers.wrap("attention", saved[3])
+    fused_attention.attend = timers.wrap("attention", saved[4])
     row_invariant.rowwise = counted_rowwise
 
     def undo():
@@ -129,6 +137,7 @@ def instrument(decoder, vocab: int, timers: Timers):
             llama_decoder.add_terms,
             llama_decoder.decode_attention,
             block_cache.BlockCache.update,
+            fused_attention.attend,
         ) = saved
         row_invariant.rowwise = rowwise
 

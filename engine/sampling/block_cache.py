@@ -88,6 +88,13 @@ class BlockCache:
         self.values[layer][step.block, step.rows, :, step.column] = value
         return self.keys[layer][: step.blocks], self.values[layer][: step.blocks]
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s whole keys and values [blocks, rows, kv heads, BLOCK, dim], contiguous, for a
+        kernel that writes this step's entries itself (:mod:`.fused_attention`)."""
+        for entries in (self.keys, self.values):
+            entries[layer] = entries[layer].contiguous()
+        return self.keys[layer], self.values[layer]
+
     def keep(self, rows: torch.Tensor, width: int) -> None:
         """Keep ``rows`` (ascending), and of their blocks enough for ``width`` columns and some
         growth. Rows finish a few at a time, so while at least half the cache stays it is compacted

@@ -10,70 +10,23 @@ tile width of the packed layout are not assumed: :func:`order` finds them per sh
 bits with oneDNN (calibration, as :mod:`.row_invariant` does for row counts), and a shape where
 none matches keeps oneDNN. So a row's result is the same bits as before, alone or in any batch.
 
-The kernel is C, built on first use for this CPU by the system's C compiler (``cc``, or ``$CC``)
-with OpenMP, and loaded into the process, where its threads are torch's own OpenMP team. Where
-there is no compiler, the build fails or would bring a second OpenMP runtime, the rows go through
-oneDNN as before: the same numbers, slower at one row. :func:`status` says which, for the engine's
-status.
+The kernel is C, built with the sampler's other kernels on first use for this CPU (:mod:`.native`).
+Where it cannot be built or loaded, the rows go through oneDNN as before: the same numbers, slower
+at one row. :func:`status` says which, for the engine's status.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from sess.engine.sampling import native
 from sess.engine.sampling.onednn import CHUNK, linear, pack_weight
 
 FEW = 2  # calls of at most this many rows go through the kernel (more: oneDNN is faster)
 TILES = (64, 48, 32, 24, 16, 8)  # packed layouts' tile widths the kernel reads (few_rows.c)
-SOURCE = Path(__file__).with_name("few_rows.c")
-_OPENMP = ("libgomp", "libiomp", "libomp")
-
-
-@functools.cache
-def _built() -> tuple[ctypes.CDLL | None, str]:
-    """The kernel built for this CPU and loaded, with how; (None, why not) where it cannot be."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None, "not built: no C compiler (cc or $CC)"
-    command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-    try:
-        with tempfile.TemporaryDirectory(prefix="sess-few-rows-") as tmp:
-            library = Path(tmp) / "few_rows.so"
-            done = subprocess.run(
-                [*command, str(SOURCE), "-o", str(library)], capture_output=True, text=True, timeout=120
-            )
-            if done.returncode != 0:
-                return None, f"not built: {Path(compiler).name} failed: {done.stderr.strip()[-300:]}"
-            lib = ctypes.CDLL(str(library))  # mapped: the file may go
-    except (OSError, subprocess.SubprocessError) as exc:  # no temp dir, a noexec one, a timeout
-        return None, f"not built: {exc}"
-    runtimes = _openmp_runtimes()
-    if runtimes is None or len(runtimes) > 1:
-        return None, f"not used: OpenMP runtimes in the process {runtimes or 'unknown'} (one is torch's)"
-    fn = lib.sess_few_rows
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib, f"built by {Path(compiler).name} for this CPU"
-
-
-def _openmp_runtimes() -> set[str] | None:
-    """The OpenMP libraries mapped into this process (None where that cannot be read)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    paths = {line.split()[-1] for line in maps.splitlines() if len(line.split()) >= 6}
-    return {p for p in paths if Path(p).name.startswith(_OPENMP)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +55,7 @@ def order(in_features: int, out_features: int) -> Order | None:
 def _calibrate(k: int, n: int) -> Order | None:
     """Pack a random weight of the shape, find the tile width its packed bytes are laid out in,
     then the block size with which the kernel gives 64 random rows exactly oneDNN's 64-row result."""
-    lib, _ = _built()
+    lib, _ = native.library()
     if lib is None:
         return None
     gen = torch.Generator().manual_seed(4)
@@ -155,7 +108,7 @@ class FewRows:
     def of(cls, packed: torch.Tensor, out_features: int, in_features: int) -> FewRows | None:
         """The kernel over ``packed`` (a :func:`.onednn.pack_weight` copy), where it is built
         and matches oneDNN at this shape; else None."""
-        lib, _ = _built()
+        lib, _ = native.library()
         if lib is None or not packed.is_mkldnn:
             return None
         found = order(in_features, out_features)
@@ -188,9 +141,9 @@ class FewRows:
 def status() -> str:
     """Whether the kernel runs on this machine and at how many of the shapes met so far it matches
     oneDNN (it is built on first use, not by asking)."""
-    if not _built.cache_info().currsize:
+    if not native.built():
         return "not built yet (built on the first matmul of one or two rows)"
-    lib, how = _built()
+    lib, how = native.library()
     if lib is None:
         return how + "; one- and two-row matmuls go through oneDNN"
     matched = sum(o is not None for o in _orders.values())

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sess.engine.sampling import onednn
+from sess.engine.sampling import fused_attention, onednn
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.lora_plans import (
@@ -97,6 +97,7 @@ class LlamaDecoder:
         self.pack_budget = pack_budget
         self._copy_bytes: int | None = None
         self.merge_lora: bool | None = None  # adapters' plans merged or as terms (None: decided on first use)
+        self.fuse_attention: bool | None = None  # decode attention as one C call a layer (None: on first use)
         config = model_of().config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -157,7 +158,8 @@ class LlamaDecoder:
         groups = groups_of([job.adapter for job, n in zip(jobs, lengths) for _ in range(n)], device)
         keys, values = [], []
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
+            q, k = _rotate(q, k, *rotation)
             keys.append(k)
             values.append(v)
             out = torch.empty_like(q)
@@ -206,11 +208,15 @@ class LlamaDecoder:
         model = self.model_of()
         self.linear.packing(self.packs())
         step = cache.set_positions(positions)
-        bias = step.bias(self.kv_heads)
+        fused = self.fuses_attention(tokens.device)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
+            if fused:
+                keys, values = cache.layer(layer)
+                return fused_attention.attend(keys, values, step.positions, q, k, v, rotation)
+            q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
-            return decode_attention(q[:, :, None], keys, values, bias).view(q.shape)
+            return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
 
         plans = self._group_plans(model, groups_of(adapters, tokens.device))
         h = self._layers(model, plans, tokens, positions, attend, scale_queries=True)
@@ -219,8 +225,9 @@ class LlamaDecoder:
     def _layers(self, model, plans: list, tokens, positions, attend, *, scale_queries: bool) -> torch.Tensor:
         """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), each group
         of rows of ``plans`` (from :meth:`_group_plans`) through its adapter's, with
-        ``attend(layer, q, k, v)`` ([rows, heads, dim] each) doing attention; returns the final-normed
-        states."""
+        ``attend(layer, q, k, v, rotation)`` doing the rotary embedding (``q, k`` as they come out of
+        their projections and norms, [rows, heads, dim] each; ``rotation`` for :func:`_rotate`) and
+        attention; returns the final-normed states."""
         inner = model.model
         count = tokens.shape[0]
         h = inner.embed_tokens(tokens)  # [rows, hidden]
@@ -229,6 +236,7 @@ class LlamaDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
         # decode attention takes its queries scaled, so the rotation scales them on the way
         q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
+        rotation = (cos, sin, q_cos, q_sin)
         for index, layer in enumerate(inner.layers):
             lora = [(rows, plan[index] if plan else plan) for rows, plan in plans]
             attn, mlp = layer.self_attn, layer.mlp
@@ -238,9 +246,7 @@ class LlamaDecoder:
             k = k.view(count, self.kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            q = q * q_cos + q.roll(half, dims=-1) * q_sin  # rotary embedding, as apply_rotary_pos_emb
-            k = k * cos + k.roll(half, dims=-1) * sin
-            out = attend(index, q, k, v.view(count, self.kv_heads, self.head_dim))
+            out = attend(index, q, k, v.view(count, self.kv_heads, self.head_dim), rotation)
             (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
             h = h + o
             x = _rms_norm(layer.post_attention_layernorm, h)
@@ -262,6 +268,15 @@ class LlamaDecoder:
             if terms is not None:
                 add_terms(outs, x, rows, terms, names)
         return outs
+
+    def fuses_attention(self, device) -> bool:
+        """Whether decode steps run attention through the C kernel (:mod:`.fused_attention`) or as
+        torch ops: decided on the first step and kept for the engine's life, so a request's
+        arithmetic never depends on when it ran."""
+        if self.fuse_attention is None:
+            dtype = self.model_of().model.embed_tokens.weight.dtype
+            self.fuse_attention = fused_attention.usable(dtype, device, self.heads, self.kv_heads, self.head_dim)
+        return self.fuse_attention
 
     # per-adapter plans -----------------------------------------------------------------------------
     def merges_lora(self) -> bool:
@@ -333,6 +348,13 @@ class LlamaDecoder:
             for parent, names in zip((layer.self_attn, layer.self_attn, layer.mlp, layer.mlp), BUNDLES)
         ]
         return bundles + [(model, ("lm_head",))]
+
+
+def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of ``q`` and ``k`` [rows, heads, dim], as apply_rotary_pos_emb
+    (``sin`` with rotate_half's signs; ``q_cos``, ``q_sin`` the queries', which may carry a scale)."""
+    half = q.shape[-1] // 2
+    return q * q_cos + q.roll(half, dims=-1) * q_sin, k * cos + k.roll(half, dims=-1) * sin
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,10 @@ function of the row alone with these pieces:
   (right-padded) in blocks of :data:`BLOCK` columns, and attention is an explicit ``q @ k^T -> mask
   -> softmax -> @ v``: masked columns add exact zeros at the end of every reduction, so neither the
   batch's width nor its other rows change a row's sums (fused SDPA kernels pick block sizes from
-  the batch's shapes, so they do). A prefill runs each prompt's attention on its own, shaped exactly
-  as if the prompt were prefilled alone.
+  the batch's shapes, so they do). Where the sampler's C kernels are built, one C call a layer
+  does a step's attention instead, each row reading only its own columns in a fixed order
+  (:mod:`.fused_attention`). A prefill runs each prompt's attention on its own, shaped exactly as
+  if the prompt were prefilled alone.
 * **Linear layers** (:func:`rowwise`): BLAS libraries and oneDNN pick kernels by a matmul's
   shape, and a small row count or the last rows of a matrix can go through code that sums each
   dot product in another order. Which counts do differs between CPUs, library builds and thread

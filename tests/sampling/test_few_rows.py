@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from sess.engine.sampling import few_rows, onednn
+from sess.engine.sampling import few_rows, native, onednn
 from sess.engine.sampling.onednn import CHUNK
 from sess.engine.sampling.row_invariant import PackedMatmul, RowInvariantLinears
 
@@ -29,8 +29,8 @@ def test_one_and_two_rows_get_the_bits_of_a_64_row_call(out_features, in_feature
     torch.manual_seed(out_features + in_features)
     matmul = PackedMatmul.of(torch.randn(out_features, in_features))
     assert matmul is not None
-    if few_rows._built()[0] is None:
-        pytest.skip(f"the kernel is not built here: {few_rows._built()[1]}")
+    if native.library()[0] is None:
+        pytest.skip(f"the kernel is not built here: {native.library()[1]}")
     if matmul.few is None:
         pytest.skip(f"oneDNN's order at {in_features}->{out_features} on this CPU is not one the kernel knows")
     for rows in (1, 2):
@@ -50,7 +50,7 @@ def test_the_lean_decoders_linears_use_it_without_bias_and_keep_their_bits():
     x = torch.randn(2, 576)
     plain = linears(x, weight)
     copy = next(iter(linears._packed.values()))
-    if few_rows._built()[0] is not None and few_rows.order(576, 96) is not None:
+    if native.library()[0] is not None and few_rows.order(576, 96) is not None:
         assert copy.few is not None and torch.equal(plain, copy.few(x))
     full = torch.cat([x, torch.randn(CHUNK - 2, 576)])
     assert torch.equal(plain, linears(full, weight)[:2])  # alone or among 63 others: the same bits
@@ -61,20 +61,20 @@ def test_the_lean_decoders_linears_use_it_without_bias_and_keep_their_bits():
 
 def test_without_a_compiler_the_build_says_why_and_the_rows_go_through_onednn(monkeypatch):
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    lib, why = few_rows._built.__wrapped__()
+    lib, why = native.library.__wrapped__()
     assert lib is None and why.startswith("not built: false failed")
     monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")  # nowhere to build
     monkeypatch.setenv("CC", "cc")
-    lib, why = few_rows._built.__wrapped__()
+    lib, why = native.library.__wrapped__()
     assert lib is None and why.startswith("not built: ") and "/nonexistent/tmp" in why
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    lib, why = few_rows._built.__wrapped__()
+    lib, why = native.library.__wrapped__()
     assert lib is None and "no C compiler" in why
 
     torch.manual_seed(1)
     weight, x = torch.randn(96, 576), torch.randn(1, 576)
     with_kernel = PackedMatmul.of(weight)(x)
-    monkeypatch.setattr(few_rows, "_built", functools.cache(lambda: (None, why)))
+    monkeypatch.setattr(native, "library", functools.cache(lambda: (None, why)))
     fallback = PackedMatmul.of(weight)
     assert fallback.few is None
     assert torch.equal(fallback(x), with_kernel)
@@ -91,5 +91,5 @@ def test_a_shape_whose_layout_the_kernel_does_not_know_keeps_onednn(monkeypatch)
     assert matmul.few is None and few_rows.order(576, 96) is None
     x = torch.randn(1, 576)
     assert torch.equal(matmul(x), _reference(matmul, x))
-    if few_rows._built()[0] is not None:
+    if native.library()[0] is not None:
         assert "matches oneDNN at 0 of 1 shapes met" in few_rows.status()

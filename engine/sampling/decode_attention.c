@@ -1,0 +1,169 @@
+/* Decode attention of sess's sampler (native.py builds and loads this file; decode_attention.py
+   calls it).
+
+   One decode step, one layer: each row's new key and value go into the KV cache at the row's
+   position (the key rotated there), and each query head attends over its row's columns
+   0..position of its key/value head. The cache is the BlockCache's layer,
+   [blocks][rows][kv heads][BLOCK][dim]: column c of row r, head h is at block c / BLOCK, slot
+   c % BLOCK.
+
+   Every sum is taken in an order fixed by this code and the row's own data: a score is a dot
+   product summed in LANES partial sums over dim (column order within each), the partials then
+   added pairwise; softmax subtracts the row's exact maximum, exponentiates (exp_neg: IEEE operations
+   only, no library call that may differ between CPUs), and adds the weights in column order; the output adds weight * value in column order and divides by that
+   sum at the end. A row reads nothing of other rows and nothing past its position, so its result
+   is the same alone as among 63 others, however long the others are. No fused multiply-adds
+   (the build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op,
+   as torch's elementwise ops do it. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16 };
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* y = x * c + roll(x, dim / 2) * s, each product and the sum rounded on their own */
+static inline void rotate(const float *x, const float *c, const float *s, int dim, float *y)
+{
+    const int half = dim / 2;
+    for (int d = 0; d < half; d++) {
+        const float a = x[d] * c[d], b = x[d + half] * s[d];
+        y[d] = a + b;
+    }
+    for (int d = half; d < dim; d++) {
+        const float a = x[d] * c[d], b = x[d - half] * s[d];
+        y[d] = a + b;
+    }
+}
+
+/* sum of a[d] * b[d]: LANES partial sums p[l] over d = l, l + LANES, ... in order, then
+   p[l] + p[l + 8], those + 4 apart, + 2 apart, + 1 apart */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int dim)
+{
+    v16 p = load16(a) * load16(b);
+    for (int c = LANES; c < dim; c += LANES) p = p + load16(a + c) * load16(b + c);
+    const v8 h = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7)
+                 + __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* e^x for x <= 0 (0 below -87): x = n ln 2 + r, e^r by Cephes' expf polynomial, times 2^n built
+   from its bits; every step an IEEE operation, so the same bits on every CPU */
+static inline float exp_neg(float x)
+{
+    const float below = x < -87.0f ? 0.0f : 1.0f;
+    x = x < -87.0f ? -87.0f : x;
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (x * 1.44269504088896341f + shift) - shift;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale * below;
+}
+
+/* one row's attention for key/value head h: its groups of query heads over columns 0..position */
+static inline __attribute__((always_inline)) void
+row_head(const float *query_in, const float *q_cos, const float *q_sin, const float *row_keys,
+         const float *row_values, size_t block_stride, int64_t position, int groups, const int dim,
+         float *scores, int64_t longest, float *out)
+{
+    float query[MOST_GROUPS][WIDEST];
+    for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
+    for (int64_t c = 0; c <= position; c++) {
+        const float *key = row_keys + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
+    }
+    float total[MOST_GROUPS];
+    for (int g = 0; g < groups; g++) {
+        float *s = scores + g * longest;
+        float top = s[0];
+        for (int64_t c = 1; c <= position; c++) top = s[c] > top ? s[c] : top;
+        for (int64_t c = 0; c <= position; c++) s[c] = exp_neg(s[c] - top);
+        float sum = 0.0f;
+        for (int64_t c = 0; c <= position; c++) sum = sum + s[c];
+        total[g] = sum;
+    }
+    float acc[MOST_GROUPS][WIDEST];
+    for (int g = 0; g < groups; g++)
+        for (int d = 0; d < dim; d++) acc[g][d] = 0.0f;
+    for (int64_t c = 0; c <= position; c++) {
+        const float *value = row_values + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        for (int g = 0; g < groups; g++) {
+            const float weight = scores[g * longest + c];
+            for (int d = 0; d < dim; d++) acc[g][d] = acc[g][d] + weight * value[d];
+        }
+    }
+    for (int g = 0; g < groups; g++)
+        for (int d = 0; d < dim; d++) out[(size_t)g * dim + d] = acc[g][d] / total[g];
+}
+
+/* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
+   k_stride, v_stride), cos, sin, q_cos, q_sin [rows][dim] (the queries' rotation carries their
+   scaling); keys and values the cache, `rows` rows a block; out [rows][heads * dim]. Returns 0,
+   -1 for a shape not built here, -2 where memory ran out. */
+int sess_decode_attention(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                          long v_stride, const float *cos, const float *sin, const float *q_cos,
+                          const float *q_sin, float *keys, float *values, const int64_t *positions, int rows,
+                          int heads, int kv_heads, int dim, float *out, int threads)
+{
+    if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
+        return -1;
+    const int groups = heads / kv_heads;
+    const size_t slot = (size_t)BLOCK * dim, block_stride = (size_t)rows * kv_heads * slot;
+    int64_t longest = 1;
+    for (int r = 0; r < rows; r++)
+        if (positions[r] + 1 > longest) longest = positions[r] + 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)groups * (size_t)longest);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < rows * kv_heads; task++) {
+            if (scores == NULL) continue;
+            const int r = task / kv_heads, h = task % kv_heads;
+            const int64_t position = positions[r];
+            float *row_keys = keys + ((size_t)r * kv_heads + h) * slot;
+            float *row_values = values + ((size_t)r * kv_heads + h) * slot;
+            const size_t here = (size_t)(position / BLOCK) * block_stride + (size_t)(position % BLOCK) * dim;
+            rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
+            memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
+            const float *query = q + r * q_stride + (size_t)h * groups * dim;
+            const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
+            float *o = out + ((size_t)r * heads + (size_t)h * groups) * dim;
+            if (dim == 64)
+                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, 64, scores, longest, o);
+            else if (dim == 128)
+                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, 128, scores, longest, o);
+            else
+                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, dim, scores, longest, o);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,103 @@
+"""Decode attention in one C call a layer (engine/sampling/fused_attention.py, decode_attention.c)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from sess.engine.sampling import fused_attention, native
+from sess.engine.sampling.block_cache import BlockCache
+from sess.engine.sampling.llama_decoder import _rotate
+from sess.engine.sampling.row_invariant import BLOCK, decode_attention
+
+
+def _built():
+    lib, why = native.library()
+    if lib is None:
+        pytest.skip(f"the kernels are not built here: {why}")
+
+
+def _step(rows: int, heads: int, kv_heads: int, dim: int, positions: list[int], blocks: int, seed: int = 0):
+    """A cache layer of random entries and one step's q, k, v (split views, as the decoder's) and
+    rotation for ``rows`` rows at ``positions``."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(blocks, rows, kv_heads, BLOCK, dim, generator=gen)
+    values = torch.randn(blocks, rows, kv_heads, BLOCK, dim, generator=gen)
+    q, k, v = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
+    )
+    cos, sin = torch.randn(rows, 1, dim, generator=gen), torch.randn(rows, 1, dim, generator=gen)
+    rotation = (cos, sin, cos * dim**-0.5, sin * dim**-0.5)
+    q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
+    return keys, values, torch.tensor(positions), q, k, v, rotation
+
+
+def _torch_ops(keys, values, positions, q, k, v, rotation):
+    """The same step as the decoder's torch ops: rotate, write the cache, blocked attention."""
+    cache = BlockCache([keys], [values])
+    step = cache.set_positions(positions)
+    q, k = _rotate(q, k, *rotation)
+    keys, values = cache.update(0, k, v)
+    return decode_attention(q[:, :, None], keys, values, step.bias(k.shape[1])).view(q.shape), cache
+
+
+def _kernel(keys, values, positions, q, k, v, rotation):
+    return fused_attention.attend(keys, values, positions, q, k, v, rotation)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 128)])
+def test_the_kernel_writes_the_cache_as_the_torch_ops_and_attends_to_rounding(heads, kv_heads, dim):
+    """The new keys are rotated into the cache to the bit (the same IEEE operations as torch's
+    elementwise ops), values copied, and attention equals the torch ops' to float rounding, at
+    positions on both sides of a block's edge."""
+    _built()
+    positions = [0, 5, 63, 64, 100, 127]
+    keys, values, pos, q, k, v, rotation = _step(len(positions), heads, kv_heads, dim, positions, blocks=2)
+    expected, cache = _torch_ops(keys.clone(), values.clone(), pos, q, k, v, rotation)
+    got = _kernel(keys, values, pos, q, k, v, rotation)
+    assert torch.equal(keys, cache.keys[0]) and torch.equal(values, cache.values[0])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_gets_the_same_bits_alone_as_among_others_of_any_length():
+    """Each row reads its own columns only: its result alone (in a cache just long enough) and in
+    a batch of longer and shorter rows (in a larger cache) is the same to the bit."""
+    _built()
+    positions = [40, 3, 130, 64, 77]
+    keys, values, pos, q, k, v, rotation = _step(len(positions), 9, 3, 64, positions, blocks=4, seed=1)
+    together = _kernel(keys.clone(), values.clone(), pos, q, k, v, rotation)
+    for row, position in enumerate(positions):
+        blocks = position // BLOCK + 1
+        alone = _kernel(
+            keys[:blocks, row : row + 1].contiguous(),
+            values[:blocks, row : row + 1].contiguous(),
+            pos[row : row + 1],
+            q[row : row + 1],
+            k[row : row + 1],
+            v[row : row + 1],
+            tuple(t[row : row + 1] for t in rotation),
+        )
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_shapes_and_caches_it_does_not_cover_are_refused():
+    _built()
+    assert fused_attention.usable(torch.float32, torch.device("cpu"), 9, 3, 64)
+    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 4, 2, 8)  # head dim < 16
+    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 9, 2, 64)  # heads % kv heads
+    assert not fused_attention.usable(torch.bfloat16, torch.device("cpu"), 9, 3, 64)
+    assert not fused_attention.usable(torch.float32, torch.device("meta"), 9, 3, 64)
+    keys, values, pos, q, k, v, rotation = _step(3, 9, 3, 64, [1, 2, 3], blocks=1)
+    with pytest.raises(ValueError, match="cache layer"):
+        _kernel(keys[:, :2].contiguous(), values[:, :2].contiguous(), pos, q, k, v, rotation)
+
+
+def test_without_the_kernels_the_decoder_keeps_the_torch_ops_and_says_so(monkeypatch):
+    why = "not built: no C compiler (cc or $CC)"
+    monkeypatch.setattr(native, "library", functools.cache(lambda: (None, why)))
+    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 9, 3, 64)
+    assert fused_attention.status() == why + "; decode attention runs as torch ops"
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        _kernel(*_step(1, 9, 3, 64, [1], blocks=1))
