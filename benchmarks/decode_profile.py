@@ -42,7 +42,7 @@ from sampling import matmul_floor, prompts_for  # noqa: E402
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
 from sess.engine.sampling import (  # noqa: E402
     block_cache,
-    fused_attention,
+    fused_ops,
     llama_decoder,
     lora_plans,
     row_invariant,
@@ -101,7 +101,7 @@ def instrument(decoder, vocab: int, timers: Timers):
         llama_decoder.add_terms,
         llama_decoder.decode_attention,
         block_cache.BlockCache.update,
-        fused_attention.attend,
+        fused_ops.attend,
     )
     rowwise = row_invariant.rowwise
 
@@ -127,7 +127,7 @@ def instrument(decoder, vocab: int, timers: Timers):
     llama_decoder.add_terms = timers.wrap("LoRA terms", saved[1])
     llama_decoder.decode_attention = timers.wrap("attention", saved[2])
     block_cache.BlockCache.update = timers.wrap("attention", saved[3])
-    fused_attention.attend = timers.wrap("attention", saved[4])
+    fused_ops.attend = timers.wrap("attention", saved[4])
     row_invariant.rowwise = counted_rowwise
 
     def undo():
@@ -137,7 +137,7 @@ def instrument(decoder, vocab: int, timers: Timers):
             llama_decoder.add_terms,
             llama_decoder.decode_attention,
             block_cache.BlockCache.update,
-            fused_attention.attend,
+            fused_ops.attend,
         ) = saved
         row_invariant.rowwise = rowwise
 

@@ -16,7 +16,7 @@ from sess.engine.runtime.memory.training_budget import default_budget, default_c
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.session import Session
-from sess.engine.sampling import fused_attention, row_invariant
+from sess.engine.sampling import fused_ops, row_invariant
 from sess.engine.sampling.decode_batch import DecodeBatch
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import sess_home
@@ -54,10 +54,10 @@ class Runtime:
     def batch_invariance(self, *, check: bool = False) -> dict:
         """Whether sampling gives each row the same bits in any batch on this machine: the
         calibration of every matmul kernel met so far (:func:`.row_invariant.report`) and which decode
-        attention runs (``attention``: :func:`.fused_attention.status`); ``check``
+        attention runs (``attention``: :func:`.fused_ops.status`); ``check``
         first calibrates the typical shapes (on the executor thread, as the engine does at start)."""
         report = row_invariant.self_check(self.device) if check else row_invariant.report()
-        return {**report, "attention": fused_attention.status()}
+        return {**report, "attention": fused_ops.status()}
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:

@@ -90,7 +90,7 @@ class BlockCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s whole keys and values [blocks, rows, kv heads, BLOCK, dim], contiguous, for a
-        kernel that writes this step's entries itself (:mod:`.fused_attention`)."""
+        kernel that writes this step's entries itself (:mod:`.fused_ops`)."""
         for entries in (self.keys, self.values):
             entries[layer] = entries[layer].contiguous()
         return self.keys[layer], self.values[layer]

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sess.engine.sampling import fused_attention, onednn
+from sess.engine.sampling import fused_ops, onednn
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.lora_plans import (
@@ -97,13 +97,15 @@ class LlamaDecoder:
         self.pack_budget = pack_budget
         self._copy_bytes: int | None = None
         self.merge_lora: bool | None = None  # adapters' plans merged or as terms (None: decided on first use)
-        self.fuse_attention: bool | None = None  # decode attention as one C call a layer (None: on first use)
+        # a step's attention, norms and activation as C calls (:mod:`.fused_ops`; None: decided on first use)
+        self.kernels: bool | None = None
         config = model_of().config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.qk_norm = config.model_type == "qwen3"
+        self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
         self._plans: dict[str, tuple[list, tuple, list]] = {}  # adapter -> (modules, versions, plan)
 
@@ -208,12 +210,12 @@ class LlamaDecoder:
         model = self.model_of()
         self.linear.packing(self.packs())
         step = cache.set_positions(positions)
-        fused = self.fuses_attention(tokens.device)
+        fused = self.uses_kernels() and self.attention_kernel
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
             if fused:
                 keys, values = cache.layer(layer)
-                return fused_attention.attend(keys, values, step.positions, q, k, v, rotation)
+                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation)
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
@@ -237,10 +239,13 @@ class LlamaDecoder:
         # decode attention takes its queries scaled, so the rotation scales them on the way
         q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
         rotation = (cos, sin, q_cos, q_sin)
+        kernels = self.uses_kernels()
+        norm = self._kernel_norm if kernels else _add_norm
+        pending = None  # the residual the next norm adds first
         for index, layer in enumerate(inner.layers):
             lora = [(rows, plan[index] if plan else plan) for rows, plan in plans]
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, h)
+            h, x = norm(layer.input_layernorm, h, pending)
             q, k, v = self._project(attn, BUNDLES[0], x, lora, 0)
             q = q.view(count, self.heads, self.head_dim)
             k = k.view(count, self.kv_heads, self.head_dim)
@@ -248,12 +253,16 @@ class LlamaDecoder:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             out = attend(index, q, k, v.view(count, self.kv_heads, self.head_dim), rotation)
             (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
-            h = h + o
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            h, x = norm(layer.post_attention_layernorm, h, o)
             gate, up = self._project(mlp, BUNDLES[2], x, lora, 2)
-            (down,) = self._project(mlp, BUNDLES[3], F.silu(gate) * up, lora, 3)
-            h = h + down
-        return _rms_norm(inner.norm, h)
+            act = fused_ops.silu_mul(gate, up) if kernels else F.silu(gate) * up
+            (pending,) = self._project(mlp, BUNDLES[3], act, lora, 3)
+        return norm(inner.norm, h, pending)[1]
+
+    @staticmethod
+    def _kernel_norm(norm: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):
+        """:func:`_add_norm` by the C kernel."""
+        return fused_ops.rms_norm(h, norm.weight, norm.variance_epsilon, residual)
 
     def _project(self, parent, names, x: torch.Tensor, lora, bundle: int) -> list[torch.Tensor]:
         """The projections ``names`` of ``parent`` on ``x``, each group of rows with its adapter's."""
@@ -269,14 +278,14 @@ class LlamaDecoder:
                 add_terms(outs, x, rows, terms, names)
         return outs
 
-    def fuses_attention(self, device) -> bool:
-        """Whether decode steps run attention through the C kernel (:mod:`.fused_attention`) or as
-        torch ops: decided on the first step and kept for the engine's life, so a request's
-        arithmetic never depends on when it ran."""
-        if self.fuse_attention is None:
-            dtype = self.model_of().model.embed_tokens.weight.dtype
-            self.fuse_attention = fused_attention.usable(dtype, device, self.heads, self.kv_heads, self.head_dim)
-        return self.fuse_attention
+    def uses_kernels(self) -> bool:
+        """Whether steps run their norms, activation and (where :attr:`attention_kernel`) decode
+        attention through the C kernels (:mod:`.fused_ops`) or as torch ops: decided on first use
+        and kept for the engine's life, so a request's arithmetic never depends on when it ran."""
+        if self.kernels is None:
+            weight = self.model_of().model.embed_tokens.weight
+            self.kernels = fused_ops.usable(weight.dtype, weight.device)
+        return self.kernels
 
     # per-adapter plans -----------------------------------------------------------------------------
     def merges_lora(self) -> bool:
@@ -355,6 +364,13 @@ def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
     (``sin`` with rotate_half's signs; ``q_cos``, ``q_sin`` the queries', which may carry a scale)."""
     half = q.shape[-1] // 2
     return q * q_cos + q.roll(half, dims=-1) * q_sin, k * cos + k.roll(half, dims=-1) * sin
+
+
+def _add_norm(norm: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):
+    """``(h, normed)``: ``h`` plus ``residual`` (None: nothing to add) and its RMS norm."""
+    if residual is not None:
+        h = h + residual
+    return h, _rms_norm(norm, h)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

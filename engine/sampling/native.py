@@ -1,7 +1,7 @@
 """The sampler's C kernels, built on first use for this CPU and loaded into the process.
 
-Two kernels: the few-row matmul (``few_rows.c``, :mod:`.few_rows`) and decode attention
-(``decode_attention.c``, :mod:`.fused_attention`). The system's C compiler (``cc``, or ``$CC``)
+The few-row matmul (``few_rows.c``, :mod:`.few_rows`) and a decode step's other work: attention,
+norms and the MLP's activation (``fused_ops.c``, :mod:`.fused_ops`). The system's C compiler (``cc``, or ``$CC``)
 builds both into one library with OpenMP, ``-march=native`` and ``-ffp-contract=off`` (every sum
 is rounded as the source writes it, whatever the CPU offers); loaded, its threads are torch's own
 OpenMP team. Where there is no compiler, the build fails, no temp dir can hold the library, or it
@@ -19,13 +19,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("few_rows.c", "decode_attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("few_rows.c", "fused_ops.c"))
 _OPENMP = ("libgomp", "libiomp", "libomp")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 # each kernel's C signature (argtypes; every one returns an int status)
 SIGNATURES = {
     "sess_few_rows": [_P, _I, _I, _P, _I, _I, _I, _P, _I],
     "sess_decode_attention": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
+    "sess_rms_norm": [_P, _L, _P, _L, _P, ctypes.c_float, _I, _I, _P, _P, _I],
+    "sess_silu_mul": [_P, _L, _P, _L, _I, _I, _P, _I],
 }
 
 

@@ -12,7 +12,7 @@ function of the row alone with these pieces:
   batch's width nor its other rows change a row's sums (fused SDPA kernels pick block sizes from
   the batch's shapes, so they do). Where the sampler's C kernels are built, one C call a layer
   does a step's attention instead, each row reading only its own columns in a fixed order
-  (:mod:`.fused_attention`). A prefill runs each prompt's attention on its own, shaped exactly as
+  (:mod:`.fused_ops`). A prefill runs each prompt's attention on its own, shaped exactly as
   if the prompt were prefilled alone.
 * **Linear layers** (:func:`rowwise`): BLAS libraries and oneDNN pick kernels by a matmul's
   shape, and a small row count or the last rows of a matrix can go through code that sums each

@@ -237,7 +237,7 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
         ("tiny-llama", "lean step"),
         ("tiny-llama", "modules"),
         ("tiny-llama", "lean step, no packed copies"),  # a memory budget too small for them
-        ("tiny-llama", "lean step, attention as torch ops"),  # where the C kernel is not built
+        ("tiny-llama", "lean step, torch ops"),  # where the C kernels are not built
         pytest.param("smollm2-135m", "lean step", marks=pytest.mark.slow),  # real weights and shapes
     ],
 )
@@ -264,9 +264,9 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     budget = runtime.memory_budget if runtime.budget_given else None  # None: the default again
     if path == "lean step, no packed copies":
         runtime.memory_budget = 1024  # bytes: the copies do not fit, the weights go to oneDNN as they are
-    fused = host.decoder.fuse_attention
-    if path == "lean step, attention as torch ops":
-        host.decoder.fuse_attention = False
+    kernels = host.decoder.kernels
+    if path == "lean step, torch ops":
+        host.decoder.kernels = False
     x = tok.encode("Question: what is 3 + 4? Answer:")
     short, long = tok.encode("Hi"), tok.encode("A much longer prompt, about numbers and letters. " * 3)
 
@@ -300,9 +300,9 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, name
     if path == "lean step, no packed copies":
         assert not host.decoder.linear.packed_bytes()
-    if path == "lean step":  # the C kernel's attention wherever it is built
-        assert host.decoder.fuse_attention == (native.library()[0] is not None)
-    host.decoder.fuse_attention = fused
+    if path == "lean step":  # the C kernels wherever they are built
+        assert host.decoder.kernels == (native.library()[0] is not None)
+    host.decoder.kernels = kernels
     runtime.memory_budget = budget
     for tc in sessions:
         tc.stop()

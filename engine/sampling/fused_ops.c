@@ -1,7 +1,8 @@
-/* Decode attention of sess's sampler (native.py builds and loads this file; decode_attention.py
-   calls it).
+/* A decode step's work besides its matmuls, for sess's sampler (native.py builds and loads this
+   file; fused_ops.py calls it): attention over the KV cache, RMS norms (with the residual add
+   before them) and the MLP's silu(gate) * up, each one call a layer over all rows.
 
-   One decode step, one layer: each row's new key and value go into the KV cache at the row's
+   Attention, one decode step, one layer: each row's new key and value go into the KV cache at the row's
    position (the key rotated there), and each query head attends over its row's columns
    0..position of its key/value head. The cache is the BlockCache's layer,
    [blocks][rows][kv heads][BLOCK][dim]: column c of row r, head h is at block c / BLOCK, slot
@@ -14,8 +15,13 @@
    sum at the end. A row reads nothing of other rows and nothing past its position, so its result
    is the same alone as among 63 others, however long the others are. No fused multiply-adds
    (the build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op,
-   as torch's elementwise ops do it. */
+   as torch's elementwise ops do it.
 
+   Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
+   then pairwise, as a score; the activation is elementwise. So every row's result depends on that
+   row alone. */
+
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,4 +172,58 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+/* sum of x[d]^2, d < n: LANES partial sums in order (the last ones over the tail), then pairwise */
+static inline float sum_squares(const float *x, int n)
+{
+    float p[LANES];
+    const int full = n - n % LANES;
+    for (int l = 0; l < LANES; l++) p[l] = 0.0f;
+    for (int c = 0; c < full; c += LANES)
+        for (int l = 0; l < LANES; l++) p[l] = p[l] + x[c + l] * x[c + l];
+    for (int l = 0; l < n - full; l++) p[l] = p[l] + x[full + l] * x[full + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) p[l] = p[l] + p[l + w];
+    return p[0];
+}
+
+/* per row of x [rows][n] (row stride x_stride): with `residual` (stride r_stride), first
+   sum = x + residual, written to `sum` [rows][n]; then out [rows][n] = that * rstd * weight,
+   rstd = 1 / sqrt(mean of its squares + eps). Returns 0. */
+int sess_rms_norm(const float *x, long x_stride, const float *residual, long r_stride, const float *weight,
+                  float eps, int rows, int n, float *sum, float *out, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * n >= 32768)
+    for (int r = 0; r < rows; r++) {
+        const float *src = x + r * x_stride;
+        if (residual != NULL) {
+            float *total = sum + (size_t)r * n;
+            const float *add = residual + r * r_stride;
+            for (int d = 0; d < n; d++) total[d] = src[d] + add[d];
+            src = total;
+        }
+        const float rstd = 1.0f / sqrtf(sum_squares(src, n) / (float)n + eps);
+        float *o = out + (size_t)r * n;
+        for (int d = 0; d < n; d++) o[d] = (src[d] * rstd) * weight[d];
+    }
+    return 0;
+}
+
+/* out [rows][n] = silu(gate) * up, silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) */
+int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stride, int rows, int n, float *out,
+                  int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * n >= 32768)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate + r * g_stride, *u = up + r * u_stride;
+        float *o = out + (size_t)r * n;
+        for (int d = 0; d < n; d++) {
+            const float x = g[d];
+            const float e = exp_neg(x < 0.0f ? x : -x);
+            const float sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[d] = (x * sigmoid) * u[d];
+        }
+    }
+    return 0;
 }

@@ -1,4 +1,4 @@
-"""Decode attention in one C call a layer (engine/sampling/fused_attention.py, decode_attention.c)."""
+"""A decode step's attention, norms and activation as C calls (engine/sampling/fused_ops.py, fused_ops.c)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from sess.engine.sampling import fused_attention, native
+from sess.engine.sampling import fused_ops, native
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.llama_decoder import _rotate
 from sess.engine.sampling.row_invariant import BLOCK, decode_attention
@@ -44,7 +45,7 @@ def _torch_ops(keys, values, positions, q, k, v, rotation):
 
 
 def _kernel(keys, values, positions, q, k, v, rotation):
-    return fused_attention.attend(keys, values, positions, q, k, v, rotation)
+    return fused_ops.attend(keys, values, positions, q, k, v, rotation)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 128)])
@@ -84,11 +85,11 @@ def test_a_row_gets_the_same_bits_alone_as_among_others_of_any_length():
 
 def test_shapes_and_caches_it_does_not_cover_are_refused():
     _built()
-    assert fused_attention.usable(torch.float32, torch.device("cpu"), 9, 3, 64)
-    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 4, 2, 8)  # head dim < 16
-    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 9, 2, 64)  # heads % kv heads
-    assert not fused_attention.usable(torch.bfloat16, torch.device("cpu"), 9, 3, 64)
-    assert not fused_attention.usable(torch.float32, torch.device("meta"), 9, 3, 64)
+    assert fused_ops.usable(torch.float32, "cpu") and fused_ops.covers_attention(9, 3, 64)
+    assert not fused_ops.covers_attention(4, 2, 8)  # head dim < 16
+    assert not fused_ops.covers_attention(9, 2, 64)  # heads % kv heads
+    assert not fused_ops.usable(torch.bfloat16, "cpu")
+    assert not fused_ops.usable(torch.float32, torch.device("meta"))
     keys, values, pos, q, k, v, rotation = _step(3, 9, 3, 64, [1, 2, 3], blocks=1)
     with pytest.raises(ValueError, match="cache layer"):
         _kernel(keys[:, :2].contiguous(), values[:, :2].contiguous(), pos, q, k, v, rotation)
@@ -97,7 +98,37 @@ def test_shapes_and_caches_it_does_not_cover_are_refused():
 def test_without_the_kernels_the_decoder_keeps_the_torch_ops_and_says_so(monkeypatch):
     why = "not built: no C compiler (cc or $CC)"
     monkeypatch.setattr(native, "library", functools.cache(lambda: (None, why)))
-    assert not fused_attention.usable(torch.float32, torch.device("cpu"), 9, 3, 64)
-    assert fused_attention.status() == why + "; decode attention runs as torch ops"
+    assert not fused_ops.usable(torch.float32, "cpu")
+    assert fused_ops.status() == why + "; attention, norms and activations run as torch ops"
     with pytest.raises(RuntimeError, match="no C compiler"):
         _kernel(*_step(1, 9, 3, 64, [1], blocks=1))
+
+
+@pytest.mark.parametrize("n", [576, 64, 50])
+def test_the_norm_adds_the_residual_to_the_bit_and_norms_each_row_on_its_own(n):
+    """``h + residual`` is torch's add to the bit; the norm equals F.rms_norm to rounding, and a
+    row's bits are the same alone as among others (rows strided, as a split's views are)."""
+    _built()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 2 * n, generator=gen)[:, :n]  # strided rows
+    residual, weight = torch.randn(7, n, generator=gen), torch.randn(n, generator=gen)
+    total, normed = fused_ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(normed, F.rms_norm(x + residual, (n,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    same, plain = fused_ops.rms_norm(x, weight, 1e-5)
+    assert same is x
+    torch.testing.assert_close(plain, F.rms_norm(x, (n,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    for row in range(7):
+        alone = fused_ops.rms_norm(x[row : row + 1], weight, 1e-5, residual[row : row + 1])[1]
+        assert torch.equal(alone[0], normed[row]), row
+
+
+def test_the_activation_is_silu_times_up_to_rounding_over_the_whole_range():
+    _built()
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(5, 2 * 300, generator=gen) * 20
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
+    gate, up = gate_up.split(300, dim=-1)
+    got = fused_ops.silu_mul(gate, up)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    assert torch.equal(fused_ops.silu_mul(gate[2:3], up[2:3])[0], got[2])

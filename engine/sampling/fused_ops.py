@@ -1,0 +1,149 @@
+"""A decode step's work besides its matmuls as C calls: attention, norms, the MLP's activation.
+
+The lean decoder's step as torch ops is ~700 small ops at 64 rows on smollm2 besides its matmuls:
+attention over the :class:`~.block_cache.BlockCache` (:func:`~.row_invariant.decode_attention`,
+~20 ops a layer reading every row's cache up to the batch's longest), RMS norms of ~100 µs each,
+the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call over all rows:
+
+* :func:`attend`: rotates each row's new key into its cache slot, writes its value, rotates the
+  queries (scaled) and attends over the row's own columns only;
+* :func:`rms_norm`: the residual add and the norm after it;
+* :func:`silu_mul`: the MLP's activation times its up projection.
+
+Every sum runs in an order fixed by the code and the row's data (see the C file), so a row's
+result does not depend on its batch, as with the torch ops; the results differ from the torch
+ops' only in rounding. An engine uses one or the other for its whole life (the decoder decides on
+first use), so its requests replay to the bit either way. Used for fp32 on CPU where
+:mod:`.native` built the kernels; attention where the shape is one the kernel covers (head dim a
+multiple of 16 up to 256, at most 16 query heads a key/value head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sess.engine.sampling import native
+from sess.engine.sampling.row_invariant import BLOCK
+
+LANES, WIDEST, MOST_GROUPS = 16, 256, 16  # fused_ops.c's limits for attention
+
+
+def usable(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the kernels run for a model in ``dtype`` on ``device`` here (built on first use)."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        return False
+    return native.library()[0] is not None
+
+
+def covers_attention(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention kernel is built for this many heads of this size."""
+    groups_ok = kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= MOST_GROUPS
+    return groups_ok and head_dim % LANES == 0 and head_dim <= WIDEST
+
+
+def attend(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotation: tuple[torch.Tensor, ...],
+) -> torch.Tensor:
+    """Write each row's ``key`` (rotated) and ``value`` [rows, kv heads, dim] into the cache layer
+    ``keys``/``values`` [blocks, rows, kv heads, BLOCK, dim] at ``positions`` [rows], and return
+    the attention [rows, heads, dim] of ``query`` [rows, heads, dim] (rotated, scaled) over each
+    row's columns up to its position. ``rotation`` is ``(cos, sin, q_cos, q_sin)`` [rows, 1, dim]
+    (``sin`` with rotate_half's signs; the queries' carry their scaling)."""
+    lib = _lib()
+    rows, heads, dim = query.shape
+    kv_heads = key.shape[1]
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (rows, kv_heads, BLOCK, dim):
+        raise ValueError(f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows")
+    query, key, value = (_rows_dense(t) for t in (query, key, value))
+    cos, sin, q_cos, q_sin = (t.contiguous() for t in rotation)
+    positions = positions.to(torch.int64).contiguous()
+    out = query.new_empty(rows, heads, dim)
+    _check(
+        lib.sess_decode_attention(
+            *(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)),
+            *(cos.data_ptr(), sin.data_ptr(), q_cos.data_ptr(), q_sin.data_ptr()),
+            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr(), rows, heads, kv_heads, dim),
+            *(out.data_ptr(), torch.get_num_threads()),
+        ),
+        "decode attention",
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, normed)``: ``h = x + residual`` (``x`` itself without one) and its RMS norm with
+    ``weight``, for ``x`` [rows, n] (rows may be strided)."""
+    lib = _lib()
+    rows, n = x.shape
+    x = _last_dense(x)
+    weight = weight.contiguous()
+    out = x.new_empty(rows, n)
+    total = x.new_empty(rows, n) if residual is not None else x
+    if residual is not None:
+        residual = _last_dense(residual)
+    _check(
+        lib.sess_rms_norm(
+            *(x.data_ptr(), x.stride(0)),
+            *((residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)),
+            *(weight.data_ptr(), eps, rows, n, total.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+        ),
+        "rms norm",
+    )
+    return total, out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate``, ``up`` [rows, n] (rows may be strided: a split's views)."""
+    lib = _lib()
+    gate, up = _last_dense(gate), _last_dense(up)
+    rows, n = gate.shape
+    out = gate.new_empty(rows, n)
+    _check(
+        lib.sess_silu_mul(
+            gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, n, out.data_ptr(), torch.get_num_threads()
+        ),
+        "silu",
+    )
+    return out
+
+
+def _lib():
+    lib, how = native.library()
+    if lib is None:
+        raise RuntimeError(f"the sampler's C kernels: {how}")
+    return lib
+
+
+def _check(failed: int, what: str) -> None:
+    if failed:
+        raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
+
+
+def _rows_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, heads, dim] with each row's heads dense (rows may be strided: a split's view)."""
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()
+
+
+def _last_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, n] with each row dense (rows may be strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def status() -> str:
+    """Which a decode step runs, for the engine's status."""
+    if not native.built():
+        return "not built yet (built on the first decode step)"
+    lib, how = native.library()
+    if lib is None:
+        return how + "; attention, norms and activations run as torch ops"
+    return f"C kernels for fp32 models, {how}"
