@@ -2,20 +2,21 @@
    file; fused_ops.py calls it): attention over the KV cache, RMS norms (with the residual add
    before them) and the MLP's silu(gate) * up, each one call a layer over all rows.
 
-   Attention, one decode step, one layer: each row's new key and value go into the KV cache at the row's
-   position (the key rotated there), and each query head attends over its row's columns
+   Attention, one decode step, one layer: each row's new key and value go into the KV cache at
+   the row's position (the key rotated there), and each query head attends over its row's columns
    0..position of its key/value head. The cache is the BlockCache's layer,
    [blocks][rows][kv heads][BLOCK][dim]: column c of row r, head h is at block c / BLOCK, slot
    c % BLOCK.
 
    Every sum is taken in an order fixed by this code and the row's own data: a score is a dot
-   product summed in LANES partial sums over dim (column order within each), the partials then
-   added pairwise; softmax subtracts the row's exact maximum, exponentiates (exp_neg: IEEE operations
-   only, no library call that may differ between CPUs), and adds the weights in column order; the output adds weight * value in column order and divides by that
-   sum at the end. A row reads nothing of other rows and nothing past its position, so its result
-   is the same alone as among 63 others, however long the others are. No fused multiply-adds
-   (the build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op,
-   as torch's elementwise ops do it.
+   product summed in LANES partial sums over dim (in order within each), the partials then added
+   pairwise (hsum16); softmax subtracts the row's exact maximum, exponentiates (exp_neg16: IEEE
+   operations only, no library call that may differ between CPUs) and sums the weights the same
+   way, in LANES partial sums over columns then pairwise; the output adds weight * value in column
+   order and divides by that sum at the end. A row reads nothing of other rows and nothing past
+   its position, so its result is the same alone as among 63 others, however long the others
+   are. No fused multiply-adds (the build has -ffp-contract=off): the rotation is
+   q * cos + roll(q) * sin rounded op by op, as torch's elementwise ops do it.
 
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
    then pairwise, as a score; the activation is elementwise. So every row's result depends on that
@@ -26,11 +27,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16 };
+enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16, AHEAD = 8 };
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p)
 {
@@ -39,8 +41,16 @@ static inline v16 load16(const float *p)
     return v;
 }
 
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* where `mask` is set (-1), a; elsewhere b */
+static inline v16 select16(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
 /* y = x * c + roll(x, dim / 2) * s, each product and the sum rounded on their own */
-static inline void rotate(const float *x, const float *c, const float *s, int dim, float *y)
+static inline void rotate(const float *restrict x, const float *restrict c, const float *restrict s, int dim,
+                          float *restrict y)
 {
     const int half = dim / 2;
     for (int d = 0; d < half; d++) {
@@ -53,40 +63,45 @@ static inline void rotate(const float *x, const float *c, const float *s, int di
     }
 }
 
-/* sum of a[d] * b[d]: LANES partial sums p[l] over d = l, l + LANES, ... in order, then
-   p[l] + p[l + 8], those + 4 apart, + 2 apart, + 1 apart */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int dim)
+/* p[0] + ... + p[15] pairwise: p[l] + p[l + 8], those + 4 apart, + 2 apart, + 1 apart */
+static inline float hsum16(v16 p)
 {
-    v16 p = load16(a) * load16(b);
-    for (int c = LANES; c < dim; c += LANES) p = p + load16(a + c) * load16(b + c);
     const v8 h = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7)
                  + __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
     const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* e^x for x <= 0 (0 below -87): x = n ln 2 + r, e^r by Cephes' expf polynomial, times 2^n built
-   from its bits; every step an IEEE operation, so the same bits on every CPU */
-static inline float exp_neg(float x)
+/* sum of a[d] * b[d]: LANES partial sums p[l] over d = l, l + LANES, ... in order, then
+   hsum16 */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int dim)
 {
-    const float below = x < -87.0f ? 0.0f : 1.0f;
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float n = (x * 1.44269504088896341f + shift) - shift;
-    float r = x - n * 0.693359375f;
+    v16 p = load16(a) * load16(b);
+    for (int c = LANES; c < dim; c += LANES) p = p + load16(a + c) * load16(b + c);
+    return hsum16(p);
+}
+
+/* e^x for x <= 0 (0 below -87), 16 at a time: x = n ln 2 + r, e^r by Cephes' expf polynomial,
+   times 2^n built from its bits; every step an IEEE operation on each lane, so the same bits on
+   every CPU and at every lane */
+static inline v16 exp_neg16(v16 x)
+{
+    const v16i below = x < splat16(-87.0f);
+    x = select16(below, splat16(-87.0f), x);
+    const v16 shift = splat16(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + shift) - shift;
+    v16 r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
+    const v16 z = r * r;
+    v16 y = splat16(1.9875691500e-4f);
     y = y * r + 1.3981999507e-3f;
     y = y * r + 8.3334519073e-3f;
     y = y * r + 4.1665795894e-2f;
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * z + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale * below;
+    const v16 scale = (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+    return select16(below, splat16(0.0f), y * scale);
 }
 
 /* one row's attention for key/value head h: its groups of query heads over columns 0..position */
@@ -99,30 +114,47 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
     for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
     for (int64_t c = 0; c <= position; c++) {
         const float *key = row_keys + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        const int64_t ahead = c + AHEAD;
+        const float *next = row_keys + (size_t)(ahead / BLOCK) * block_stride + (size_t)(ahead % BLOCK) * dim;
+        const float *later = row_values + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        for (int d = 0; d < dim; d += 16) {
+            __builtin_prefetch(next + d);
+            __builtin_prefetch(later + d);
+        }
         for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
     }
     float total[MOST_GROUPS];
+    const int64_t columns = position + 1, padded = (columns + LANES - 1) / LANES * LANES;
     for (int g = 0; g < groups; g++) {
         float *s = scores + g * longest;
-        float top = s[0];
-        for (int64_t c = 1; c <= position; c++) top = s[c] > top ? s[c] : top;
-        for (int64_t c = 0; c <= position; c++) s[c] = exp_neg(s[c] - top);
-        float sum = 0.0f;
-        for (int64_t c = 0; c <= position; c++) sum = sum + s[c];
-        total[g] = sum;
+        for (int64_t c = columns; c < padded; c++) s[c] = -INFINITY; /* past the row: e^-inf = 0 */
+        v16 top = load16(s);
+        for (int64_t c = LANES; c < padded; c += LANES) {
+            const v16 next = load16(s + c);
+            top = select16(next > top, next, top); /* exact in any order */
+        }
+        float most = top[0];
+        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+        v16 sum = splat16(0.0f);
+        for (int64_t c = 0; c < padded; c += LANES) {
+            const v16 weights = exp_neg16(load16(s + c) - most);
+            store16(s + c, weights);
+            sum = sum + weights;
+        }
+        total[g] = hsum16(sum);
     }
-    float acc[MOST_GROUPS][WIDEST];
+    v16 acc[MOST_GROUPS][WIDEST / LANES];
     for (int g = 0; g < groups; g++)
-        for (int d = 0; d < dim; d++) acc[g][d] = 0.0f;
+        for (int j = 0; j < dim / LANES; j++) acc[g][j] = splat16(0.0f);
     for (int64_t c = 0; c <= position; c++) {
         const float *value = row_values + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
         for (int g = 0; g < groups; g++) {
-            const float weight = scores[g * longest + c];
-            for (int d = 0; d < dim; d++) acc[g][d] = acc[g][d] + weight * value[d];
+            const v16 weight = splat16(scores[g * longest + c]);
+            for (int j = 0; j < dim / LANES; j++) acc[g][j] = acc[g][j] + weight * load16(value + j * LANES);
         }
     }
     for (int g = 0; g < groups; g++)
-        for (int d = 0; d < dim; d++) out[(size_t)g * dim + d] = acc[g][d] / total[g];
+        for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[g][j] / total[g]);
 }
 
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
@@ -141,6 +173,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
     int64_t longest = 1;
     for (int r = 0; r < rows; r++)
         if (positions[r] + 1 > longest) longest = positions[r] + 1;
+    longest = (longest + LANES - 1) / LANES * LANES; /* a score row's room: whole vectors */
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -210,7 +243,16 @@ int sess_rms_norm(const float *x, long x_stride, const float *residual, long r_s
     return 0;
 }
 
-/* out [rows][n] = silu(gate) * up, silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) */
+/* silu(g) * u = g * sigmoid(g) * u for 16 lanes, sigmoid from e = exp(-|g|) */
+static inline v16 silu_mul16(v16 g, v16 u)
+{
+    const v16i negative = g < splat16(0.0f);
+    const v16 e = exp_neg16(select16(negative, g, -g));
+    const v16 sigmoid = select16(negative, e / (1.0f + e), 1.0f / (1.0f + e));
+    return (g * sigmoid) * u;
+}
+
+/* out [rows][n] = silu(gate) * up; a row's last n % 16 entries go through the same lanes, padded */
 int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stride, int rows, int n, float *out,
                   int threads)
 {
@@ -218,11 +260,14 @@ int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stri
     for (int r = 0; r < rows; r++) {
         const float *g = gate + r * g_stride, *u = up + r * u_stride;
         float *o = out + (size_t)r * n;
-        for (int d = 0; d < n; d++) {
-            const float x = g[d];
-            const float e = exp_neg(x < 0.0f ? x : -x);
-            const float sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
-            o[d] = (x * sigmoid) * u[d];
+        const int full = n - n % LANES;
+        for (int d = 0; d < full; d += LANES) store16(o + d, silu_mul16(load16(g + d), load16(u + d)));
+        if (full < n) {
+            float gs[LANES] = {0}, us[LANES] = {0}, os[LANES];
+            memcpy(gs, g + full, sizeof(float) * (n - full));
+            memcpy(us, u + full, sizeof(float) * (n - full));
+            store16(os, silu_mul16(load16(gs), load16(us)));
+            memcpy(o + full, os, sizeof(float) * (n - full));
         }
     }
     return 0;
