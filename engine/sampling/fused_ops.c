@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16, AHEAD = 8 };
+enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16 };
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -114,13 +114,6 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
     for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
     for (int64_t c = 0; c <= position; c++) {
         const float *key = row_keys + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
-        const int64_t ahead = c + AHEAD;
-        const float *next = row_keys + (size_t)(ahead / BLOCK) * block_stride + (size_t)(ahead % BLOCK) * dim;
-        const float *later = row_values + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
-        for (int d = 0; d < dim; d += 16) {
-            __builtin_prefetch(next + d);
-            __builtin_prefetch(later + d);
-        }
         for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
     }
     float total[MOST_GROUPS];
@@ -269,6 +262,70 @@ int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stri
             store16(os, silu_mul16(load16(gs), load16(us)));
             memcpy(o + full, os, sizeof(float) * (n - full));
         }
+    }
+    return 0;
+}
+
+/* One token per row drawn from softmax(logits / temperature) by inverse CDF, as token_choice's
+   inverse_cdf does it: the row's tiles of SPAN entries summed (16 partial sums then pairwise, in
+   float), their running sum in double locates the tile where it first exceeds u times the total,
+   and a double running sum over that tile's entries the token (at most the tile's last non-zero
+   entry, where rounding left the target past its own sum). The weights are e^(x - max) of
+   x = logit / temperature, unnormalised (the draw scales u by their total). Rows: logits
+   [rows][vocab] (row stride `stride`), temperature > 0 and u in [0, 1) per row; tiles a scratch of
+   rows * ceil(vocab / SPAN) doubles. Returns 0. */
+enum { SPAN = 256 };
+
+int sess_draw(const float *logits, long stride, int rows, int vocab, const float *temperature, const double *u,
+              double *tiles, int64_t *tokens, int threads)
+{
+    const int count = (vocab + SPAN - 1) / SPAN;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *row = logits + r * stride;
+        const float t = temperature[r];
+        const int full = vocab - vocab % LANES;
+        v16 top = splat16(-INFINITY);
+        for (int d = 0; d < full; d += LANES) {
+            const v16 next = load16(row + d);
+            top = select16(next > top, next, top);
+        }
+        float most = top[0];
+        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+        for (int d = full; d < vocab; d++) most = row[d] > most ? row[d] : most;
+        const float scaled_most = most / t; /* division rounds monotonically: the max of logit / t */
+        double *cdf = tiles + (size_t)r * count;
+        double running = 0.0;
+        for (int tile = 0; tile < count; tile++) {
+            float entries[SPAN];
+            const int lo = tile * SPAN, n = vocab - lo < SPAN ? vocab - lo : SPAN;
+            memcpy(entries, row + lo, sizeof(float) * n);
+            for (int d = n; d < SPAN; d++) entries[d] = -INFINITY; /* past the vocabulary: weight 0 */
+            v16 sum = splat16(0.0f);
+            for (int d = 0; d < SPAN; d += LANES) sum = sum + exp_neg16(load16(entries + d) / t - scaled_most);
+            running += (double)hsum16(sum);
+            cdf[tile] = running;
+        }
+        const double target = u[r] * running;
+        int tile = 0;
+        while (tile < count - 1 && !(cdf[tile] > target)) tile++;
+        const double before = tile ? cdf[tile - 1] : 0.0;
+        const int lo = tile * SPAN, n = vocab - lo < SPAN ? vocab - lo : SPAN;
+        float entries[SPAN], weights[SPAN];
+        memcpy(entries, row + lo, sizeof(float) * n);
+        for (int d = n; d < SPAN; d++) entries[d] = -INFINITY;
+        for (int d = 0; d < SPAN; d += LANES) store16(weights + d, exp_neg16(load16(entries + d) / t - scaled_most));
+        int pick = SPAN, last = -1;
+        double inner = before;
+        for (int d = 0; d < SPAN; d++) {
+            inner += (double)weights[d];
+            if (weights[d] > 0.0f) last = d;
+            if (pick == SPAN && inner > target) pick = d;
+        }
+        last = last < 0 ? SPAN - 1 : last;
+        pick = pick < last ? pick : last;
+        const int64_t token = (int64_t)lo + pick;
+        tokens[r] = token < vocab - 1 ? token : vocab - 1;
     }
     return 0;
 }

@@ -8,7 +8,9 @@ the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call
 * :func:`attend`: rotates each row's new key into its cache slot, writes its value, rotates the
   queries (scaled) and attends over the row's own columns only;
 * :func:`rms_norm`: the residual add and the norm after it;
-* :func:`silu_mul`: the MLP's activation times its up projection.
+* :func:`silu_mul`: the MLP's activation times its up projection;
+* :func:`draw`: a sampled row's token (temperature, no top-k or top-p), by the inverse CDF of
+  :func:`.token_choice.inverse_cdf` in two passes over the logits instead of ~8 ops.
 
 Every sum runs in an order fixed by the code and the row's data (see the C file), so a row's
 result does not depend on its batch, as with the torch ops; the results differ from the torch
@@ -113,6 +115,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         "silu",
     )
     return out
+
+
+def draws(logits: torch.Tensor) -> bool:
+    """Whether :func:`draw` takes rows of ``logits`` here (fp32 on CPU, the kernels built)."""
+    return usable(logits.dtype, logits.device)
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [rows, vocab] from softmax(logits / temperature) (every
+    temperature > 0, no truncation), by inverse CDF at ``u`` (float64 in [0, 1)) in the two levels
+    of :func:`.token_choice.inverse_cdf`: a row's token depends on the row alone."""
+    lib = _lib()
+    logits = _last_dense(logits)
+    rows, vocab = logits.shape
+    temperature = temperature.to(torch.float32).contiguous()
+    u = u.to(torch.float64).contiguous()
+    tiles = torch.empty(rows, -(-vocab // 256), dtype=torch.float64)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    _check(
+        lib.sess_draw(
+            *(logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(), u.data_ptr()),
+            *(tiles.data_ptr(), tokens.data_ptr(), torch.get_num_threads()),
+        ),
+        "token draw",
+    )
+    return tokens
 
 
 def _lib():

@@ -28,6 +28,7 @@ SIGNATURES = {
     "sess_decode_attention": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
     "sess_rms_norm": [_P, _L, _P, _L, _P, ctypes.c_float, _I, _I, _P, _P, _I],
     "sess_silu_mul": [_P, _L, _P, _L, _I, _I, _P, _I],
+    "sess_draw": [_P, _L, _I, _I, _P, _P, _P, _P, _I],
 }
 
 

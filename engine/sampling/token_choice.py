@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from sess.engine.sampling import fused_ops
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -108,6 +110,8 @@ def choose_tokens(
 def _draw(logits, temperature, top_k, top_p, u, truncate: bool) -> torch.Tensor:
     """One token per row from its tempered distribution (every row sampled), truncated (in sorted
     order) or not (in vocabulary order)."""
+    if not truncate and fused_ops.draws(logits):  # the same draw in C, where the kernels are built
+        return fused_ops.draw(logits, temperature, u)
     scaled = logits / temperature[:, None]
     if not truncate:
         return inverse_cdf(scaled.softmax(dim=-1), u)

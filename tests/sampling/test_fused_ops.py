@@ -132,3 +132,25 @@ def test_the_activation_is_silu_times_up_to_rounding_over_the_whole_range():
     got = fused_ops.silu_mul(gate, up)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
     assert torch.equal(fused_ops.silu_mul(gate[2:3], up[2:3])[0], got[2])
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000, 7])
+def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_same(vocab):
+    """The C draw follows token_choice.inverse_cdf (softmax of logits / temperature, tiles of 256,
+    float64 running sums): the same tokens but where rounding puts u at a boundary (its weights
+    are its own exp, not torch's), and a row's token is the same alone as among others."""
+    _built()
+    from sess.engine.sampling.token_choice import inverse_cdf
+
+    gen = torch.Generator().manual_seed(5)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.5] * (rows // 4))
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    got = fused_ops.draw(logits, temperature, u)
+    expected = inverse_cdf((logits / temperature[:, None]).softmax(dim=-1), u)
+    assert (got == expected).sum() >= rows - 1, (got, expected)
+    assert ((got >= 0) & (got < vocab)).all()
+    for row in range(0, rows, 7):
+        one = slice(row, row + 1)
+        assert fused_ops.draw(logits[one], temperature[one], u[one]).item() == got[row].item()
