@@ -329,8 +329,8 @@ def status(
             )
             if invariance.get("few_rows"):
                 out.print(f"one- and two-row matmuls: {invariance['few_rows']}", highlight=False)
-            if invariance.get("attention"):
-                out.print(f"decode attention: {invariance['attention']}", highlight=False)
+            if invariance.get("fused_ops"):
+                out.print(f"attention, norms and token draws: {invariance['fused_ops']}", highlight=False)
 
 
 @engine_app.command("down")

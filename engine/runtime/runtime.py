@@ -53,11 +53,11 @@ class Runtime:
 
     def batch_invariance(self, *, check: bool = False) -> dict:
         """Whether sampling gives each row the same bits in any batch on this machine: the
-        calibration of every matmul kernel met so far (:func:`.row_invariant.report`) and which decode
-        attention runs (``attention``: :func:`.fused_ops.status`); ``check``
+        calibration of every matmul kernel met so far (:func:`.row_invariant.report`) and whether a
+        step's attention, norms and token draws run in C (``fused_ops``: :func:`.fused_ops.status`); ``check``
         first calibrates the typical shapes (on the executor thread, as the engine does at start)."""
         report = row_invariant.self_check(self.device) if check else row_invariant.report()
-        return {**report, "attention": fused_ops.status()}
+        return {**report, "fused_ops": fused_ops.status()}
 
     # lookups ---------------------------------------------------------------------------------------
     def host(self, base_model: str) -> ModelHost:

@@ -170,7 +170,7 @@ def _last_dense(t: torch.Tensor) -> torch.Tensor:
 def status() -> str:
     """Which a decode step runs, for the engine's status."""
     if not native.built():
-        return "not built yet (built on the first decode step)"
+        return "not built yet (built when the engine first samples)"
     lib, how = native.library()
     if lib is None:
         return how + "; attention, norms and activations run as torch ops"

@@ -12,7 +12,8 @@ of LoRA terms the base projections for every row (:class:`~.row_invariant.RowInv
 plus each group's terms (one ``A`` matmul for the projections that read the same input, q/k/v and
 gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to end (no padding),
 runs each prompt's attention on its own, and writes each prompt's keys and values into the rows of
-its samples.
+its samples. For fp32 on CPU a step's attention, norms and activation are C calls
+(:mod:`.fused_ops`), each row's sums in an order of its own.
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per

@@ -78,13 +78,13 @@ def test_session_lists_are_whole_and_messages_one_line(http_engine, sess_home):
         [*SESS, "engine", "status", "--home", str(sess_home)], capture_output=True, text=True, env=_env()
     )
     # one line per message: where the engine runs, whether its sampling is batch-invariant, how
-    # its one- and two-row matmuls run and which decode attention it runs
+    # its one- and two-row matmuls run and whether its attention, norms and token draws run in C
     lines = status.stdout.strip().splitlines()
     assert status.returncode == 0 and len(lines) == 4, status.stdout
     assert lines[0].startswith("engine running at ") and lines[0].endswith("saved and stopped)"), lines
     assert lines[1].startswith("sampling: "), lines
     assert lines[2].startswith("one- and two-row matmuls: "), lines
-    assert lines[3].startswith("decode attention: "), lines
+    assert lines[3].startswith("attention, norms and token draws: "), lines
 
 
 def test_memory_figures_say_what_they_measure(http_engine, sess_home):

@@ -122,7 +122,7 @@ def test_the_engine_reports_batch_invariance_at_start_and_in_its_status(http_eng
     assert invariance["kernels"] >= 4, invariance
     shown = CliRunner().invoke(app, ["engine", "status", "--home", str(sess_home)]).output
     assert f"one- and two-row matmuls: {invariance['few_rows']}" in " ".join(shown.split()), shown
-    assert f"decode attention: {invariance['attention']}" in " ".join(shown.split()), shown
+    assert f"attention, norms and token draws: {invariance['fused_ops']}" in " ".join(shown.split()), shown
     if invariance["exact"]:
         assert "sampling: batch-invariant on this CPU" in shown
     else:
