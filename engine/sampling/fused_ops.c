@@ -33,6 +33,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p)
 {
@@ -100,7 +101,7 @@ static inline v16 exp_neg16(v16 x)
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * z + r + 1.0f;
-    const v16 scale = (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+    const v16 scale = (v16)((v16u)(__builtin_convertvector(n, v16i) + 127) << 23); /* 2^n */
     return select16(below, splat16(0.0f), y * scale);
 }
 

@@ -13,7 +13,8 @@ the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call
   :func:`.token_choice.inverse_cdf` in two passes over the logits instead of ~8 ops.
 
 Every sum runs in an order fixed by the code and the row's data (see the C file), so a row's
-result does not depend on its batch, as with the torch ops; the results differ from the torch
+result does not depend on its batch, as with the torch ops, nor on the CPU's vector width (the
+kernels built for AVX-512, AVX2 and SSE4 give the same bits); the results differ from the torch
 ops' only in rounding. An engine uses one or the other for its whole life (the decoder decides on
 first use), so its requests replay to the bit either way. Used for fp32 on CPU where
 :mod:`.native` built the kernels; attention where the shape is one the kernel covers (head dim a

@@ -38,16 +38,10 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None, "not built: no C compiler (cc or $CC)"
-    command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
     try:
         with tempfile.TemporaryDirectory(prefix="sess-kernels-") as tmp:
             built = Path(tmp) / "sess_kernels.so"
-            done = subprocess.run(
-                [*command, *map(str, SOURCES), "-o", str(built), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            done = subprocess.run(build_command(compiler, built), capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 return None, f"not built: {Path(compiler).name} failed: {done.stderr.strip()[-300:]}"
             lib = ctypes.CDLL(str(built))  # mapped: the file may go
@@ -56,10 +50,21 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     runtimes = _openmp_runtimes()
     if runtimes is None or len(runtimes) > 1:
         return None, f"not used: OpenMP runtimes in the process {runtimes or 'unknown'} (one is torch's)"
+    return declared(lib), f"built by {Path(compiler).name} for this CPU"
+
+
+def build_command(compiler: str, out: Path, arch: str = "native") -> list[str]:
+    """The command that builds the kernels into ``out`` for the CPU ``arch`` (``-march``)."""
+    flags = ["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
+    return [compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
+
+
+def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with each kernel's C signature (:data:`SIGNATURES`) declared."""
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return lib, f"built by {Path(compiler).name} for this CPU"
+    return lib
 
 
 def built() -> bool:

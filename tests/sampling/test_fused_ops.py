@@ -154,3 +154,41 @@ def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_
     for row in range(0, rows, 7):
         one = slice(row, row + 1)
         assert fused_ops.draw(logits[one], temperature[one], u[one]).item() == got[row].item()
+
+
+def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
+    """Every operation in fused_ops.c is IEEE arithmetic in an order the source fixes (no fused
+    multiply-adds, no library exp), so the kernels built for an AVX2 or an SSE4 CPU give exactly
+    what the build for this one gives: a run's attention, norms, activation and draws are the same
+    bits on every x86-64 host (its matmuls are calibrated per host)."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    _built()
+    compiler = shutil.which("cc")
+    if platform.machine() != "x86_64" or compiler is None:
+        pytest.skip("x86-64 -march levels")
+
+    def outputs():
+        gen = torch.Generator().manual_seed(6)
+        keys, values, pos, q, k, v, rotation = _step(5, 9, 3, 64, [0, 17, 63, 64, 120], blocks=2, seed=6)
+        x, weight = torch.randn(7, 576, generator=gen), torch.randn(576, generator=gen)
+        logits = torch.randn(16, 49152, generator=gen) * 3
+        u = torch.rand(16, generator=gen, dtype=torch.float64)
+        return (
+            _kernel(keys, values, pos, q, k, v, rotation),
+            fused_ops.rms_norm(x, weight, 1e-5, x * 0.5)[1],
+            fused_ops.silu_mul(x * 10, x),
+            fused_ops.draw(logits, torch.full((16,), 0.7), u),
+        )
+
+    reference = outputs()
+    for arch in ("x86-64-v3", "x86-64-v2"):
+        built = tmp_path / f"{arch}.so"
+        subprocess.run(native.build_command(compiler, built, arch), check=True, capture_output=True)
+        lib = native.declared(ctypes.CDLL(str(built)))
+        monkeypatch.setattr(native, "library", functools.cache(lambda lib=lib, arch=arch: (lib, arch)))
+        for got, expected in zip(outputs(), reference):
+            assert torch.equal(got, expected), arch
