@@ -153,15 +153,18 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
 
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
    k_stride, v_stride), cos, sin, q_cos, q_sin [rows][dim] (the queries' rotation carries their
-   scaling); keys and values the cache, `rows` rows a block; out [rows][heads * dim]. Returns 0,
-   -1 for a shape not built here, -2 where memory ran out. */
+   scaling); keys and values the cache, `rows` rows a block, `columns` columns a row; out
+   [rows][heads * dim]. Returns 0, -1 for a shape not built here, -2 where memory ran out, -3 for
+   a position outside the cache. */
 int sess_decode_attention(const float *q, long q_stride, const float *k, long k_stride, const float *v,
                           long v_stride, const float *cos, const float *sin, const float *q_cos,
-                          const float *q_sin, float *keys, float *values, const int64_t *positions, int rows,
-                          int heads, int kv_heads, int dim, float *out, int threads)
+                          const float *q_sin, float *keys, float *values, const int64_t *positions,
+                          long columns, int rows, int heads, int kv_heads, int dim, float *out, int threads)
 {
     if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
         return -1;
+    for (int r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= columns) return -3;
     const int groups = heads / kv_heads;
     const size_t slot = (size_t)BLOCK * dim, block_stride = (size_t)rows * kv_heads * slot;
     int64_t longest = 1;

@@ -71,7 +71,8 @@ def attend(
         lib.sess_decode_attention(
             *(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)),
             *(cos.data_ptr(), sin.data_ptr(), q_cos.data_ptr(), q_sin.data_ptr()),
-            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr(), rows, heads, kv_heads, dim),
+            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.shape[0] * BLOCK),
+            *(rows, heads, kv_heads, dim),
             *(out.data_ptr(), torch.get_num_threads()),
         ),
         "decode attention",
@@ -152,6 +153,8 @@ def _lib():
 
 
 def _check(failed: int, what: str) -> None:
+    if failed == -3:
+        raise ValueError(f"{what} kernel: a position outside the cache")
     if failed:
         raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
 

@@ -93,6 +93,10 @@ def test_shapes_and_caches_it_does_not_cover_are_refused():
     keys, values, pos, q, k, v, rotation = _step(3, 9, 3, 64, [1, 2, 3], blocks=1)
     with pytest.raises(ValueError, match="cache layer"):
         _kernel(keys[:, :2].contiguous(), values[:, :2].contiguous(), pos, q, k, v, rotation)
+    with pytest.raises(ValueError, match="outside the cache"):  # one block: columns 0..63
+        _kernel(keys, values, torch.tensor([1, 64, 3]), q, k, v, rotation)
+    with pytest.raises(ValueError, match="outside the cache"):
+        _kernel(keys, values, torch.tensor([-1, 2, 3]), q, k, v, rotation)
 
 
 def test_without_the_kernels_the_decoder_keeps_the_torch_ops_and_says_so(monkeypatch):
