@@ -1,12 +1,12 @@
 """The sampler's C kernels, built on first use for this CPU and loaded into the process.
 
 The few-row matmul (``few_rows.c``, :mod:`.few_rows`) and a decode step's other work: attention,
-norms and the MLP's activation (``fused_ops.c``, :mod:`.fused_ops`). The system's C compiler (``cc``, or ``$CC``)
-builds both into one library with OpenMP, ``-march=native`` and ``-ffp-contract=off`` (every sum
-is rounded as the source writes it, whatever the CPU offers); loaded, its threads are torch's own
-OpenMP team. Where there is no compiler, the build fails, no temp dir can hold the library, or it
-would bring a second OpenMP runtime, :func:`library` says why and each caller keeps its torch
-path.
+norms, the MLP's activation and token draws (``fused_ops.c``, :mod:`.fused_ops`). The system's C
+compiler (``cc``, or ``$CC``) builds both into one library with OpenMP, ``-march=native`` and
+``-ffp-contract=off`` (every sum is rounded as the source writes it, whatever the CPU offers);
+loaded, its threads are torch's own OpenMP team. Where there is no compiler, the build fails, no
+temp dir can hold the library, or it would bring a second OpenMP runtime, :func:`library` says
+why and each caller keeps its torch path.
 """
 
 from __future__ import annotations
