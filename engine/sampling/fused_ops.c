@@ -204,18 +204,15 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
     return failed ? -2 : 0;
 }
 
-/* sum of x[d]^2, d < n: LANES partial sums in order (the last ones over the tail), then pairwise */
+/* sum of x[d]^2, d < n: LANES partial sums in order (the tail's zero-padded), then hsum16 */
 static inline float sum_squares(const float *x, int n)
 {
-    float p[LANES];
     const int full = n - n % LANES;
-    for (int l = 0; l < LANES; l++) p[l] = 0.0f;
-    for (int c = 0; c < full; c += LANES)
-        for (int l = 0; l < LANES; l++) p[l] = p[l] + x[c + l] * x[c + l];
-    for (int l = 0; l < n - full; l++) p[l] = p[l] + x[full + l] * x[full + l];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) p[l] = p[l] + p[l + w];
-    return p[0];
+    v16 p = splat16(0.0f);
+    for (int c = 0; c < full; c += LANES) p = p + load16(x + c) * load16(x + c);
+    float tail[LANES] = {0};
+    memcpy(tail, x + full, sizeof(float) * (n - full));
+    return hsum16(p + load16(tail) * load16(tail));
 }
 
 /* per row of x [rows][n] (row stride x_stride): with `residual` (stride r_stride), first

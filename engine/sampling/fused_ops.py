@@ -119,11 +119,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def draws(logits: torch.Tensor) -> bool:
-    """Whether :func:`draw` takes rows of ``logits`` here (fp32 on CPU, the kernels built)."""
-    return usable(logits.dtype, logits.device)
-
-
 def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [rows, vocab] from softmax(logits / temperature) (every
     temperature > 0, no truncation), by inverse CDF at ``u`` (float64 in [0, 1)) in the two levels

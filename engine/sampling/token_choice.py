@@ -110,7 +110,7 @@ def choose_tokens(
 def _draw(logits, temperature, top_k, top_p, u, truncate: bool) -> torch.Tensor:
     """One token per row from its tempered distribution (every row sampled), truncated (in sorted
     order) or not (in vocabulary order)."""
-    if not truncate and fused_ops.draws(logits):  # the same draw in C, where the kernels are built
+    if not truncate and fused_ops.usable(logits.dtype, logits.device):  # the same draw in C, where the kernels are built
         return fused_ops.draw(logits, temperature, u)
     scaled = logits / temperature[:, None]
     if not truncate:
