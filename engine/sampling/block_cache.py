@@ -5,9 +5,15 @@ decode step writes its new token at column ``positions[r]``; the rest is zeros. 
 the first few are one contiguous tensor for :func:`~.row_invariant.decode_attention`, whatever the
 capacity, and a decode step copies nothing that grows with length. Rows join (:meth:`append`) and
 leave (:meth:`keep`) between steps.
+
+The samples of one prompt hold the same entries over the prompt's columns; the cache knows which
+rows those are (:meth:`sharing`), so attention reads a prompt's entries from memory once for all
+its samples (:func:`~.fused_ops.attend`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -33,10 +39,22 @@ class WriteStep:
         return self._bias
 
 
+_prompts = itertools.count()  # ids of the prompts whose entries rows share, unique in the process
+
+
 class BlockCache:
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    def __init__(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        prompts: list[tuple[int, int] | None] | None = None,
+    ):
         self.keys, self.values = keys, values  # per layer [blocks, rows, kv heads, BLOCK, dim]
+        # per row: (id, length) of the prompt whose entries its first columns hold, shared with
+        # the other rows of that id; None: its entries are its own
+        self.prompts = prompts if prompts is not None else [None] * keys[0].shape[1]
         self.step: WriteStep | None = None
+        self._sharing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_prompts(
@@ -66,11 +84,27 @@ class BlockCache:
             return out
 
         _each_layer((keys, values), blocked)
-        return cls(keys, values)
+        prompts = []
+        for _, length, count in spans:
+            prompts += [(next(_prompts), length)] * count
+        return cls(keys, values, prompts)
 
     @property
     def blocks(self) -> int:
         return self.keys[0].shape[0]
+
+    def sharing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sources, lengths)``, int64 [rows]: row ``r``'s first ``lengths[r]`` columns hold the
+        same entries as row ``sources[r]``'s (the first row of its prompt; itself, 0 columns, for a
+        row of its own)."""
+        if self._sharing is None:
+            first: dict[int, int] = {}
+            sources, lengths = [], []
+            for row, prompt in enumerate(self.prompts):
+                sources.append(row if prompt is None else first.setdefault(prompt[0], row))
+                lengths.append(0 if prompt is None else prompt[1])
+            self._sharing = (torch.tensor(sources, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+        return self._sharing
 
     def set_positions(self, positions: torch.Tensor) -> WriteStep:
         """Where this step writes (every layer's :meth:`update` uses it)."""
@@ -109,6 +143,8 @@ class BlockCache:
             return _compact(t, rows, keep)
 
         _each_layer((self.keys, self.values), kept)
+        self.prompts = [self.prompts[row] for row in rows.tolist()]
+        self._sharing = None
 
     def append(self, other: BlockCache) -> None:
         """Add ``other``'s rows after this cache's."""
@@ -119,6 +155,8 @@ class BlockCache:
                     [_pad(mine[layer], blocks, dim=0), _pad(entries, blocks, dim=0)], dim=1
                 )
                 theirs[layer] = None  # the other cache is used up: its rows are in this one now
+        self.prompts = self.prompts + other.prompts
+        self._sharing = None
 
 
 def _each_layer(lists: tuple[list[torch.Tensor], ...], change) -> None:

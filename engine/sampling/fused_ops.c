@@ -13,9 +13,9 @@
    pairwise (hsum16); softmax subtracts the row's exact maximum, exponentiates (exp_neg16: IEEE
    operations only, no library call that may differ between CPUs) and sums the weights the same
    way, in LANES partial sums over columns then pairwise; the output adds weight * value in column
-   order and divides by that sum at the end. A row reads nothing of other rows and nothing past
-   its position, so its result is the same alone as among 63 others, however long the others
-   are. No fused multiply-adds (the build has -ffp-contract=off): the rotation is
+   order and divides by that sum at the end. A row reads no entries but its own (or the same
+   entries of a sibling sample of its prompt: bit copies) and nothing past its position, so its
+   result is the same alone as among 63 others, however long the others are. No fused multiply-adds (the build has -ffp-contract=off): the rotation is
    q * cos + roll(q) * sin rounded op by op, as torch's elementwise ops do it.
 
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
@@ -108,13 +108,15 @@ static inline v16 exp_neg16(v16 x)
 /* one row's attention for key/value head h: its groups of query heads over columns 0..position */
 static inline __attribute__((always_inline)) void
 row_head(const float *query_in, const float *q_cos, const float *q_sin, const float *row_keys,
-         const float *row_values, size_t block_stride, int64_t position, int groups, const int dim,
-         float *scores, int64_t longest, float *out)
+         const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
+         size_t block_stride, int64_t position, int groups, const int dim, float *scores, int64_t longest,
+         float *out)
 {
     float query[MOST_GROUPS][WIDEST];
     for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
     for (int64_t c = 0; c <= position; c++) {
-        const float *key = row_keys + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        const float *key = (c < shared ? source_keys : row_keys) + (size_t)(c / BLOCK) * block_stride
+                           + (size_t)(c % BLOCK) * dim;
         for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
     }
     float total[MOST_GROUPS];
@@ -141,7 +143,8 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
     for (int g = 0; g < groups; g++)
         for (int j = 0; j < dim / LANES; j++) acc[g][j] = splat16(0.0f);
     for (int64_t c = 0; c <= position; c++) {
-        const float *value = row_values + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+        const float *value = (c < shared ? source_values : row_values) + (size_t)(c / BLOCK) * block_stride
+                             + (size_t)(c % BLOCK) * dim;
         for (int g = 0; g < groups; g++) {
             const v16 weight = splat16(scores[g * longest + c]);
             for (int j = 0; j < dim / LANES; j++) acc[g][j] = acc[g][j] + weight * load16(value + j * LANES);
@@ -154,17 +157,29 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
    k_stride, v_stride), cos, sin, q_cos, q_sin [rows][dim] (the queries' rotation carries their
    scaling); keys and values the cache, `rows` rows a block, `columns` columns a row; out
-   [rows][heads * dim]. Returns 0, -1 for a shape not built here, -2 where memory ran out, -3 for
-   a position outside the cache. */
+   [rows][heads * dim]. With `sources` (else NULL), row r reads its columns below shared[r] from
+   row sources[r], which holds the same entries there (a prompt's samples: the prompt's entries are
+   read from memory once for all of them and from the core's cache after; the bits are those of
+   the row's own copy). Returns 0, -1 for a shape not built here, -2 where memory ran out, -3 for a
+   position outside the cache, -4 for a source outside the rows or a shared prefix past a row's
+   or its source's position. */
 int sess_decode_attention(const float *q, long q_stride, const float *k, long k_stride, const float *v,
                           long v_stride, const float *cos, const float *sin, const float *q_cos,
                           const float *q_sin, float *keys, float *values, const int64_t *positions,
-                          long columns, int rows, int heads, int kv_heads, int dim, float *out, int threads)
+                          const int64_t *sources, const int64_t *shared, long columns, int rows, int heads,
+                          int kv_heads, int dim, float *out, int threads)
 {
     if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
         return -1;
     for (int r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= columns) return -3;
+    if (sources != NULL)
+        for (int r = 0; r < rows; r++) {
+            const int64_t source = sources[r];
+            if (source < 0 || source >= rows || shared[r] < 0 || shared[r] > positions[r]
+                || shared[r] > positions[source])
+                return -4;
+        }
     const int groups = heads / kv_heads;
     const size_t slot = (size_t)BLOCK * dim, block_stride = (size_t)rows * kv_heads * slot;
     int64_t longest = 1;
@@ -183,21 +198,42 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
         for (int task = 0; task < rows * kv_heads; task++) {
             if (scores == NULL) continue;
             const int r = task / kv_heads, h = task % kv_heads;
-            const int64_t position = positions[r];
+            const int64_t position = positions[r], source = sources ? sources[r] : r, common = sources ? shared[r] : 0;
             float *row_keys = keys + ((size_t)r * kv_heads + h) * slot;
             float *row_values = values + ((size_t)r * kv_heads + h) * slot;
+            const float *source_keys = keys + ((size_t)source * kv_heads + h) * slot;
+            const float *source_values = values + ((size_t)source * kv_heads + h) * slot;
             const size_t here = (size_t)(position / BLOCK) * block_stride + (size_t)(position % BLOCK) * dim;
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
+            /* the next task's own entries (not a shared prompt's, which the core's cache holds)
+               asked for now, while this one computes: the hardware's stream prefetch stops at each
+               4 KiB page, 16 columns of a slot */
+            if (task + 1 < rows * kv_heads) {
+                const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
+                const int64_t from = sources ? shared[nr] : 0, to = positions[nr];
+                const float *nk = keys + ((size_t)nr * kv_heads + nh) * slot;
+                const float *nv = values + ((size_t)nr * kv_heads + nh) * slot;
+                for (int64_t c = from; c < to; c++) {
+                    const size_t at = (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
+                    for (int d = 0; d < dim; d += 16) {
+                        __builtin_prefetch(nk + at + d, 0, 2);
+                        __builtin_prefetch(nv + at + d, 0, 2);
+                    }
+                }
+            }
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
             float *o = out + ((size_t)r * heads + (size_t)h * groups) * dim;
             if (dim == 64)
-                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, 64, scores, longest, o);
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                         position, groups, 64, scores, longest, o);
             else if (dim == 128)
-                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, 128, scores, longest, o);
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                         position, groups, 128, scores, longest, o);
             else
-                row_head(query, qc, qs, row_keys, row_values, block_stride, position, groups, dim, scores, longest, o);
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                         position, groups, dim, scores, longest, o);
         }
         free(scores);
     }

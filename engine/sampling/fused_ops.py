@@ -6,7 +6,8 @@ attention over the :class:`~.block_cache.BlockCache` (:func:`~.row_invariant.dec
 the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call over all rows:
 
 * :func:`attend`: rotates each row's new key into its cache slot, writes its value, rotates the
-  queries (scaled) and attends over the row's own columns only;
+  queries (scaled) and attends over the row's own columns only (the samples of a prompt read its
+  columns from one row's copy: fetched from memory once, the same bits);
 * :func:`rms_norm`: the residual add and the norm after it;
 * :func:`silu_mul`: the MLP's activation times its up projection;
 * :func:`draw`: a sampled row's token (temperature, no top-k or top-p), by the inverse CDF of
@@ -52,12 +53,16 @@ def attend(
     key: torch.Tensor,
     value: torch.Tensor,
     rotation: tuple[torch.Tensor, ...],
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write each row's ``key`` (rotated) and ``value`` [rows, kv heads, dim] into the cache layer
     ``keys``/``values`` [blocks, rows, kv heads, BLOCK, dim] at ``positions`` [rows], and return
     the attention [rows, heads, dim] of ``query`` [rows, heads, dim] (rotated, scaled) over each
     row's columns up to its position. ``rotation`` is ``(cos, sin, q_cos, q_sin)`` [rows, 1, dim]
-    (``sin`` with rotate_half's signs; the queries' carry their scaling)."""
+    (``sin`` with rotate_half's signs; the queries' carry their scaling). ``shared``, int64
+    ``(sources, lengths)`` [rows] (:meth:`.BlockCache.sharing`): row ``r`` reads its first
+    ``lengths[r]`` columns from row ``sources[r]``, whose entries there are the same (a prompt's
+    samples): read from memory once for them all, the same bits."""
     lib = _lib()
     rows, heads, dim = query.shape
     kv_heads = key.shape[1]
@@ -67,11 +72,17 @@ def attend(
     cos, sin, q_cos, q_sin = (t.contiguous() for t in rotation)
     positions = positions.to(torch.int64).contiguous()
     out = query.new_empty(rows, heads, dim)
+    if shared is not None:
+        sources, lengths = (t.to(torch.int64).contiguous() for t in shared)
+        if sources.shape != (rows,) or lengths.shape != (rows,):
+            raise ValueError(f"decode attention kernel: shared prefixes for {tuple(sources.shape)} rows, not {rows}")
     _check(
         lib.sess_decode_attention(
             *(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)),
             *(cos.data_ptr(), sin.data_ptr(), q_cos.data_ptr(), q_sin.data_ptr()),
-            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.shape[0] * BLOCK),
+            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr()),
+            *((sources.data_ptr(), lengths.data_ptr()) if shared is not None else (None, None)),
+            keys.shape[0] * BLOCK,
             *(rows, heads, kv_heads, dim),
             *(out.data_ptr(), torch.get_num_threads()),
         ),
@@ -150,6 +161,8 @@ def _lib():
 def _check(failed: int, what: str) -> None:
     if failed == -3:
         raise ValueError(f"{what} kernel: a position outside the cache")
+    if failed == -4:
+        raise ValueError(f"{what} kernel: a shared prefix's source outside the rows or past a position")
     if failed:
         raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
 

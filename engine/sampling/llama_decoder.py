@@ -212,11 +212,12 @@ class LlamaDecoder:
         self.linear.packing(self.packs())
         step = cache.set_positions(positions)
         fused = self.uses_kernels() and self.attention_kernel
+        shared = cache.sharing() if fused else None
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
             if fused:
                 keys, values = cache.layer(layer)
-                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation)
+                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared)
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)

@@ -83,6 +83,50 @@ def test_a_row_gets_the_same_bits_alone_as_among_others_of_any_length():
         assert torch.equal(alone[0], together[row]), row
 
 
+def test_a_prompts_samples_read_its_entries_from_one_row_with_the_same_bits():
+    """Rows of one prompt hold its entries over its first columns; with ``shared`` each reads them
+    from its prompt's first row: the same cache writes and the same bits as reading its own copy,
+    and a row's own copy of the prompt's columns is not read at all."""
+    _built()
+    prompt, positions = 40, [41, 70, 45, 100, 66, 64]  # rows 0-2 one prompt, 3-4 another, 5 its own
+    keys, values, pos, q, k, v, rotation = _step(len(positions), 9, 3, 64, positions, blocks=2, seed=2)
+    for first, rows in ((0, [1, 2]), (3, [4])):  # the samples' copies of their prompt's columns
+        keys[:, rows] = keys[:, first : first + 1]
+        values[:, rows] = values[:, first : first + 1]
+    sources = torch.tensor([0, 0, 0, 3, 3, 5])
+    lengths = torch.tensor([prompt, prompt, prompt, 30, 30, 0])
+    own = _kernel(keys.clone(), values.clone(), pos, q, k, v, rotation)
+    shared_keys, shared_values = keys.clone(), values.clone()
+    got = fused_ops.attend(shared_keys, shared_values, pos, q, k, v, rotation, (sources, lengths))
+    assert torch.equal(got, own)
+    written_keys, written_values = keys.clone(), values.clone()
+    _kernel(written_keys, written_values, pos, q, k, v, rotation)
+    assert torch.equal(shared_keys, written_keys) and torch.equal(shared_values, written_values)
+    keys[0, 1, :, :prompt] = float("nan")  # row 1's copy of the prompt: never read with sharing
+    values[0, 4, :, :30] = float("nan")
+    assert torch.equal(fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources, lengths)), own)
+    with pytest.raises(ValueError, match="shared prefix"):  # past row 0's position (41)
+        fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources, torch.tensor([42] * 6)))
+    with pytest.raises(ValueError, match="shared prefix"):
+        fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources + 1, lengths))
+    with pytest.raises(ValueError, match="shared prefixes for"):
+        fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources[:3], lengths[:3]))
+
+
+def test_the_cache_knows_which_rows_share_a_prompt_as_rows_leave_and_join():
+    entries = [torch.randn(10, 3, 64)]  # a prefill of prompts of 6 and 4 tokens
+    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 2)], 16)
+    sources, lengths = cache.sharing()
+    assert sources.tolist() == [0, 0, 0, 3, 3] and lengths.tolist() == [6, 6, 6, 4, 4]
+    cache.keep(torch.tensor([1, 2, 4]), width=20)  # a prompt's first row left: the next one is read
+    assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2], [6, 6, 4]]
+    other = [torch.randn(4, 3, 64)]
+    cache.append(BlockCache.from_prompts(list(other), [e.clone() for e in other], [(0, 4, 2)], 16))
+    assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2, 3, 3], [6, 6, 4, 4, 4]]
+    own = BlockCache([torch.zeros(1, 2, 3, BLOCK, 64)], [torch.zeros(1, 2, 3, BLOCK, 64)])
+    assert [t.tolist() for t in own.sharing()] == [[0, 1], [0, 0]]  # rows of their own
+
+
 def test_shapes_and_caches_it_does_not_cover_are_refused():
     _built()
     assert fused_ops.usable(torch.float32, "cpu") and fused_ops.covers_attention(9, 3, 64)
