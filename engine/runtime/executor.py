@@ -36,6 +36,11 @@ from sess.engine.sdk.types import Usage
 log = logging.getLogger("sess.engine")
 T = TypeVar("T")
 KEEP_RESULTS = 20_000
+# A sample request reaching an idle decode batch waits for the rest of its burst (a loop's prompts,
+# sent one after another) so that they prefill together: until none has come for BURST_QUIET_S, at
+# most BURST_MAX_S. Joining a running batch later costs a prefill of its own and a copy of the cache.
+BURST_QUIET_S = 0.003
+BURST_MAX_S = 0.025
 
 
 class Executor:
@@ -243,7 +248,9 @@ class Executor:
                 if self._closed:
                     return
                 idle = self._idle_due()
-                samples = self._ready.take(lambda op: op.name and OPS[op.name].kind is Kind.BATCHED)
+                samples = self._ready.take(_is_sample)
+                if samples and not self.runtime.decoding:
+                    samples += self._rest_of_burst()
                 op = self._ready.popleft() if self._ready else None
                 if op is not None and op.name == "compute_logprobs" and self.runtime.ranks is not None:
                     op = [op, *self._ready.take(lambda other: other.name == "compute_logprobs")]
@@ -271,6 +278,21 @@ class Executor:
                     message = f"sampling failed inside the engine: {type(exc).__name__}: {exc}"
                     self.runtime.fail_decoding(SessError(message, status=500))
             self._idle_since_work, self._last_work = False, time.monotonic()
+
+    def _rest_of_burst(self) -> list[Operation]:
+        """(Under the lock) the sample requests that arrive while they keep coming, one at most
+        BURST_QUIET_S after another and BURST_MAX_S in all; submitters queue while it waits."""
+        taken: list[Operation] = []
+        now = time.monotonic()
+        end, quiet = now + BURST_MAX_S, now + BURST_QUIET_S
+        while not self._closed and (left := min(end, quiet) - now) > 0:
+            self._cv.wait(timeout=left)
+            now = time.monotonic()
+            more = self._ready.take(_is_sample)
+            if more:
+                taken += more
+                quiet = now + BURST_QUIET_S
+        return taken
 
     def _idle_due(self) -> bool:
         """(Under the lock) whether idle() should run now: nothing to do, long enough."""
@@ -405,3 +427,8 @@ class Executor:
             waiters = self._waiters.pop(op.id, [])
         for loop, future in waiters:
             loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(True))
+
+
+def _is_sample(op: Operation) -> bool:
+    """Whether ``op`` joins a decode batch (its base model's sample requests)."""
+    return bool(op.name) and OPS[op.name].kind is Kind.BATCHED

@@ -1,6 +1,7 @@
 """Fair queues: the ready queue's order (per session as queued, across keys by engine time, idle keys
 banking no credit) and, on a real executor with tiny-llama, a light key's op overtaking another
-key's flood of forward_backward calls, where arrival order makes it wait for all of them."""
+key's flood of forward_backward calls, where arrival order makes it wait for all of them; a burst of
+sample requests reaching an idle engine taken as one prefill."""
 
 from __future__ import annotations
 
@@ -126,3 +127,39 @@ def test_a_light_keys_op_overtakes_a_flood_only_with_fair_queues(tmp_path, fair)
         assert done_before - done_at_arrival <= 2, (done_at_arrival, done_before)
     else:
         assert done_before == 8
+
+
+def test_a_burst_of_sample_requests_on_an_idle_engine_prefills_together(tmp_path, monkeypatch):
+    """Requests sent one after another (a loop's prompts) reach an idle decode batch as one join,
+    not the first alone and the rest after it (a second prefill and a copy of the cache)."""
+    from sess.engine.runtime import executor as executor_module
+    from sess.engine.sampling.decode_batch import DecodeBatch
+
+    # a wide quiet window, so that a loaded machine's scheduling cannot split the burst
+    monkeypatch.setattr(executor_module, "BURST_QUIET_S", 0.5)
+    monkeypatch.setattr(executor_module, "BURST_MAX_S", 5.0)
+    joins: list[int] = []
+    join = DecodeBatch._join
+
+    def counted(self, jobs):
+        joins.append(len(jobs))
+        return join(self, jobs)
+
+    monkeypatch.setattr(DecodeBatch, "_join", counted)
+    executor = Executor(tmp_path)
+    try:
+        target = {"base_model": "tiny-llama"}
+        params = {"max_tokens": 4, "temperature": 1.0, "seed": 0}
+        warm = executor.submit("me", "sample", {"target": target, "prompt": [5], "sampling_params": params})
+        assert executor.wait("me", warm, timeout=300).error is None
+        joins.clear()
+        burst = []
+        for i in range(4):
+            request = {"target": target, "prompt": [5 + i, 6, 7], "num_samples": 2, "sampling_params": params}
+            burst.append(executor.submit("me", "sample", request))
+            time.sleep(0.05)  # far longer than the executor takes to wake and start a prefill
+        for op_id in burst:
+            assert executor.wait("me", op_id, timeout=300).error is None
+    finally:
+        executor.close()
+    assert joins == [4]
