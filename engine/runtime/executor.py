@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sess.engine.runtime.fair_queue import ReadyQueue
+from sess.engine.runtime.fair_queue import ReadyQueue, take_burst
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.ops.operation import Operation, internal_error
 from sess.engine.runtime.ops.table import OPS, Kind
@@ -36,11 +36,6 @@ from sess.engine.sdk.types import Usage
 log = logging.getLogger("sess.engine")
 T = TypeVar("T")
 KEEP_RESULTS = 20_000
-# A sample request reaching an idle decode batch waits for the rest of its burst (a loop's prompts,
-# sent one after another) so that they prefill together: until none has come for BURST_QUIET_S, at
-# most BURST_MAX_S. Joining a running batch later costs a prefill of its own and a copy of the cache.
-BURST_QUIET_S = 0.003
-BURST_MAX_S = 0.025
 
 
 class Executor:
@@ -250,7 +245,7 @@ class Executor:
                 idle = self._idle_due()
                 samples = self._ready.take(_is_sample)
                 if samples and not self.runtime.decoding:
-                    samples += self._rest_of_burst()
+                    samples += take_burst(self._ready, self._cv, _is_sample, lambda: self._closed)
                 op = self._ready.popleft() if self._ready else None
                 if op is not None and op.name == "compute_logprobs" and self.runtime.ranks is not None:
                     op = [op, *self._ready.take(lambda other: other.name == "compute_logprobs")]
@@ -278,21 +273,6 @@ class Executor:
                     message = f"sampling failed inside the engine: {type(exc).__name__}: {exc}"
                     self.runtime.fail_decoding(SessError(message, status=500))
             self._idle_since_work, self._last_work = False, time.monotonic()
-
-    def _rest_of_burst(self) -> list[Operation]:
-        """(Under the lock) the sample requests that arrive while they keep coming, one at most
-        BURST_QUIET_S after another and BURST_MAX_S in all; submitters queue while it waits."""
-        taken: list[Operation] = []
-        now = time.monotonic()
-        end, quiet = now + BURST_MAX_S, now + BURST_QUIET_S
-        while not self._closed and (left := min(end, quiet) - now) > 0:
-            self._cv.wait(timeout=left)
-            now = time.monotonic()
-            more = self._ready.take(_is_sample)
-            if more:
-                taken += more
-                quiet = now + BURST_QUIET_S
-        return taken
 
     def _idle_due(self) -> bool:
         """(Under the lock) whether idle() should run now: nothing to do, long enough."""
@@ -331,7 +311,7 @@ class Executor:
         started = time.perf_counter()
         spec = OPS[op.name]
         if spec.saves_first:  # a stop keeps the training: its state first, on every rank
-            op.saved = self._save_before_stop(op.owner, op.request.name)
+            op.saved = checkpoint_ops.save_before_stop(self.runtime, op.owner, op.request.name)
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
         result = spec.handler(self.runtime, op.owner, op.request)
         if spec.answers_next_seq:  # the executor's ordering state belongs in the answer
@@ -385,16 +365,6 @@ class Executor:
             parked = self.order.forget(session)
         for op, error in parked:
             self._finish(op, error=error)
-
-    def _save_before_stop(self, owner: str, name: str) -> str | None:
-        try:
-            return checkpoint_ops.save_unsaved_state(self.runtime, owner, name, "stop")
-        except OSError as exc:
-            raise SessError(
-                f"session {name!r}: saving its state before it stops failed ({exc}), so it was not "
-                "stopped; make room and stop it again, or delete it",
-                status=507,
-            ) from None
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
         # counted and recorded before its answer is out: a client that reads the answer and then

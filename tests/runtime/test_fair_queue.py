@@ -132,12 +132,12 @@ def test_a_light_keys_op_overtakes_a_flood_only_with_fair_queues(tmp_path, fair)
 def test_a_burst_of_sample_requests_on_an_idle_engine_prefills_together(tmp_path, monkeypatch):
     """Requests sent one after another (a loop's prompts) reach an idle decode batch as one join,
     not the first alone and the rest after it (a second prefill and a copy of the cache)."""
-    from sess.engine.runtime import executor as executor_module
+    from sess.engine.runtime import fair_queue as fair_queue_module
     from sess.engine.sampling.decode_batch import DecodeBatch
 
     # a wide quiet window, so that a loaded machine's scheduling cannot split the burst
-    monkeypatch.setattr(executor_module, "BURST_QUIET_S", 0.5)
-    monkeypatch.setattr(executor_module, "BURST_MAX_S", 5.0)
+    monkeypatch.setattr(fair_queue_module, "BURST_QUIET_S", 0.5)
+    monkeypatch.setattr(fair_queue_module, "BURST_MAX_S", 5.0)
     joins: list[int] = []
     join = DecodeBatch._join
 

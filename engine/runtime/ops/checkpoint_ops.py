@@ -24,7 +24,7 @@ from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session, adamw_step_dtype
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import CheckpointRef, check_name, parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.home import remove_dir
 
 
@@ -221,6 +221,19 @@ def save_unsaved_state(runtime: Runtime, owner: str, name: str, reason: str) -> 
         return None
     saved = rq.SaveState(session=name, name=f"{reason}-step{session.step:06d}-{session.saves + 1:03d}")
     return save_state(runtime, owner, saved)["path"]
+
+
+def save_before_stop(runtime: Runtime, owner: str, name: str) -> str | None:
+    """:func:`save_unsaved_state` for a ``stop``: a save that fails (a full disk) keeps the session
+    live and says so."""
+    try:
+        return save_unsaved_state(runtime, owner, name, "stop")
+    except OSError as exc:
+        raise SessError(
+            f"session {name!r}: saving its state before it stops failed ({exc}), so it was not "
+            "stopped; make room and stop it again, or delete it",
+            status=507,
+        ) from None
 
 
 def load_state(runtime: Runtime, owner: str, request: rq.LoadState) -> dict:
