@@ -18,7 +18,7 @@ import numpy as np
 
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_admin import needs_server
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.futures import APIFuture, with_async_twins
 from sess.engine.sdk.sampling_client import SamplingClient
 from sess.engine.sdk.types import (
@@ -369,18 +369,31 @@ class TrainingClient:
         return SamplingClient(self.service, target, self.base_model)
 
     def stop(self) -> None:
-        """Stop the session; its unsaved training is saved first (:meth:`ServiceClient.stop_session`).
+        """Stop the session once every op this client sent has run; its unsaved training is saved
+        first (:meth:`ServiceClient.stop_session`).
 
         Returns:
             None."""
+        self._settle()
         self.service.stop_session(self.name)
 
     def delete(self) -> None:
-        """Delete the session and its checkpoints (:meth:`ServiceClient.delete_session`).
+        """Delete the session and its checkpoints (:meth:`ServiceClient.delete_session`), once
+        every op this client sent has run.
 
         Returns:
             None."""
+        self._settle()
         self.service.delete_session(self.name, stop_if_active=True)
+
+    def _settle(self) -> None:
+        """Wait until the session's earlier ops have run: a stop is not one of its ordered ops, and
+        would otherwise overtake those still on their way or queued (a last ``optim_step`` whose
+        future nobody read). Their errors stay with their futures."""
+        try:
+            self.noop().result()
+        except SessError:  # a session that cannot run ops: the stop or delete answers for it
+            pass
 
     def __enter__(self) -> TrainingClient:
         return self

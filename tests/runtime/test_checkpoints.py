@@ -243,3 +243,42 @@ def test_deleting_a_session_deletes_its_checkpoint_files(svc, sess_home):
         sampler.sample([1, 2], sampling_params=SamplingParams(max_tokens=1)).result()
     with pytest.raises(NotFound):
         svc.create_sampling_client(model_path=kept)
+
+
+def test_a_stop_whose_save_fails_keeps_the_session_live_and_says_so(sess_home, monkeypatch):
+    """A full disk at the save before a stop: the stop is refused (507) and nothing is lost; the
+    session trains on and stops once its state can be saved."""
+    from sess.engine import ServiceClient, SessError
+    from sess.engine.runtime.ops import checkpoint_ops
+
+    save_state = checkpoint_ops.save_state
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with ServiceClient("inproc", home=sess_home) as svc:
+        tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=6)
+        _train(tc, steps=1)
+        monkeypatch.setattr(checkpoint_ops, "save_state", disk_full)
+        with pytest.raises(SessError, match="was not stopped") as refused:
+            tc.stop()
+        assert refused.value.status == 507
+        _train(tc, steps=1)  # still live, its state in memory
+        monkeypatch.setattr(checkpoint_ops, "save_state", save_state)
+        tc.stop()
+        saved = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    assert any("/stop-step000002-" in path for path in saved), saved
+
+
+def test_a_stop_runs_after_the_ops_its_client_sent_before_it(svc):
+    """Steps whose futures nobody read are the session's training: a stop (or a ``with`` block's
+    end) saves their state, and none of them fails for a session that stopped under it."""
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=7)
+    data = [ce_datum(tc.get_tokenizer().encode(s)) for s in SENTENCES]
+    with tc:
+        futures = []
+        for _ in range(3):
+            futures += [tc.forward_backward(data), tc.optim_step(AdamParams(learning_rate=1e-2))]
+    assert [f.result().metrics["step"] for f in futures[1::2]] == [1, 2, 3]
+    saved = [c["path"] for c in svc.list_checkpoints(tc.name)]
+    assert [path.rsplit("/", 1)[1] for path in saved] == ["stop-step000003-001"]
