@@ -19,6 +19,8 @@ prompts, num_samples, max_tokens and temperature:
    the gap between it and sess is what attention, LoRA, norms, token selection and overhead cost.
    Each batch round is followed at once by a floor measurement, and the batch's fraction of the
    floor is the median of the rounds' own ratios (a shared host's speed drifts between minutes).
+   Beside it, where that round's time went (:class:`BatchParts`): the prefill (of it the cache
+   fill), the decode steps, token choice, rows leaving the batch, and the rest.
 
     python benchmarks/sampling.py                      # smollm2-135m, the acceptance setting
     python benchmarks/sampling.py --model tiny-llama   # a quick check
@@ -29,6 +31,8 @@ prompts, num_samples, max_tokens and temperature:
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import os
 import statistics
 import time
@@ -40,6 +44,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
+from sess.engine.sampling import block_cache, decode_batch  # noqa: E402
 
 from common import (  # noqa: E402
     add_device_options,
@@ -114,6 +119,71 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
         else:
             count += len(row)
     return count, elapsed
+
+
+class BatchParts:
+    """Where a batch's wall time goes, timed by wrapping the decode batch's calls in this process:
+    the prefill of joining requests with their first tokens (of it, the cache fill), the decode
+    steps (the decoder's forward), token choice after each step, and rows leaving the batch (the
+    cache kept for the rest). A call inside another is counted as part of it, not twice."""
+
+    CALLS = (  # (owner, attribute, part)
+        (decode_batch.DecodeBatch, "_join", "prefill"),
+        (block_cache.BlockCache, "from_prompts", "cache fill"),
+        (decode_batch, "choose", "token choice"),
+        (block_cache.BlockCache, "keep", "rows leaving"),
+    )
+
+    def __init__(self, decoder):
+        self.calls = (*self.CALLS, (type(decoder), "step", "decode steps"))
+        self.seconds: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()
+        self._open: list[str] = []
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Time the calls while the block runs (from zero), then put the originals back."""
+        self.seconds.clear()
+        self.counts.clear()
+        originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in self.calls]
+        for owner, name, part in self.calls:
+            setattr(owner, name, self._timed(getattr(owner, name), part))
+        try:
+            yield self
+        finally:
+            for owner, name, original in originals:
+                setattr(owner, name, original)
+
+    def _timed(self, fn, part: str):
+        def timed(*args, **kwargs):
+            key = "/".join([*self._open, part])
+            self._open.append(part)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+                self.counts[key] += 1
+                self._open.pop()
+
+        return timed
+
+    def summary(self, total: float) -> str:
+        """The parts as seconds and shares of ``total`` (the batch's wall time)."""
+        top = {key: s for key, s in self.seconds.items() if "/" not in key}
+        parts = []
+        for key, seconds in sorted(top.items(), key=lambda item: -item[1]):
+            inner = [
+                f"{inner.split('/')[-1]} {s:.2f} s"
+                for inner, s in self.seconds.items()
+                if inner.startswith(key + "/")
+            ]
+            of_it = f", of it {', '.join(inner)}" if inner else ""
+            parts.append(f"{key} {seconds:.2f} s ({seconds / total:.0%}, {self.counts[key]} calls{of_it})")
+        rest = total - sum(top.values())
+        return (
+            "; ".join(parts) + f"; the rest {rest:.2f} s ({rest / total:.0%}: requests, Python between calls)"
+        )
 
 
 def matmul_floor(host, rows: int, repeats: int = 7) -> float:
@@ -196,11 +266,14 @@ def main() -> None:
         rows = args.prompts * args.samples
         # each round: the batch, then the floor at once, so both see the same state of a shared host
         rounds = []
+        parts = BatchParts(host.decoder)
         for _ in range(args.rounds):
-            n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)
+            with parts.timing():
+                n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)
             floor = on_engine(svc, matmul_floor, host, rows) if floor_here else None
-            rounds.append((n_sess, t_sess, floor))
-        n_sess, t_sess, _ = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]
+            rounds.append((n_sess, t_sess, floor, parts.summary(t_sess)))
+        n_sess, t_sess, _, spent = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]
+        notes.append(f"where the middle round's {t_sess:.2f} s went: {spent}")
         n_hf, t_hf = hf(prompts, args.samples)
         figures["batch"] = (n_sess / t_sess) / (n_hf / t_hf)
         table.add_row(
@@ -210,8 +283,8 @@ def main() -> None:
             f"{figures['batch']:.2f}x",
         )
     if "batch" not in skip and floor_here:
-        floor = statistics.median(f for _, _, f in rounds)
-        ratios = sorted((n / t) / (rows / f) for n, t, f in rounds)
+        floor = statistics.median(f for _, _, f, _ in rounds)
+        ratios = sorted((n / t) / (rows / f) for n, t, f, _ in rounds)
         table.add_row(
             f"matmul floor: base linears only, {rows} rows ({floor * 1e3:.1f} ms/step)",
             f"{rows / floor:.1f}",
