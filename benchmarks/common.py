@@ -15,8 +15,11 @@ in-process engines of these scripts stand in for one.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -112,3 +115,49 @@ def weight_bytes(host, adapter) -> tuple[int, int]:
     if host.model.config.tie_word_embeddings:
         base += host.model.get_input_embeddings().weight.numel() * 4
     return base, lora
+
+
+@contextlib.contextmanager
+def patched(changes: Iterable[tuple[object, str, object]]):
+    """Set each ``(owner, name, value)`` of ``changes`` (an attribute of a class or module) while
+    the block runs, then put the originals back."""
+    changes = list(changes)
+    originals = [(owner, name, vars(owner)[name]) for owner, name, _ in changes]
+    for owner, name, value in changes:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
+class CallTimes:
+    """Seconds and calls per part of functions timed by wrapping them in this process
+    (:meth:`wrap`, installed with :func:`patched`). A wrapped call made inside another counts
+    under ``"outer/inner"``, as part of the outer one, not beside it."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        self._open: list[str] = []
+
+    def wrap(self, part: str, fn: Callable, sub: tuple[str, Callable[..., bool]] | None = None) -> Callable:
+        """``fn`` timed as ``part``; with ``sub = (name, test)``, a call whose arguments pass
+        ``test`` also counts under ``part + "/" + name``."""
+
+        def timed(*args, **kwargs):
+            key = "/".join([*self._open, part])
+            self._open.append(part)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self._open.pop()
+                self.seconds[key] += spent
+                self.calls[key] += 1
+                if sub is not None and sub[1](*args):
+                    self.seconds[f"{key}/{sub[0]}"] += spent
+
+        return timed

@@ -50,11 +50,13 @@ from sess.engine.sampling import (  # noqa: E402
 from sess.engine.sampling.token_choice import choose  # noqa: E402
 
 from common import (  # noqa: E402
+    CallTimes,
     add_device_options,
     as_engine_process,
     in_process_client,
     memory_bandwidth,
     on_engine,
+    patched,
     weight_bytes,
 )
 
@@ -70,44 +72,24 @@ class Job:  # what the decoder's prefill reads of a sample request
     params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))
 
 
-class Timers:
-    """Seconds per part, accumulated by the wrappers :func:`instrument` installs."""
+class Timers(CallTimes):
+    """Seconds per part (:class:`~common.CallTimes`), with the matmul calls a step makes and the
+    zero rows they were padded with, from the wrappers :func:`instrument` installs."""
 
     def __init__(self):
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.calls = 0
+        super().__init__()
+        self.matmuls = 0
         self.padded_calls = 0
         self.padded_rows = 0
 
-    def wrap(self, part: str, fn, condition=None):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent = time.perf_counter() - start
-                self.seconds[part] += spent
-                if condition is not None and condition(*args):
-                    self.seconds["of them lm_head"] += spent
-
-        return timed
-
 
 def instrument(decoder, vocab: int, timers: Timers):
-    """Wrap the decoder's parts with ``timers``; returns a function that undoes it."""
-    linear_call = type(decoder.linear).__call__
-    saved = (
-        lora_plans.project,
-        llama_decoder.add_terms,
-        llama_decoder.decode_attention,
-        block_cache.BlockCache.update,
-        fused_ops.attend,
-    )
+    """The decoder's parts wrapped with ``timers`` while the returned context is entered."""
     rowwise = row_invariant.rowwise
 
     def counted_rowwise(fn, x, counts, out_features, few=None):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        timers.calls += 1
+        timers.matmuls += 1
         padded = sum(
             counts.padded[min(row_invariant.CHUNK, rows - s) - 1] - min(row_invariant.CHUNK, rows - s)
             for s in range(0, rows, row_invariant.CHUNK)
@@ -117,31 +99,22 @@ def instrument(decoder, vocab: int, timers: Timers):
         return rowwise(fn, x, counts, out_features, few)
 
     if decoder.merges_lora():  # every projection goes through lora_plans.project
-        lora_plans.project = timers.wrap(
-            "projections", saved[0], lambda linear, parent, names, *rest: names == ("lm_head",)
-        )
+        is_head = ("lm_head", lambda linear, parent, names, *rest: names == ("lm_head",))
+        projections = (lora_plans, "project", timers.wrap("projections", lora_plans.project, is_head))
     else:
-        type(decoder.linear).__call__ = timers.wrap(
-            "projections", linear_call, lambda self, x, weight, *rest: weight.shape[0] == vocab
-        )
-    llama_decoder.add_terms = timers.wrap("LoRA terms", saved[1])
-    llama_decoder.decode_attention = timers.wrap("attention", saved[2])
-    block_cache.BlockCache.update = timers.wrap("attention", saved[3])
-    fused_ops.attend = timers.wrap("attention", saved[4])
-    row_invariant.rowwise = counted_rowwise
-
-    def undo():
-        type(decoder.linear).__call__ = linear_call
-        (
-            lora_plans.project,
-            llama_decoder.add_terms,
-            llama_decoder.decode_attention,
-            block_cache.BlockCache.update,
-            fused_ops.attend,
-        ) = saved
-        row_invariant.rowwise = rowwise
-
-    return undo
+        linear = type(decoder.linear)
+        is_head = ("lm_head", lambda self, x, weight, *rest: weight.shape[0] == vocab)
+        projections = (linear, "__call__", timers.wrap("projections", linear.__call__, is_head))
+    return patched(
+        [
+            projections,
+            (llama_decoder, "add_terms", timers.wrap("LoRA terms", llama_decoder.add_terms)),
+            (llama_decoder, "decode_attention", timers.wrap("attention", llama_decoder.decode_attention)),
+            (block_cache.BlockCache, "update", timers.wrap("attention", block_cache.BlockCache.update)),
+            (fused_ops, "attend", timers.wrap("attention", fused_ops.attend)),
+            (row_invariant, "rowwise", counted_rowwise),
+        ]
+    )
 
 
 def ops_per_step(decoder, cache, adapters, tokens, positions) -> int:
@@ -169,22 +142,28 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     )
     gen = torch.Generator().manual_seed(0)
     walls, choosing, timers = [], [], Timers()
-    undo = None
-    for index in range(warmup + steps):
-        if index == warmup:
-            undo = instrument(decoder, vocab, timers)
+
+    def one_step():
+        nonlocal tokens, positions
         start = time.perf_counter()
         logits = decoder.step(cache, adapters, tokens, positions)
         mid = time.perf_counter()
-        tokens, _ = choose(logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64))
-        end = time.perf_counter()
-        if index >= warmup:
-            walls.append(mid - start)
-            choosing.append(end - mid)
+        tokens, _ = choose(
+            logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64)
+        )
         positions = positions + 1
-    undo()
+        return mid - start, time.perf_counter() - mid
+
+    for _ in range(warmup):
+        one_step()
+    with instrument(decoder, vocab, timers):
+        for _ in range(steps):
+            wall, chose = one_step()
+            walls.append(wall)
+            choosing.append(chose)
     ops = ops_per_step(decoder, cache, adapters, tokens, positions)
-    per_step = {part: seconds / steps for part, seconds in timers.seconds.items()}
+    per_step = {part: timers.seconds[part] / steps for part in PARTS}
+    per_step["of them lm_head"] = timers.seconds["projections/lm_head"] / steps
     per_step["token choice"] = statistics.mean(choosing)
     step = statistics.mean(walls)
     per_step["other"] = step - per_step["projections"] - per_step["LoRA terms"] - per_step["attention"]
@@ -193,7 +172,7 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
         "step": step + per_step["token choice"],
         "parts": per_step,
         "ops": ops,
-        "calls": timers.calls / steps,
+        "calls": timers.matmuls / steps,
         "padded_calls": timers.padded_calls / steps,
         "padded_rows": timers.padded_rows / steps,
         "columns": int(positions.float().mean()),

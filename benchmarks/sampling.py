@@ -31,8 +31,6 @@ prompts, num_samples, max_tokens and temperature:
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import os
 import statistics
 import time
@@ -47,11 +45,13 @@ from sess.engine import AdamParams, SamplingParams  # noqa: E402
 from sess.engine.sampling import block_cache, decode_batch  # noqa: E402
 
 from common import (  # noqa: E402
+    CallTimes,
     add_device_options,
     as_engine_process,
     in_process_client,
     memory_bandwidth,
     on_engine,
+    patched,
     weight_bytes,
 )
 
@@ -121,52 +121,29 @@ def hf_batch(model, tok, prompts, k, max_tokens, temperature) -> tuple[int, floa
     return count, elapsed
 
 
-class BatchParts:
+class BatchParts(CallTimes):
     """Where a batch's wall time goes, timed by wrapping the decode batch's calls in this process:
     the prefill of joining requests with their first tokens (of it, the cache fill), the decode
     steps (the decoder's forward), token choice after each step, and rows leaving the batch (the
-    cache kept for the rest). A call inside another is counted as part of it, not twice."""
-
-    CALLS = (  # (owner, attribute, part)
-        (decode_batch.DecodeBatch, "_join", "prefill"),
-        (block_cache.BlockCache, "from_prompts", "cache fill"),
-        (decode_batch, "choose", "token choice"),
-        (block_cache.BlockCache, "keep", "rows leaving"),
-    )
+    cache kept for the rest)."""
 
     def __init__(self, decoder):
-        self.calls = (*self.CALLS, (type(decoder), "step", "decode steps"))
-        self.seconds: collections.Counter = collections.Counter()
-        self.counts: collections.Counter = collections.Counter()
-        self._open: list[str] = []
+        super().__init__()
+        self.targets = (  # (owner, attribute, part)
+            (decode_batch.DecodeBatch, "_join", "prefill"),
+            (block_cache.BlockCache, "from_prompts", "cache fill"),
+            (type(decoder), "step", "decode steps"),
+            (decode_batch, "choose", "token choice"),
+            (block_cache.BlockCache, "keep", "rows leaving"),
+        )
 
-    @contextlib.contextmanager
     def timing(self):
-        """Time the calls while the block runs (from zero), then put the originals back."""
+        """Time the calls while the block runs, from zero."""
         self.seconds.clear()
-        self.counts.clear()
-        originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in self.calls]
-        for owner, name, part in self.calls:
-            setattr(owner, name, self._timed(getattr(owner, name), part))
-        try:
-            yield self
-        finally:
-            for owner, name, original in originals:
-                setattr(owner, name, original)
-
-    def _timed(self, fn, part: str):
-        def timed(*args, **kwargs):
-            key = "/".join([*self._open, part])
-            self._open.append(part)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - start
-                self.counts[key] += 1
-                self._open.pop()
-
-        return timed
+        self.calls.clear()
+        return patched(
+            (owner, name, self.wrap(part, getattr(owner, name))) for owner, name, part in self.targets
+        )
 
     def summary(self, total: float) -> str:
         """The parts as seconds and shares of ``total`` (the batch's wall time)."""
@@ -174,12 +151,10 @@ class BatchParts:
         parts = []
         for key, seconds in sorted(top.items(), key=lambda item: -item[1]):
             inner = [
-                f"{inner.split('/')[-1]} {s:.2f} s"
-                for inner, s in self.seconds.items()
-                if inner.startswith(key + "/")
+                f"{k.split('/')[-1]} {s:.2f} s" for k, s in self.seconds.items() if k.startswith(key + "/")
             ]
             of_it = f", of it {', '.join(inner)}" if inner else ""
-            parts.append(f"{key} {seconds:.2f} s ({seconds / total:.0%}, {self.counts[key]} calls{of_it})")
+            parts.append(f"{key} {seconds:.2f} s ({seconds / total:.0%}, {self.calls[key]} calls{of_it})")
         rest = total - sum(top.values())
         return (
             "; ".join(parts) + f"; the rest {rest:.2f} s ({rest / total:.0%}: requests, Python between calls)"
