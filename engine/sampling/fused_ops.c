@@ -1,12 +1,14 @@
-/* A decode step's work besides its matmuls, for sess's sampler (native.py builds and loads this
-   file; fused_ops.py calls it): attention over the KV cache, RMS norms (with the residual add
-   before them) and the MLP's silu(gate) * up, each one call a layer over all rows.
+/* A decode step's work besides its matmuls, and a prefill's attention, for sess's sampler
+   (native.py builds and loads this file; fused_ops.py calls it): attention over the KV cache, RMS
+   norms (with the residual add before them) and the MLP's silu(gate) * up, each one call a layer
+   over all rows.
 
    Attention, one decode step, one layer: each row's new key and value go into the KV cache at
    the row's position (the key rotated there), and each query head attends over its row's columns
    0..position of its key/value head. The cache is the BlockCache's layer,
    [blocks][rows][kv heads][BLOCK][dim]: column c of row r, head h is at block c / BLOCK, slot
-   c % BLOCK.
+   c % BLOCK. A prefill's attention runs the same code on each prompt token, over its prompt's
+   columns up to it.
 
    Every sum is taken in an order fixed by this code and the row's own data: a score is a dot
    product summed in LANES partial sums over dim (in order within each), the partials then added
@@ -15,8 +17,9 @@
    way, in LANES partial sums over columns then pairwise; the output adds weight * value in column
    order and divides by that sum at the end. A row reads no entries but its own (or the same
    entries of a sibling sample of its prompt: bit copies) and nothing past its position, so its
-   result is the same alone as among 63 others, however long the others are. No fused multiply-adds (the build has -ffp-contract=off): the rotation is
-   q * cos + roll(q) * sin rounded op by op, as torch's elementwise ops do it.
+   result is the same alone as among 63 others, however long the others are. No fused
+   multiply-adds (the build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin
+   rounded op by op, as torch's elementwise ops do it.
 
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
    then pairwise, as a score; the activation is elementwise. So every row's result depends on that
@@ -109,14 +112,14 @@ static inline v16 exp_neg16(v16 x)
 static inline __attribute__((always_inline)) void
 row_head(const float *query_in, const float *q_cos, const float *q_sin, const float *row_keys,
          const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
-         size_t block_stride, int64_t position, int groups, const int dim, float *scores, int64_t longest,
-         float *out)
+         size_t block_stride, size_t column_stride, int64_t position, int groups, const int dim, float *scores,
+         int64_t longest, float *out)
 {
     float query[MOST_GROUPS][WIDEST];
     for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
     for (int64_t c = 0; c <= position; c++) {
         const float *key = (c < shared ? source_keys : row_keys) + (size_t)(c / BLOCK) * block_stride
-                           + (size_t)(c % BLOCK) * dim;
+                           + (size_t)(c % BLOCK) * column_stride;
         for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
     }
     float total[MOST_GROUPS];
@@ -144,7 +147,7 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
         for (int j = 0; j < dim / LANES; j++) acc[g][j] = splat16(0.0f);
     for (int64_t c = 0; c <= position; c++) {
         const float *value = (c < shared ? source_values : row_values) + (size_t)(c / BLOCK) * block_stride
-                             + (size_t)(c % BLOCK) * dim;
+                             + (size_t)(c % BLOCK) * column_stride;
         for (int g = 0; g < groups; g++) {
             const v16 weight = splat16(scores[g * longest + c]);
             for (int j = 0; j < dim / LANES; j++) acc[g][j] = acc[g][j] + weight * load16(value + j * LANES);
@@ -226,14 +229,75 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
             float *o = out + ((size_t)r * heads + (size_t)h * groups) * dim;
             if (dim == 64)
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
                          position, groups, 64, scores, longest, o);
             else if (dim == 128)
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
                          position, groups, 128, scores, longest, o);
             else
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride,
+                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
                          position, groups, dim, scores, longest, o);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+
+/* A prefill's attention, one layer: token t's query heads attend over its prompt's columns
+   0..positions[t], the same row_head as a decode step's. keys (rotated) and values are the tokens
+   this prefill computes, [tokens][kv_heads][dim]; a prompt's column c is token lows[t] + c below
+   splits[t] (a prefix it shares with other prompts, computed once) and token highs[t] + c from
+   there on. q [tokens][heads * dim] (row stride q_stride floats), q_cos, q_sin [tokens][dim] (the
+   queries' rotation, carrying their scaling); out [tokens][heads * dim]. A token's result depends
+   only on its query and its prompt's entries, so a prompt's tokens come out the same prefilled
+   alone, beside other prompts or on a prefix shared with them. Returns 0, -1 for a shape not built
+   here, -2 where memory ran out, -3 for columns outside the tokens. */
+int sess_prefill_attention(const float *q, long q_stride, const float *q_cos, const float *q_sin,
+                           const float *keys, const float *values, const int64_t *positions,
+                           const int64_t *splits, const int64_t *lows, const int64_t *highs, int tokens, int heads,
+                           int kv_heads, int dim, float *out, int threads)
+{
+    if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
+        return -1;
+    int64_t longest = 1;
+    for (int t = 0; t < tokens; t++) {
+        const int64_t position = positions[t], split = splits[t], low = lows[t], high = highs[t];
+        if (position < 0 || split < 0 || split > position + 1 || low < 0 || high < 0
+            || (split > 0 && low + split > tokens) || (split <= position && high + position >= tokens))
+            return -3;
+        if (position + 1 > longest) longest = position + 1;
+    }
+    longest = (longest + LANES - 1) / LANES * LANES;
+    const int groups = heads / kv_heads;
+    const size_t column = (size_t)kv_heads * dim, block_stride = (size_t)BLOCK * column;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)groups * (size_t)longest);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < tokens * kv_heads; task++) {
+            if (scores == NULL) continue;
+            const int t = task / kv_heads, h = task % kv_heads;
+            const float *own_keys = keys + (size_t)highs[t] * column + (size_t)h * dim;
+            const float *own_values = values + (size_t)highs[t] * column + (size_t)h * dim;
+            const float *shared_keys = keys + (size_t)lows[t] * column + (size_t)h * dim;
+            const float *shared_values = values + (size_t)lows[t] * column + (size_t)h * dim;
+            const float *query = q + t * q_stride + (size_t)h * groups * dim;
+            const float *qc = q_cos + (size_t)t * dim, *qs = q_sin + (size_t)t * dim;
+            float *o = out + ((size_t)t * heads + (size_t)h * groups) * dim;
+            if (dim == 64)
+                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
+                         column, positions[t], groups, 64, scores, longest, o);
+            else if (dim == 128)
+                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
+                         column, positions[t], groups, 128, scores, longest, o);
+            else
+                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
+                         column, positions[t], groups, dim, scores, longest, o);
         }
         free(scores);
     }

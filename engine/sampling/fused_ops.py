@@ -8,6 +8,8 @@ the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call
 * :func:`attend`: rotates each row's new key into its cache slot, writes its value, rotates the
   queries (scaled) and attends over the row's own columns only (the samples of a prompt read its
   columns from one row's copy: fetched from memory once, the same bits);
+* :func:`prefill_attend`: a prefill's attention by the same code, each prompt token over its
+  prompt's columns up to it (a prefix shared by several prompts is computed once and read by all);
 * :func:`rms_norm`: the residual add and the norm after it;
 * :func:`silu_mul`: the MLP's activation times its up projection;
 * :func:`draw`: a sampled row's token (temperature, no top-k or top-p), by the inverse CDF of
@@ -91,6 +93,40 @@ def attend(
     return out
 
 
+def prefill_attend(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query: torch.Tensor,
+    q_cos: torch.Tensor,
+    q_sin: torch.Tensor,
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """The attention [tokens, heads, dim] of a prefill's ``query`` [tokens, heads, dim] (rotated by
+    ``q_cos``, ``q_sin`` [tokens, 1, dim], which carry the scaling) over ``keys`` (rotated) and
+    ``values`` [tokens, kv heads, dim], the tokens the prefill computes. ``columns``, int64
+    ``(positions, splits, lows, highs)`` [tokens]: token ``t`` attends over its prompt's columns
+    ``0..positions[t]``, column ``c`` being token ``lows[t] + c`` below ``splits[t]`` (a prefix
+    shared with other prompts) and ``highs[t] + c`` from there on."""
+    lib = _lib()
+    tokens, heads, dim = query.shape
+    query = _rows_dense(query)
+    keys, values, q_cos, q_sin = (t.contiguous() for t in (keys, values, q_cos, q_sin))
+    positions, splits, lows, highs = (t.to(torch.int64).contiguous() for t in columns)
+    if any(t.shape != (tokens,) for t in (positions, splits, lows, highs)) or keys.shape[0] != tokens:
+        raise ValueError(f"prefill attention kernel: columns for {tuple(positions.shape)} tokens, not {tokens}")
+    out = query.new_empty(tokens, heads, dim)
+    _check(
+        lib.sess_prefill_attention(
+            *(query.data_ptr(), query.stride(0), q_cos.data_ptr(), q_sin.data_ptr()),
+            *(keys.data_ptr(), values.data_ptr()),
+            *(positions.data_ptr(), splits.data_ptr(), lows.data_ptr(), highs.data_ptr()),
+            *(tokens, heads, keys.shape[1], dim, out.data_ptr(), torch.get_num_threads()),
+        ),
+        "prefill attention",
+    )
+    return out
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +196,7 @@ def _lib():
 
 def _check(failed: int, what: str) -> None:
     if failed == -3:
-        raise ValueError(f"{what} kernel: a position outside the cache")
+        raise ValueError(f"{what} kernel: a position outside the cache or the prefill's tokens")
     if failed == -4:
         raise ValueError(f"{what} kernel: a shared prefix's source outside the rows or past a position")
     if failed:

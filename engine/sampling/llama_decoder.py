@@ -13,7 +13,9 @@ plus each group's terms (one ``A`` matmul for the projections that read the same
 gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to end (no padding),
 runs each prompt's attention on its own, and writes each prompt's keys and values into the rows of
 its samples. For fp32 on CPU a step's attention, norms and activation are C calls
-(:mod:`.fused_ops`), each row's sums in an order of its own.
+(:mod:`.fused_ops`), each row's sums in an order of its own; a prefill's attention is the same
+code, and a prefix that prompts of one adapter share (a system prompt: 31 of the ~40 tokens of a
+chat prompt on smollm2) is computed once for them all (:class:`Layout`).
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
@@ -30,7 +32,9 @@ else. The decoder reads the model's modules but never changes them.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -149,19 +153,27 @@ class LlamaDecoder:
     @torch.no_grad()
     def prefill(self, jobs: list) -> Prefill:
         """Run the prompts of ``jobs`` (each with ``prompt``, ``num_samples``, ``adapter``,
-        ``prompt_logprobs`` and ``params.max_tokens``); a job that wants prompt logprobs comes alone."""
+        ``prompt_logprobs`` and ``params.max_tokens``); a job that wants prompt logprobs comes alone.
+        With the attention kernel, a prefix that prompts of one adapter begin with (a system prompt,
+        a task's instructions) is computed once for them all (:class:`Layout`)."""
         model = self.model_of()
         self.linear.packing(self.packs())
-        inner = model.model
-        device = inner.embed_tokens.weight.device
+        device = model.model.embed_tokens.weight.device
+        fused = self.uses_kernels() and self.attention_kernel
+        layout = Layout.of(jobs, share=fused and not jobs[0].prompt_logprobs)
+        tokens, positions = (torch.tensor(x, device=device) for x in (layout.tokens, layout.positions))
+        columns = tuple(torch.tensor(x) for x in (layout.positions, layout.splits, layout.lows, layout.highs))
         lengths = [len(job.prompt) for job in jobs]
         starts = [sum(lengths[:i]) for i in range(len(jobs))]
-        tokens = torch.tensor([t for job in jobs for t in job.prompt], device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        groups = groups_of([job.adapter for job, n in zip(jobs, lengths) for _ in range(n)], device)
         keys, values = [], []
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
+            if fused:  # each token over its prompt's columns, shared or its own, by the decode step's code
+                cos, sin, q_cos, q_sin = rotation
+                k = _rotated(k, cos, sin)
+                keys.append(k)
+                values.append(v)
+                return fused_ops.prefill_attend(k, v, q, q_cos, q_sin, columns)
             q, k = _rotate(q, k, *rotation)
             keys.append(k)
             values.append(v)
@@ -178,15 +190,14 @@ class LlamaDecoder:
                 )[0].transpose(0, 1)
             return out
 
-        h = self._layers(model, self._group_plans(model, groups), tokens, positions, attend, scale_queries=False)
-        rows = (
-            list(range(lengths[0]))
-            if jobs[0].prompt_logprobs
-            else [start + n - 1 for start, n in zip(starts, lengths)]
-        )
-        owner = [job.adapter for job, n in zip(jobs, lengths) for _ in range(n)]
-        plans = self._group_plans(model, groups_of([owner[row] for row in rows], device))
+        plans = self._group_plans(model, groups_of(layout.owners, device))
+        h = self._layers(model, plans, tokens, positions, attend, scale_queries=fused)
+        rows = list(range(lengths[0])) if jobs[0].prompt_logprobs else layout.last
+        plans = self._group_plans(model, groups_of([layout.owners[row] for row in rows], device))
         logits = self._output(model, h[rows], plans)
+        if layout.shared:  # each prompt's entries laid end to end, its shared prefix's first
+            order = torch.tensor(layout.order, device=device)
+            keys, values = ([t.index_select(0, order) for t in entries] for entries in (keys, values))
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16))
@@ -364,8 +375,68 @@ class LlamaDecoder:
 def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary embedding of ``q`` and ``k`` [rows, heads, dim], as apply_rotary_pos_emb
     (``sin`` with rotate_half's signs; ``q_cos``, ``q_sin`` the queries', which may carry a scale)."""
-    half = q.shape[-1] // 2
-    return q * q_cos + q.roll(half, dims=-1) * q_sin, k * cos + k.roll(half, dims=-1) * sin
+    return _rotated(q, q_cos, q_sin), _rotated(k, cos, sin)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, heads, dim] rotated: x * cos + rotate_half(x) * sin (``sin`` with its signs)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+@dataclass
+class Layout:
+    """The tokens a prefill computes for its prompts, and where each prompt's columns are among
+    them. Where several prompts of one adapter begin with the same tokens, that prefix is computed
+    once (its tokens first, where the first of those prompts comes), and each prompt then computes
+    only the rest of it, at least its last token. Each token's result is its own prompt's either
+    way: every linear layer, norm and activation works row by row to the bit
+    (:mod:`.row_invariant`), and attention reads only the token's prompt's columns up to it
+    (:func:`.fused_ops.prefill_attend`), which on the prefix are the same bits."""
+
+    tokens: list[int] = field(default_factory=list)  # the tokens computed
+    positions: list[int] = field(default_factory=list)  # each one's position in its prompt
+    owners: list = field(default_factory=list)  # each one's adapter
+    # each token's columns: column c is token lows + c below splits, highs + c from there on
+    splits: list[int] = field(default_factory=list)
+    lows: list[int] = field(default_factory=list)
+    highs: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)  # each prompt's last token
+    order: list[int] = field(default_factory=list)  # the prompts' tokens end to end
+    shared: bool = False  # whether any prefix is computed once
+
+    @classmethod
+    def of(cls, jobs: list, share: bool) -> Layout:
+        """The layout of ``jobs``' prompts (in job order); ``share``: compute shared prefixes once."""
+        prefixes = {}  # adapter -> the length its prompts share (each keeps at least its last token)
+        if share:
+            by_adapter: dict = {}
+            for job in jobs:
+                by_adapter.setdefault(job.adapter, []).append(job.prompt)
+            for adapter, prompts in by_adapter.items():
+                if len(prompts) > 1:
+                    common = len(os.path.commonprefix(prompts))
+                    prefixes[adapter] = min(common, min(map(len, prompts)) - 1)
+        layout, placed = cls(), {}  # adapter -> where its prefix's tokens are
+        for job in jobs:
+            shared = prefixes.get(job.adapter, 0)
+            if shared and job.adapter not in placed:
+                placed[job.adapter] = len(layout.tokens)
+                layout._add(job.prompt[:shared], job.adapter, range(shared), 0, 0, len(layout.tokens))
+                layout.shared = True
+            low = placed.get(job.adapter, 0)
+            own = len(layout.tokens)
+            layout._add(job.prompt[shared:], job.adapter, range(shared, len(job.prompt)), shared, low, own - shared)
+            layout.order += [*range(low, low + shared), *range(own, len(layout.tokens))]
+            layout.last.append(len(layout.tokens) - 1)
+        return layout
+
+    def _add(self, tokens: list[int], owner, positions: range, split: int, low: int, high: int) -> None:
+        self.tokens += tokens
+        self.positions += positions
+        self.owners += [owner] * len(tokens)
+        self.splits += [split] * len(tokens)
+        self.lows += [low] * len(tokens)
+        self.highs += [high] * len(tokens)
 
 
 def _add_norm(norm: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from sess.engine.sampling import fused_ops, native
 from sess.engine.sampling.block_cache import BlockCache
-from sess.engine.sampling.llama_decoder import _rotate
+from sess.engine.sampling.llama_decoder import Layout, _rotate
 from sess.engine.sampling.row_invariant import BLOCK, decode_attention
 
 
@@ -111,6 +112,77 @@ def test_a_prompts_samples_read_its_entries_from_one_row_with_the_same_bits():
         fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources + 1, lengths))
     with pytest.raises(ValueError, match="shared prefixes for"):
         fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources[:3], lengths[:3]))
+
+
+def _prefill(prompts: dict[tuple[int, ...], torch.Tensor], share: bool, heads: int = 9, kv_heads: int = 3):
+    """Each prompt's prefill attention from one :func:`fused_ops.prefill_attend` call over the
+    tokens a :class:`Layout` of ``prompts`` computes ({token ids: its tokens' q, k, v rows
+    [n, heads + 2 kv_heads, dim]}, rows equal where the ids are), and the layout."""
+    jobs = [SimpleNamespace(prompt=list(ids), adapter="a") for ids in prompts]
+    layout = Layout.of(jobs, share)
+    dim = next(iter(prompts.values())).shape[-1]
+    rows = torch.empty(len(layout.tokens), heads + 2 * kv_heads, dim)
+    spans, start = [], 0
+    for ids, qkv in prompts.items():
+        spans.append(torch.tensor(layout.order[start : start + len(ids)]))
+        rows[spans[-1]] = qkv  # a shared prefix's rows written by each prompt: the same values
+        start += len(ids)
+    q, k, v = rows.split([heads, kv_heads, kv_heads], dim=1)
+    gen = torch.Generator().manual_seed(5)
+    angles = torch.rand(max(layout.positions) + 1, 1, dim, generator=gen)[layout.positions]
+    columns = tuple(torch.tensor(x) for x in (layout.positions, layout.splits, layout.lows, layout.highs))
+    out = fused_ops.prefill_attend(k, v, q, angles.cos() * dim**-0.5, angles.sin() * dim**-0.5, columns)
+    return [out[span] for span in spans], layout
+
+
+def test_the_prefill_kernel_attends_as_causal_attention_to_rounding():
+    """Each prompt token over its prompt's columns up to it: as torch's causal attention over the
+    queries rotated and the keys given (already rotated), grouped query heads included."""
+    _built()
+    gen = torch.Generator().manual_seed(3)
+    prompts = {tuple(range(i * 100, i * 100 + n)): torch.randn(n, 15, 64, generator=gen) for i, n in enumerate((7, 70))}
+    got, _ = _prefill(prompts, share=True)
+    for out, qkv in zip(got, prompts.values()):
+        q, k, v = qkv.split([9, 3, 3], dim=1)
+        angles = torch.rand(len(qkv), 1, 64, generator=torch.Generator().manual_seed(5))
+        q = _rotate(q, q, angles.cos(), angles.sin(), angles.cos(), angles.sin())[0]
+        expected = F.scaled_dot_product_attention(
+            *(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompts_prefill_has_the_same_bits_alone_beside_others_and_on_a_shared_prefix():
+    """Prompts that begin with the same 30 tokens: prefilled together the prefix is computed once
+    (each keeps at least its last token, so one of 31 tokens shares 30), and every prompt's
+    attention is the same to the bit as prefilled alone or beside the others unshared."""
+    _built()
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randn(30, 15, 64, generator=gen)
+    prompts = {
+        tuple([7] * 30 + [100 + i] * n): torch.cat([prefix, torch.randn(n, 15, 64, generator=gen)])
+        for i, n in enumerate((5, 9, 1))
+    }
+    together, layout = _prefill(prompts, share=True)
+    assert layout.shared and len(layout.tokens) == 30 + 5 + 9 + 1
+    unshared, layout = _prefill(prompts, share=False)
+    assert not layout.shared and len(layout.tokens) == 35 + 39 + 31
+    for i, (ids, qkv) in enumerate(prompts.items()):
+        (alone,), _ = _prefill({ids: qkv}, share=True)
+        assert torch.equal(alone, together[i]) and torch.equal(alone, unshared[i]), i
+
+
+def test_a_prefill_reading_outside_its_tokens_is_refused():
+    _built()
+    q, k, v = torch.randn(4, 15, 64).split([9, 3, 3], dim=1)
+    rotation = torch.ones(4, 1, 64), torch.zeros(4, 1, 64)
+    columns = [torch.tensor(x) for x in ([0, 1, 2, 3], [0] * 4, [0] * 4, [0] * 4)]
+    fused_ops.prefill_attend(k, v, q, *rotation, tuple(columns))
+    for which, bad in ((0, [0, 1, 2, 4]), (3, [0, 0, 0, 1]), (1, [0, 0, 0, 5]), (0, [0, 1, -1, 3])):
+        wrong = list(columns)
+        wrong[which] = torch.tensor(bad)
+        with pytest.raises(ValueError, match="outside"):
+            fused_ops.prefill_attend(k, v, q, *rotation, tuple(wrong))
 
 
 def test_the_cache_knows_which_rows_share_a_prompt_as_rows_leave_and_join():

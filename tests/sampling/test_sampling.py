@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -244,7 +245,8 @@ def test_rows_of_different_adapters_in_one_batch_match_their_own_forward(svc):
 def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, svc, model, path):
     """The decode batch is driven step by step so each composition surely happens: the same seeded
     request alone, after a one-row request (its rows at odd offsets of a 5-row batch), prefilled
-    together with a long prompt, and joined later by rows of another adapter. Tokens and logprobs
+    together with a long prompt or on a prefix it shares with other prompts (computed once), and
+    joined later by rows of another adapter. Tokens and logprobs
     must be identical to the bit, which is what makes whole runs reproducible. Both decoders: the
     lean llama decoder the engine uses here (merging requests) and the model's modules (other
     architectures, one request at a time). GRPO-sized batches (8 prompts x 8 samples) too, prefilled at
@@ -280,6 +282,12 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     compositions = {
         "after a one-row request": [(0, "o", short, 1, adapters[0]), (2, "x", x, 8, adapters[0])],
         "prefilled with a long prompt": [(0, "o", long, 3, adapters[0]), (0, "x", x, 8, adapters[0])],
+        "prefilled on a prefix shared with others": [
+            (0, "o", x[:-2] + short, 2, adapters[0]),
+            (0, "x", x, 8, adapters[0]),
+            (0, "p", x + short, 3, adapters[0]),
+            (0, "q", x[:-1] + short, 2, adapters[1]),
+        ],
         "joined by another adapter": [(0, "x", x, 8, adapters[0]), (3, "o", long, 3, adapters[1])],
         "base-model rows and an adapter": [(0, "o", short, 2, None), (1, "x", x, 8, adapters[0])],
         "a GRPO-sized batch": [(0, "x", x, 8, adapters[0])]
@@ -306,6 +314,37 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     runtime.memory_budget = budget
     for tc in sessions:
         tc.stop()
+
+
+def test_a_prefix_that_prompts_share_is_prefilled_once_and_their_samples_are_as_alone(runtime, svc, monkeypatch):
+    """Prompts of one adapter that begin alike (a system prompt, a task's instructions) are
+    prefilled together with that prefix computed once: the prefill's attention runs on the prefix
+    and each prompt's own tokens, not on every prompt whole, and each request samples what it
+    samples alone (the prefix's rows are the same bits, :class:`Layout`)."""
+    from sess.engine.sampling import fused_ops, native
+
+    if native.library()[0] is None:
+        pytest.skip("the C kernels are not built here: the prefill computes every prompt whole")
+    tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=1)
+    tok = tc.get_tokenizer()
+    decoder = runtime.host("tiny-llama").decoder
+    system = tok.encode("You are a careful assistant who answers questions about numbers. ")
+    prompts = [system + tok.encode(f"Question: what is {i} + {2 * i}? Answer:") for i in range(4)]
+    shared = len(os.path.commonprefix(prompts))
+    assert shared >= len(system) - 1
+    computed, attend = [], fused_ops.prefill_attend
+    monkeypatch.setattr(
+        fused_ops, "prefill_attend", lambda k, *args: computed.append(k.shape[0]) or attend(k, *args)
+    )
+    adapter = runtime.sessions[tc.name].adapter
+    plan = [(0, "x" if i == 0 else f"p{i}", p, 2, adapter) for i, p in enumerate(prompts)]
+    together = decode_plan(decoder, tok, plan)
+    layers = len(runtime.host("tiny-llama").model.model.layers)
+    assert computed == [shared + sum(len(p) - shared for p in prompts)] * layers
+    computed.clear()
+    assert decode_plan(decoder, tok, plan[:1]) == together
+    assert computed == [len(prompts[0])] * layers
+    tc.stop()
 
 
 def test_the_packed_weight_copies_are_kept_only_within_the_memory_budget_and_change_no_bit(
