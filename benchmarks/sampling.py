@@ -10,7 +10,10 @@ prompts, num_samples, max_tokens and temperature:
 3. adapters: 8 concurrent requests from 4 sessions with different adapters vs the same requests
    served one at a time;
 4. prefill sharing: a long prompt sampled with num_samples=1 and num_samples=K (1 new token each),
-   for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens;
+   for sess and HF: the time ratio K/1 and the engine's recorded prefill tokens; and one prefill
+   of the batch's P chat prompts (which share their system prompt) in each of the engine's forms,
+   alternated: torch attention and the attention kernel on each prompt whole, and the default, the
+   shared prefix computed once;
 5. the matmul floor: the time of one decode step's base-model linear layers alone (P x K rows,
    fp32, oneDNN as the sampler runs it: with prepacked weights where the engine's memory budget
    holds the copies, as at ``--memory-budget 1G`` for smollm2; every layer in model order, so each weight streams from
@@ -34,6 +37,7 @@ import argparse
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -42,7 +46,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
-from sess.engine.sampling import block_cache, decode_batch  # noqa: E402
+from sess.engine.sampling import block_cache, decode_batch, llama_decoder  # noqa: E402
 
 from common import (  # noqa: E402
     CallTimes,
@@ -180,6 +184,34 @@ def matmul_floor(host, rows: int, repeats: int = 7) -> float:
                 linear(inputs[m.in_features], m.weight, m.bias)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of one prefill of ``prompts`` (``samples`` each), the engine's three forms
+    alternated in this process: each prompt whole through torch's attention (where the C kernels
+    are not built), each prompt whole through the attention kernel, and the engine's default, a
+    prefix the prompts share computed once (:class:`~sess.engine.sampling.llama_decoder.Layout`)."""
+    decoder = host.decoder
+    if not (decoder.uses_kernels() and decoder.attention_kernel):
+        return {}
+    jobs = [
+        SimpleNamespace(prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams())
+        for p in prompts
+    ]
+    layout = llama_decoder.Layout.of
+    forms = {
+        "torch attention, each prompt whole": [(decoder, "attention_kernel", False)],
+        "attention kernel, each prompt whole": [(llama_decoder.Layout, "of", lambda jobs, share: layout(jobs, False))],
+        "attention kernel, shared prefix once": [],
+    }
+    times = {name: [] for name in forms}
+    for _ in range(repeats + 1):  # the first round warms each form
+        for name, changes in forms.items():
+            with patched(changes):
+                start = time.perf_counter()
+                decoder.prefill(jobs)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -330,6 +362,14 @@ def main() -> None:
         recorded = (svc.get_usage(sessions[0].name).prefill_tokens - before) / 6
         h1 = statistics.median(_timed(lambda: hf([long_prompt], 1, 1, 1.0)) for _ in range(3))
         hk = statistics.median(_timed(lambda: hf([long_prompt], args.samples, 1, 1.0)) for _ in range(3))
+        forms = on_engine(svc, prefill_forms, host, adapter, prompts, args.samples)
+        if forms:
+            shared = len(os.path.commonprefix(prompts))
+            notes.append(
+                f"one prefill of the {len(prompts)} chat prompts ({sum(map(len, prompts))} tokens, the first "
+                f"{shared} of each alike), median of 7 alternated rounds: "
+                + "; ".join(f"{name} {t * 1e3:.0f} ms" for name, t in forms.items())
+            )
         table.add_row(
             f"prefill {len(long_prompt)} tokens: K={args.samples} vs K=1 time",
             f"{tk / t1:.2f}x",
