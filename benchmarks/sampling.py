@@ -46,7 +46,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
-from sess.engine.sampling import block_cache, decode_batch, llama_decoder  # noqa: E402
+from sess.engine.sampling import block_cache, decode_batch, prefill_layout  # noqa: E402
 
 from common import (  # noqa: E402
     CallTimes,
@@ -190,7 +190,7 @@ def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, re
     """Median seconds of one prefill of ``prompts`` (``samples`` each), the engine's three forms
     alternated in this process: each prompt whole through torch's attention (where the C kernels
     are not built), each prompt whole through the attention kernel, and the engine's default, a
-    prefix the prompts share computed once (:class:`~sess.engine.sampling.llama_decoder.Layout`)."""
+    prefix the prompts share computed once (:class:`~sess.engine.sampling.prefill_layout.Layout`)."""
     decoder = host.decoder
     if not (decoder.uses_kernels() and decoder.attention_kernel):
         return {}
@@ -198,10 +198,10 @@ def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, re
         SimpleNamespace(prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams())
         for p in prompts
     ]
-    layout = llama_decoder.Layout.of
+    layout = prefill_layout.Layout.of
     forms = {
         "torch attention, each prompt whole": [(decoder, "attention_kernel", False)],
-        "attention kernel, each prompt whole": [(llama_decoder.Layout, "of", lambda jobs, share: layout(jobs, False))],
+        "attention kernel, each prompt whole": [(prefill_layout.Layout, "of", lambda jobs, share: layout(jobs, False))],
         "attention kernel, shared prefix once": [],
     }
     times = {name: [] for name in forms}

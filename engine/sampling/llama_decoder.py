@@ -14,8 +14,8 @@ gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to
 runs each prompt's attention on its own, and writes each prompt's keys and values into the rows of
 its samples. For fp32 on CPU a step's attention, norms and activation are C calls
 (:mod:`.fused_ops`), each row's sums in an order of its own; a prefill's attention is the same
-code, and a prefix that prompts of one adapter share (a system prompt: 31 of the ~40 tokens of a
-chat prompt on smollm2) is computed once for them all (:class:`Layout`).
+code, and a prefix that prompts of one adapter share (a chat template's system prompt) is
+computed once for them all (:class:`Layout`).
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
@@ -32,9 +32,7 @@ else. The decoder reads the model's modules but never changes them.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +49,7 @@ from sess.engine.sampling.lora_plans import (
     terms_of,
     versions,
 )
+from sess.engine.sampling.prefill_layout import Layout
 from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_attention
 from sess.engine.sampling.rows import Groups, groups_of
 
@@ -381,62 +380,6 @@ def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x`` [rows, heads, dim] rotated: x * cos + rotate_half(x) * sin (``sin`` with its signs)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
-
-
-@dataclass
-class Layout:
-    """The tokens a prefill computes for its prompts, and where each prompt's columns are among
-    them. Where several prompts of one adapter begin with the same tokens, that prefix is computed
-    once (its tokens first, where the first of those prompts comes), and each prompt then computes
-    only the rest of it, at least its last token. Each token's result is its own prompt's either
-    way: every linear layer, norm and activation works row by row to the bit
-    (:mod:`.row_invariant`), and attention reads only the token's prompt's columns up to it
-    (:func:`.fused_ops.prefill_attend`), which on the prefix are the same bits."""
-
-    tokens: list[int] = field(default_factory=list)  # the tokens computed
-    positions: list[int] = field(default_factory=list)  # each one's position in its prompt
-    owners: list = field(default_factory=list)  # each one's adapter
-    # each token's columns: column c is token lows + c below splits, highs + c from there on
-    splits: list[int] = field(default_factory=list)
-    lows: list[int] = field(default_factory=list)
-    highs: list[int] = field(default_factory=list)
-    last: list[int] = field(default_factory=list)  # each prompt's last token
-    order: list[int] = field(default_factory=list)  # the prompts' tokens end to end
-    shared: bool = False  # whether any prefix is computed once
-
-    @classmethod
-    def of(cls, jobs: list, share: bool) -> Layout:
-        """The layout of ``jobs``' prompts (in job order); ``share``: compute shared prefixes once."""
-        prefixes = {}  # adapter -> the length its prompts share (each keeps at least its last token)
-        if share:
-            by_adapter: dict = {}
-            for job in jobs:
-                by_adapter.setdefault(job.adapter, []).append(job.prompt)
-            for adapter, prompts in by_adapter.items():
-                if len(prompts) > 1:
-                    common = len(os.path.commonprefix(prompts))
-                    prefixes[adapter] = min(common, min(map(len, prompts)) - 1)
-        layout, placed = cls(), {}  # adapter -> where its prefix's tokens are
-        for job in jobs:
-            shared = prefixes.get(job.adapter, 0)
-            if shared and job.adapter not in placed:
-                placed[job.adapter] = len(layout.tokens)
-                layout._add(job.prompt[:shared], job.adapter, range(shared), 0, 0, len(layout.tokens))
-                layout.shared = True
-            low = placed.get(job.adapter, 0)
-            own = len(layout.tokens)
-            layout._add(job.prompt[shared:], job.adapter, range(shared, len(job.prompt)), shared, low, own - shared)
-            layout.order += [*range(low, low + shared), *range(own, len(layout.tokens))]
-            layout.last.append(len(layout.tokens) - 1)
-        return layout
-
-    def _add(self, tokens: list[int], owner, positions: range, split: int, low: int, high: int) -> None:
-        self.tokens += tokens
-        self.positions += positions
-        self.owners += [owner] * len(tokens)
-        self.splits += [split] * len(tokens)
-        self.lows += [low] * len(tokens)
-        self.highs += [high] * len(tokens)
 
 
 def _add_norm(norm: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from sess.engine.sampling import fused_ops, native
 from sess.engine.sampling.block_cache import BlockCache
-from sess.engine.sampling.llama_decoder import Layout, _rotate
+from sess.engine.sampling.llama_decoder import _rotate
+from sess.engine.sampling.prefill_layout import Layout
 from sess.engine.sampling.row_invariant import BLOCK, decode_attention
 
 
