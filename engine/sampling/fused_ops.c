@@ -157,6 +157,23 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
         for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[g][j] / total[g]);
 }
 
+/* row_head, its loops built for the common head sizes (64, 128) and for any other */
+static void attend_head(const float *query, const float *q_cos, const float *q_sin, const float *row_keys,
+                        const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
+                        size_t block_stride, size_t column_stride, int64_t position, int groups, int dim,
+                        float *scores, int64_t longest, float *out)
+{
+    if (dim == 64)
+        row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
+                 column_stride, position, groups, 64, scores, longest, out);
+    else if (dim == 128)
+        row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
+                 column_stride, position, groups, 128, scores, longest, out);
+    else
+        row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
+                 column_stride, position, groups, dim, scores, longest, out);
+}
+
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
    k_stride, v_stride), cos, sin, q_cos, q_sin [rows][dim] (the queries' rotation carries their
    scaling); keys and values the cache, `rows` rows a block, `columns` columns a row; out
@@ -228,15 +245,8 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
             float *o = out + ((size_t)r * heads + (size_t)h * groups) * dim;
-            if (dim == 64)
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
-                         position, groups, 64, scores, longest, o);
-            else if (dim == 128)
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
-                         position, groups, 128, scores, longest, o);
-            else
-                row_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
-                         position, groups, dim, scores, longest, o);
+            attend_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
+                        position, groups, dim, scores, longest, o);
         }
         free(scores);
     }
@@ -289,15 +299,8 @@ int sess_prefill_attention(const float *q, long q_stride, const float *q_cos, co
             const float *query = q + t * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)t * dim, *qs = q_sin + (size_t)t * dim;
             float *o = out + ((size_t)t * heads + (size_t)h * groups) * dim;
-            if (dim == 64)
-                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
-                         column, positions[t], groups, 64, scores, longest, o);
-            else if (dim == 128)
-                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
-                         column, positions[t], groups, 128, scores, longest, o);
-            else
-                row_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
-                         column, positions[t], groups, dim, scores, longest, o);
+            attend_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
+                        column, positions[t], groups, dim, scores, longest, o);
         }
         free(scores);
     }
