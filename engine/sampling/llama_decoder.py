@@ -161,7 +161,8 @@ class LlamaDecoder:
         fused = self.uses_kernels() and self.attention_kernel
         layout = Layout.of(jobs, share=fused and not jobs[0].prompt_logprobs)
         tokens, positions = (torch.tensor(x, device=device) for x in (layout.tokens, layout.positions))
-        columns = tuple(torch.tensor(x) for x in (layout.positions, layout.splits, layout.lows, layout.highs))
+        if fused:  # where each token's columns are, for the kernel
+            columns = tuple(torch.tensor(x) for x in (layout.positions, layout.splits, layout.lows, layout.highs))
         lengths = [len(job.prompt) for job in jobs]
         starts = [sum(lengths[:i]) for i in range(len(jobs))]
         keys, values = [], []
