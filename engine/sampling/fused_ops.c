@@ -142,19 +142,18 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
         }
         total[g] = hsum16(sum);
     }
-    v16 acc[MOST_GROUPS][WIDEST / LANES];
-    for (int g = 0; g < groups; g++)
-        for (int j = 0; j < dim / LANES; j++) acc[g][j] = splat16(0.0f);
-    for (int64_t c = 0; c <= position; c++) {
-        const float *value = (c < shared ? source_values : row_values) + (size_t)(c / BLOCK) * block_stride
-                             + (size_t)(c % BLOCK) * column_stride;
-        for (int g = 0; g < groups; g++) {
-            const v16 weight = splat16(scores[g * longest + c]);
-            for (int j = 0; j < dim / LANES; j++) acc[g][j] = acc[g][j] + weight * load16(value + j * LANES);
+    for (int g = 0; g < groups; g++) { /* a group at a time: its sums stay in registers */
+        const float *weights = scores + g * longest;
+        v16 acc[WIDEST / LANES];
+        for (int j = 0; j < dim / LANES; j++) acc[j] = splat16(0.0f);
+        for (int64_t c = 0; c <= position; c++) {
+            const float *value = (c < shared ? source_values : row_values) + (size_t)(c / BLOCK) * block_stride
+                                 + (size_t)(c % BLOCK) * column_stride;
+            const v16 weight = splat16(weights[c]);
+            for (int j = 0; j < dim / LANES; j++) acc[j] = acc[j] + weight * load16(value + j * LANES);
         }
+        for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[j] / total[g]);
     }
-    for (int g = 0; g < groups; g++)
-        for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[g][j] / total[g]);
 }
 
 /* row_head, its loops built for the common head sizes (64, 128) and for any other */
