@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from sess.engine.sampling.lora_plans import (
     add_terms,
     base_of,
     count,
+    lora_layers,
     merged_of,
     run_merged,
     terms_of,
@@ -111,7 +113,7 @@ class LlamaDecoder:
         self.qk_norm = config.model_type == "qwen3"
         self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
-        self._plans: dict[str, tuple[list, tuple, list]] = {}  # adapter -> (modules, versions, plan)
+        self._plans: dict[str, _Kept] = {}  # adapter -> its plan and what it was made from
 
     def packs(self) -> bool:
         """Whether the base projections run through prepacked copies: where their bytes (as many as
@@ -147,6 +149,11 @@ class LlamaDecoder:
         adapters that running requests sample from."""
         self.linear.release()
         self._plans = {adapter: plan for adapter, plan in self._plans.items() if adapter in keep}
+
+    def forget(self, adapter: str) -> None:
+        """Drop ``adapter``'s plan (its merged copies are as large as the weights it adapts): the
+        engine removed the adapter."""
+        self._plans.pop(adapter, None)
 
     # prefill ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -336,9 +343,9 @@ class LlamaDecoder:
         None); last, the lm_head's. Made again when any of the adapter's weights changed (a training
         session's after optim_step); merged plans beyond :meth:`adapter_slots` go, oldest first."""
         cached = self._plans.pop(adapter, None)
-        if cached is not None and (self.merges_lora(), versions(cached[0], adapter)) == cached[1]:
+        if cached is not None and cached.holds(model, adapter, self.merges_lora()):
             self._plans[adapter] = cached  # the most recently used last (threads included)
-            return cached[2]
+            return cached.plan
         cached = None  # its copies go before the new ones are made
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
         live = {a for m in modules[:1] for a in m.lora_A}
@@ -358,7 +365,10 @@ class LlamaDecoder:
         plan = [made[i : i + len(BUNDLES)] for i in range(0, len(made) - 1, len(BUNDLES))] + made[-1:]
         if count(plan) != len(modules):
             raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
-        self._plans[adapter] = (modules, (self.merges_lora(), versions(modules, adapter)), plan)
+        first = next((name for name, m in model.named_modules() if modules and m is modules[0]), "")
+        layers = lora_layers(modules, adapter)
+        made = (self.merges_lora(), versions(layers))
+        self._plans[adapter] = _Kept(plan, first, model.get_submodule(first), layers, made)
         return plan
 
     @staticmethod
@@ -370,6 +380,33 @@ class LlamaDecoder:
             for parent, names in zip((layer.self_attn, layer.self_attn, layer.mlp, layer.mlp), BUNDLES)
         ]
         return bundles + [(model, ("lm_head",))]
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """An adapter's plan with what it was made from: the first of its LoRA modules and its name in
+    the model (the model itself where the adapter has none), the adapter's LoRA layers in all of
+    them (:func:`lora_layers`) and their :func:`versions` with the plan's form."""
+
+    plan: list
+    first: str
+    module: torch.nn.Module
+    layers: list
+    made: tuple
+
+    def holds(self, model, adapter: str, merged: bool) -> bool:
+        """Whether the plan is still the adapter's as ``model`` holds it: the same modules (peft
+        wraps and unwraps layers as adapters come and go), the same LoRA layers (an adapter deleted
+        and made again under its name has new ones in every module, so the first one tells) and
+        the same weights at the same versions."""
+        try:
+            same_module = model.get_submodule(self.first) is self.module
+        except AttributeError:
+            return False
+        if self.layers:
+            lora_a = self.module._modules["lora_A"]._modules.get(adapter)
+            same_module = same_module and lora_a is self.layers[0]
+        return same_module and (merged, versions(self.layers)) == self.made
 
 
 def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:

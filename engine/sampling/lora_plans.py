@@ -49,19 +49,26 @@ def base_of(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def versions(modules, adapter: str) -> tuple | None:
-    """What a plan depends on: the adapter's weights (their versions) and the thread count (its
-    prepacked matrices' calibrations); None where a module no longer carries the adapter. Read
-    from the modules' own dictionaries: every decode step checks its plans, and ``nn.Module``'s
-    attribute lookup would make that ~1 ms a check on smollm2."""
-    found = [torch.get_num_threads()]
+def lora_layers(modules, adapter: str) -> list[torch.nn.Module] | None:
+    """``adapter``'s LoRA A and B layers in each of ``modules`` (peft LoRA layers), in order; None
+    where a module no longer carries it."""
+    found = []
     for m in modules:
         a, b = m._modules["lora_A"]._modules.get(adapter), m._modules["lora_B"]._modules.get(adapter)
         if a is None or b is None:
             return None
-        a, b = a._parameters["weight"], b._parameters["weight"]
-        found += ((id(a), a._version), (id(b), b._version))
-    return tuple(found)
+        found += (a, b)
+    return found
+
+
+def versions(layers: list[torch.nn.Module]) -> tuple:
+    """What a plan made from ``layers`` (:func:`lora_layers`) depends on: each one's weight (the
+    tensor and its version: an optimizer step or a loaded state changes it in place, a sharded
+    engine swaps it) and the thread count (its prepacked matrices' calibrations). Read from the
+    layers' own dictionaries: every decode step checks its plans, and ``nn.Module``'s attribute
+    lookup would make that ~1 ms a check on smollm2."""
+    weights = [layer._parameters["weight"] for layer in layers]
+    return (torch.get_num_threads(), *[(id(w), w._version) for w in weights])
 
 
 def _lora_layers(parent, names, adapter: str) -> list:

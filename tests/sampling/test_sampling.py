@@ -512,8 +512,8 @@ def test_a_script_using_the_in_process_engine_exits_cleanly(sess_home, tmp_path)
 
 def test_a_training_op_drops_the_lora_plans_no_request_samples_from(runtime, svc):
     """The lean decoder's per-adapter plans (stacked A, prepacked B: copies of the adapter's weights)
-    go when a backward pass starts unless a running request samples through them; the next sample
-    makes them again and gets the same bits."""
+    go when a backward pass starts unless a running request samples through them, and when the
+    adapter goes; the next sample makes them again and gets the same bits."""
     tc = svc.create_lora_training_client("tiny-llama", rank=4, seed=2)
     tok = tc.get_tokenizer()
     train_steps(tc, [SENTENCES[1]], 5e-2)
@@ -532,4 +532,7 @@ def test_a_training_op_drops_the_lora_plans_no_request_samples_from(runtime, svc
     tc.forward_backward([ce_datum(tok.encode(SENTENCES[0]))], "cross_entropy").result()
     assert not decoder.planned(adapter)
     assert sample() == before
+    assert decoder.planned(adapter)
+    runtime.host("tiny-llama").forget_checkpoint(sampler.model_path)  # the adapter goes, its plan too
+    assert not decoder.planned(adapter)
     tc.stop()

@@ -120,6 +120,9 @@ class ModelHost:
         self.peft.base_model_name_or_path = str(self.path)
 
     def remove_adapter(self, adapter: str) -> None:
+        forget = getattr(self.decoder, "forget", None)  # the decoder's plan of it, if it keeps one
+        if forget is not None:
+            forget(adapter)
         if self.peft is None or adapter not in self.peft.peft_config:
             return
         if len(self.peft.peft_config) == 1:
