@@ -74,7 +74,7 @@ class BlockCache:
 
         def blocked(entries: torch.Tensor) -> torch.Tensor:
             _, heads, dim = entries.shape
-            out = entries.new_zeros(blocks, rows, heads, BLOCK, dim)
+            out = entries.new_empty(blocks, rows, heads, BLOCK, dim)  # every row written below
             row = 0
             for start, length, count in spans:
                 prompt = _pad(entries[start : start + length].transpose(0, 1), blocks * BLOCK, dim=1)
