@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sess.engine.runtime.memory.malloc_tuning import trim
+from sess.engine.runtime.memory.malloc_tuning import sampling_heap, trim
 from sess.engine.runtime.memory.training_budget import default_budget, default_copy_budget
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.models.model_host import ModelHost
@@ -181,9 +181,10 @@ class Runtime:
         """Admit waiting sample requests and decode one token for every running row."""
         self.full_weights()
         self.entering("sample")  # trims only where training came last
-        for batch in list(self.batches.values()):
-            if batch.active:
-                batch.step()
+        with sampling_heap():  # the step's logits and the batch's cache in pages used before
+            for batch in list(self.batches.values()):
+                if batch.active:
+                    batch.step()
 
     def fail_decoding(self, error: BaseException) -> None:
         """End every running and waiting sample request with ``error`` (after a failed step)."""

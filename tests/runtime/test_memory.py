@@ -317,3 +317,45 @@ def test_the_heap_goes_back_where_the_engine_switches_between_sampling_and_train
         assert calls[before:] == ["sample", "train"]
         train_steps(tc, SENTENCES[:2], 1e-3)
         assert calls[before:] == ["sample", "train", "sample"]
+
+
+# a 12 MB block (a 64-row step's logits on a 49k vocabulary) allocated and freed twice inside
+# sampling_heap, then once after it: the bytes malloc holds in mappings of their own (mallinfo2's
+# hblkhd) while each one is alive
+SAMPLING_HEAP_PROBE = """
+import ctypes, torch
+from sess.engine.runtime.memory.malloc_tuning import keep_freed_memory, sampling_heap
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+mapped = lambda: libc.mallinfo2().hblkhd
+assert keep_freed_memory("cpu")
+seen = []
+for _ in range(2):
+    with sampling_heap():
+        before = mapped()
+        x = torch.empty(3 * 2**20).fill_(1.0)
+        seen.append(mapped() - before)
+        del x
+before = mapped()
+x = torch.empty(3 * 2**20).fill_(1.0)
+seen.append(mapped() - before)
+print(*seen)
+"""
+
+
+@linux
+def test_a_decode_step_s_big_blocks_come_from_the_heap_and_only_there():
+    """Inside sampling_heap a 12 MB block is the heap's (the next step reuses its pages); after it,
+    blocks from MMAP_FROM are mapped on their own again, as training's are."""
+    plain = {k: v for k, v in os.environ.items() if k not in ENGINE_MALLOC}
+    out = subprocess.run(
+        [sys.executable, "-c", SAMPLING_HEAP_PROBE], env=plain, capture_output=True, text=True, check=True
+    )
+    inside_first, inside_again, after = map(int, out.stdout.split()[-3:])
+    assert inside_first == inside_again == 0
+    assert after >= 12 * 2**20

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from sess.engine.runtime.memory.malloc_tuning import sampling_heap
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
 from sess.engine.sampling.token_choice import StopChecker
@@ -195,7 +196,8 @@ class Decoding:
         if batch.active:
             runtime.entering("sample")
             try:
-                batch.step()
+                with sampling_heap():
+                    batch.step()
             except Exception as exc:  # as rank 0's executor: the step's requests fail, not the engine
                 batch.fail_all(SessError(f"sampling failed inside the engine: {type(exc).__name__}: {exc}"))
         outbox, self.outbox = self.outbox, []

@@ -17,6 +17,10 @@ that has been idle for :data:`IDLE_TRIM_S` seconds gives its free heap back (:fu
 paused one costs only what it holds. The bound that makes this cheap is the training memory budget
 (:mod:`sess.engine.runtime.memory.training_budget`): a step's peak is a few times the weights, not dozens.
 
+A decode step is the exception (:func:`sampling_heap`): its big blocks (the logits, the batch's KV
+cache) have the same sizes step after step, so while it runs they come from the heap, and each
+step reuses the pages the one before freed.
+
 glibc reads these settings when a process starts, so :func:`engine_env` puts them in the
 environment of the engine processes sess starts (``python -m sess.engine.server`` re-executes
 itself under them). An in-process engine applies what can still be applied with ``mallopt``
@@ -60,6 +64,7 @@ environment; an in-process engine keeps its process's own setting.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -76,7 +81,10 @@ ENGINE_MALLOC = {
 }
 # what mallopt can still set in a running process (glibc malloc.h): M_ARENA_MAX, M_MMAP_THRESHOLD,
 # M_TRIM_THRESHOLD
-_MALLOPT = ((-8, 1), (-3, MMAP_FROM), (-1, KEEP))
+_M_MMAP_THRESHOLD = -3
+_MALLOPT = ((-8, 1), (_M_MMAP_THRESHOLD, MMAP_FROM), (-1, KEEP))
+# while a decode step runs, blocks below this come from the heap (glibc's largest threshold)
+SAMPLING_MMAP_FROM = 32 << 20
 
 # entries each of oneDNN's primitive caches keeps (torch's ideep, oneDNN's own); both read at first use
 ONEDNN_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
@@ -201,12 +209,48 @@ def tuned() -> bool | None:
 
 
 def _mallopt() -> bool:
+    mallopt = _mallopt_function()
+    return mallopt is not None and all(mallopt(param, value) == 1 for param, value in _MALLOPT)
+
+
+@contextlib.contextmanager
+def sampling_heap():
+    """While the block runs (the engine's decode steps), blocks up to :data:`SAMPLING_MMAP_FROM`
+    come from the heap, where this process's malloc is tuned (:func:`keep_freed_memory` or the
+    engine's environment). A decode step's logits (12.6 MB for 64 rows of smollm2) and a batch's
+    KV cache (a tensor a layer, 6 MB each for 8 x 8 rows) are then blocks the step or batch before
+    freed, not fresh mappings that fault in and are zeroed each time. The sampler's big blocks
+    repeat in size step after step, so they fit the holes they leave; training, whose blocks change
+    size with every batch, keeps mapping its own (:data:`MMAP_FROM`), and the heap is trimmed where
+    the engine switches to training or idles."""
+    tuned_here = _fixed_threshold() and _set_mmap_threshold(SAMPLING_MMAP_FROM)
+    try:
+        yield
+    finally:
+        if tuned_here:
+            _set_mmap_threshold(MMAP_FROM)
+
+
+def _fixed_threshold() -> bool:
+    """Whether this process's glibc maps blocks from :data:`MMAP_FROM` on, as tuned here or by
+    :func:`engine_env` (an untuned glibc moves its own threshold up to the blocks it frees)."""
+    from_env = os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_FROM) and allocator() == "glibc"
+    return bool(_applied) or from_env
+
+
+def _set_mmap_threshold(size: int) -> bool:
+    mallopt = _mallopt_function()
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, size) == 1
+
+
+@functools.cache
+def _mallopt_function():
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in _MALLOPT)
+    return mallopt
 
 
 def trim() -> bool:
