@@ -55,10 +55,11 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
-# the most rows token choice takes at once: its [rows, vocab] temporaries then stay under 2 MiB, which
-# the heap serves again step after step (the engine's malloc maps blocks from 4 MiB on their own,
-# and a fresh mapping costs a page fault a page: ~4 ms for 64 rows of a 49,152-token vocabulary)
-HEAP_BYTES = 2 << 20
+# the most rows token choice takes at once: its [rows, vocab] temporaries then stay under 32 MiB,
+# which the heap serves again step after step while a decode step runs (the engine's malloc maps
+# blocks from 4 MiB on their own elsewhere: runtime/memory/malloc_tuning.sampling_heap); 64 rows of
+# a 49,152-token vocabulary in one go
+HEAP_BYTES = 32 << 20
 
 
 def choose(
