@@ -11,6 +11,7 @@ wrapping the decoder's calls in this process:
 - LoRA terms: each group of rows' ``B(A x)`` terms, where the plans are not merged;
 - attention: the cache writes, the rotary embedding where the C kernel does it, and decode attention;
 - token choice: drawing the token and its logprob from the logits (the decode batch's work);
+  the steps run under the engine's sampling heap (``malloc_tuning.sampling_heap``), as its own do;
 - other: the rest of the step (norms, rotary embeddings, residual adds, activations, the
   embedding, Python between ops), and of it the number of tensor ops a step dispatches;
 - padding: matmul calls run on zero rows added to reach a calibrated row count.
@@ -40,6 +41,7 @@ from rich.table import Table  # noqa: E402
 from sampling import matmul_floor, prompts_for  # noqa: E402
 
 from sess.engine import AdamParams, SamplingParams  # noqa: E402
+from sess.engine.runtime.memory.malloc_tuning import sampling_heap  # noqa: E402
 from sess.engine.sampling import (  # noqa: E402
     block_cache,
     fused_ops,
@@ -154,13 +156,14 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
         positions = positions + 1
         return mid - start, time.perf_counter() - mid
 
-    for _ in range(warmup):
-        one_step()
-    with instrument(decoder, vocab, timers):
-        for _ in range(steps):
-            wall, chose = one_step()
-            walls.append(wall)
-            choosing.append(chose)
+    with sampling_heap():  # as the engine runs its decode steps
+        for _ in range(warmup):
+            one_step()
+        with instrument(decoder, vocab, timers):
+            for _ in range(steps):
+                wall, chose = one_step()
+                walls.append(wall)
+                choosing.append(chose)
     ops = ops_per_step(decoder, cache, adapters, tokens, positions)
     per_step = {part: timers.seconds[part] / steps for part in PARTS}
     per_step["of them lm_head"] = timers.seconds["projections/lm_head"] / steps
