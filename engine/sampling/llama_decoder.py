@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from sess.engine.sampling import fused_ops, onednn
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.lora_plans import (
+    Kept,
     add_terms,
     base_of,
     count,
@@ -113,7 +113,7 @@ class LlamaDecoder:
         self.qk_norm = config.model_type == "qwen3"
         self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
-        self._plans: dict[str, _Kept] = {}  # adapter -> its plan and what it was made from
+        self._plans: dict[str, Kept] = {}  # adapter -> its plan and what it was made from
 
     def packs(self) -> bool:
         """Whether the base projections run through prepacked copies: where their bytes (as many as
@@ -368,7 +368,7 @@ class LlamaDecoder:
         first = next((name for name, m in model.named_modules() if modules and m is modules[0]), "")
         layers = lora_layers(modules, adapter)
         made = (self.merges_lora(), versions(layers))
-        self._plans[adapter] = _Kept(plan, first, model.get_submodule(first), layers, made)
+        self._plans[adapter] = Kept(plan, first, model.get_submodule(first), layers, made)
         return plan
 
     @staticmethod
@@ -380,33 +380,6 @@ class LlamaDecoder:
             for parent, names in zip((layer.self_attn, layer.self_attn, layer.mlp, layer.mlp), BUNDLES)
         ]
         return bundles + [(model, ("lm_head",))]
-
-
-@dataclass(frozen=True)
-class _Kept:
-    """An adapter's plan with what it was made from: the first of its LoRA modules and its name in
-    the model (the model itself where the adapter has none), the adapter's LoRA layers in all of
-    them (:func:`lora_layers`) and their :func:`versions` with the plan's form."""
-
-    plan: list
-    first: str
-    module: torch.nn.Module
-    layers: list
-    made: tuple
-
-    def holds(self, model, adapter: str, merged: bool) -> bool:
-        """Whether the plan is still the adapter's as ``model`` holds it: the same modules (peft
-        wraps and unwraps layers as adapters come and go), the same LoRA layers (an adapter deleted
-        and made again under its name has new ones in every module, so the first one tells) and
-        the same weights at the same versions."""
-        try:
-            same_module = model.get_submodule(self.first) is self.module
-        except AttributeError:
-            return False
-        if self.layers:
-            lora_a = self.module._modules["lora_A"]._modules.get(adapter)
-            same_module = same_module and lora_a is self.layers[0]
-        return same_module and (merged, versions(self.layers)) == self.made
 
 
 def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,33 @@ def versions(layers: list[torch.nn.Module]) -> tuple:
     return (torch.get_num_threads(), *[(id(w), w._version) for w in weights])
 
 
+@dataclass(frozen=True)
+class Kept:
+    """An adapter's plan with what it was made from: the first of its LoRA modules and its name in
+    the model (the model itself where the adapter has none), the adapter's LoRA layers in all of
+    them (:func:`lora_layers`) and their :func:`versions` with the plan's form."""
+
+    plan: list
+    first: str
+    module: torch.nn.Module
+    layers: list
+    made: tuple
+
+    def holds(self, model, adapter: str, merged: bool) -> bool:
+        """Whether the plan is still the adapter's as ``model`` holds it: the same modules (peft
+        wraps and unwraps layers as adapters come and go), the same LoRA layers (an adapter deleted
+        and made again under its name has new ones in every module, so the first one tells) and
+        the same weights at the same versions."""
+        try:
+            same_module = model.get_submodule(self.first) is self.module
+        except AttributeError:
+            return False
+        if self.layers:
+            lora_a = self.module._modules["lora_A"]._modules.get(adapter)
+            same_module = same_module and lora_a is self.layers[0]
+        return same_module and (merged, versions(self.layers)) == self.made
+
+
 def _lora_layers(parent, names, adapter: str) -> list:
     """``(name, module)`` of the projections ``names`` of ``parent`` that carry ``adapter``."""
     from peft.tuners.lora.layer import Linear as LoraLinear
