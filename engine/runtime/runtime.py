@@ -8,6 +8,7 @@ The ops themselves are functions over this state, one module per area (``session
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,15 @@ class Runtime:
             trim()
         self._work = work
 
+    @contextlib.contextmanager
+    def sampling(self):
+        """A decode step runs in the block: :meth:`entering` sampling, and the step's big blocks (its
+        logits, the batch's KV cache) in heap pages the step or batch before freed
+        (:func:`~sess.engine.runtime.memory.malloc_tuning.sampling_heap`)."""
+        self.entering("sample")  # trims only where training came last
+        with sampling_heap():
+            yield
+
     # decoding --------------------------------------------------------------------------------------
     def batch(self, host: ModelHost) -> DecodeBatch:
         """The running decode batch of ``host``'s base model."""
@@ -180,8 +190,7 @@ class Runtime:
     def decode_step(self) -> None:
         """Admit waiting sample requests and decode one token for every running row."""
         self.full_weights()
-        self.entering("sample")  # trims only where training came last
-        with sampling_heap():  # the step's logits and the batch's cache in pages used before
+        with self.sampling():
             for batch in list(self.batches.values()):
                 if batch.active:
                     batch.step()

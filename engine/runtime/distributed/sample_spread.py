@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from sess.engine.runtime.memory.malloc_tuning import sampling_heap
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
 from sess.engine.sampling.token_choice import StopChecker
@@ -194,9 +193,8 @@ class Decoding:
             job.on_done = partial(self._done, wire["id"], job)
             batch.submit(job)
         if batch.active:
-            runtime.entering("sample")
             try:
-                with sampling_heap():
+                with runtime.sampling():
                     batch.step()
             except Exception as exc:  # as rank 0's executor: the step's requests fail, not the engine
                 batch.fail_all(SessError(f"sampling failed inside the engine: {type(exc).__name__}: {exc}"))
