@@ -365,10 +365,10 @@ class LlamaDecoder:
         plan = [made[i : i + len(BUNDLES)] for i in range(0, len(made) - 1, len(BUNDLES))] + made[-1:]
         if count(plan) != len(modules):
             raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
-        first = next((name for name, m in model.named_modules() if modules and m is modules[0]), "")
+        anchor = modules[0] if modules else model
+        first = next(name for name, m in model.named_modules() if m is anchor)
         layers = lora_layers(modules, adapter)
-        made = (self.merges_lora(), versions(layers))
-        self._plans[adapter] = Kept(plan, first, model.get_submodule(first), layers, made)
+        self._plans[adapter] = Kept(plan, first, anchor, layers, (self.merges_lora(), versions(layers)))
         return plan
 
     @staticmethod

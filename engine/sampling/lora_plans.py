@@ -49,16 +49,10 @@ def base_of(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def lora_layers(modules, adapter: str) -> list[torch.nn.Module] | None:
-    """``adapter``'s LoRA A and B layers in each of ``modules`` (peft LoRA layers), in order; None
-    where a module no longer carries it."""
-    found = []
-    for m in modules:
-        a, b = m._modules["lora_A"]._modules.get(adapter), m._modules["lora_B"]._modules.get(adapter)
-        if a is None or b is None:
-            return None
-        found += (a, b)
-    return found
+def lora_layers(modules, adapter: str) -> list[torch.nn.Module]:
+    """``adapter``'s LoRA A and B layers in each of ``modules`` (peft LoRA layers that carry it),
+    in order."""
+    return [layer for m in modules for layer in (m.lora_A[adapter], m.lora_B[adapter])]
 
 
 def versions(layers: list[torch.nn.Module]) -> tuple:
@@ -73,9 +67,10 @@ def versions(layers: list[torch.nn.Module]) -> tuple:
 
 @dataclass(frozen=True)
 class Kept:
-    """An adapter's plan with what it was made from: the first of its LoRA modules and its name in
-    the model (the model itself where the adapter has none), the adapter's LoRA layers in all of
-    them (:func:`lora_layers`) and their :func:`versions` with the plan's form."""
+    """An adapter's plan with what it was made from: the first of its LoRA modules and that
+    module's name in the model (the model itself, named "", where the adapter has none), the
+    adapter's LoRA layers in all of them (:func:`lora_layers`) and their :func:`versions` with the
+    plan's form."""
 
     plan: list
     first: str
