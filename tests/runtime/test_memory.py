@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
+from sess.engine.runtime.memory import openmp_spin
 from sess.engine.runtime.memory.malloc_tuning import (
     ENGINE_MALLOC,
     ONEDNN_CACHES,
-    OPENMP,
     OPENMP_USER,
     engine_env,
     jemalloc_library,
@@ -194,8 +194,11 @@ def test_an_idle_executor_calls_its_idle_hook_once_per_quiet_spell(tmp_path):
 @linux
 def test_engine_process_starts_with_the_settings(http_engine):
     environ = open(f"/proc/{http_engine['pid']}/environ", "rb").read().split(b"\0")
-    for key, value in {**ENGINE_MALLOC, **OPENMP}.items():
+    for key, value in ENGINE_MALLOC.items():
         assert f"{key}={value}".encode() in environ
+    # the spin count its own process timed (this one's may differ by the timing's noise)
+    (count,) = [int(line.split(b"=")[1]) for line in environ if line.startswith(b"GOMP_SPINCOUNT=")]
+    assert openmp_spin.LEAST <= count <= openmp_spin.MOST
 
 
 # libgomp reports the spin count it runs with (torch's OpenMP on Linux; other runtimes say nothing)
@@ -214,21 +217,42 @@ def _spin_count(env: dict[str, str]) -> str | None:
     return line.split("=")[1].strip().strip("'") if line else None
 
 
-def test_an_engine_s_openmp_threads_spin_briefly():
+def test_an_engine_s_openmp_threads_spin_for_a_set_time():
     """Between parallel regions libgomp's threads spin (300,000 iterations) before they sleep; on
     shared cores the spinning takes the cores from the thread with work. An engine's threads spin
-    :data:`OPENMP`'s count, a short one; a user's own policy or count stays."""
+    :data:`~.openmp_spin.SPIN_SECONDS`, counted for this CPU; a user's own policy or count stays."""
     plain = {k: v for k, v in os.environ.items() if k not in OPENMP_USER}
     default = _spin_count(plain)
     if default is None:
         pytest.skip("torch's OpenMP runtime is not libgomp: it does not report its spin count")
-    assert int(default) > int(OPENMP["GOMP_SPINCOUNT"]) > 0
-    assert _spin_count(engine_env(plain)) == OPENMP["GOMP_SPINCOUNT"]
+    count = openmp_spin.spin_count()
+    assert openmp_spin.LEAST <= count <= openmp_spin.MOST == int(default)
+    assert _spin_count(engine_env(plain)) == str(count)
     assert _spin_count(engine_env({**plain, "OMP_WAIT_POLICY": "PASSIVE"})) == "0"
     assert engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
     assert "GOMP_SPINCOUNT" not in engine_env({"OMP_WAIT_POLICY": "ACTIVE"})
     assert engine_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
-    assert not set(OPENMP) & set(engine_env({}, device="cuda"))
+    assert "GOMP_SPINCOUNT" not in engine_env({}, device="cuda")
+
+
+def test_the_spin_count_is_the_set_time_over_one_iteration_of_libgomp_s_loop(monkeypatch):
+    """The count spins SPIN_SECONDS at the loop's timed speed, kept within libgomp's own bounds;
+    where the loop cannot be timed (no C compiler) the count is the fixed fallback."""
+    ns = openmp_spin.iteration_ns()
+    if ns is None:
+        pytest.skip("no C compiler here: the count is the fallback")
+    assert ns > 0
+    cases = ((ns, round(openmp_spin.SPIN_SECONDS * 1e9 / ns)), (1e-6, openmp_spin.MOST), (1e6, openmp_spin.LEAST))
+    for timed, expected in cases:
+        monkeypatch.setattr(openmp_spin, "iteration_ns", lambda timed=timed: timed)
+        openmp_spin.spin_count.cache_clear()
+        assert openmp_spin.spin_count() == min(openmp_spin.MOST, max(openmp_spin.LEAST, expected))
+    monkeypatch.undo()
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert openmp_spin.iteration_ns() is None
+    openmp_spin.spin_count.cache_clear()
+    assert openmp_spin.spin_count() == openmp_spin.FALLBACK
+    openmp_spin.spin_count.cache_clear()
 
 
 @linux

@@ -50,16 +50,17 @@ and on glibc between the phases of a training op's micro-batches where the op's 
 grown past its memory budget, and always between a checkpointed micro-batch's, whose long datum's
 blocks fit the holes earlier steps left badly (``training_ops._Heap``).
 
-A CPU engine's OpenMP threads also spin less (:data:`OPENMP`). Between two parallel regions a
-thread of torch's OpenMP runtime (libgomp) spins for up to ~300,000 iterations before it sleeps. On
-cores that other processes use too (a loop's own client, a test run, a shared host), the spinning
-threads take the cores from the one thread that still has work, and every region can wait out a
-scheduler slice. Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) is the other extreme: each region
-then pays a wake-up, which on free cores costs a decode step more than the spinning saves. A short
-spin keeps the speed of free cores and most of the gain on shared ones (the figures:
-benchmarks/README.md, "The engine's OpenMP spin"). A user's own ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` wins. libgomp reads them when it loads (with torch), so they go into the engine's
-environment; an in-process engine keeps its process's own setting.
+A CPU engine's OpenMP threads also spin for a set time, not libgomp's set count
+(:func:`.openmp_spin.spin_count`). Between two parallel regions a thread of torch's OpenMP runtime
+(libgomp) spins for up to ~300,000 iterations before it sleeps. On cores that other processes use
+too (a loop's own client, a test run, a shared host), the spinning threads take the cores from the
+one thread that still has work, and every region can wait out a scheduler slice. Sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) is the other extreme: each region then pays a wake-up, which on free
+cores costs a decode step more than the spinning saves. A spin as long as a decode step's serial
+gaps (:data:`.openmp_spin.SPIN_SECONDS`) keeps the speed of free cores and most of the gain on
+shared ones (the figures: benchmarks/README.md, "The engine's OpenMP spin"). A user's own
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins. libgomp reads them when it loads (with torch), so
+they go into the engine's environment; an in-process engine keeps its process's own setting.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ import ctypes.util
 import functools
 import os
 import sys
+
+from sess.engine.runtime.memory import openmp_spin
 
 KEEP = 2**31 - 1
 MMAP_FROM = 4 << 20  # blocks this big or bigger are mapped on their own (glibc allows up to 32 MiB)
@@ -89,9 +92,8 @@ SAMPLING_MMAP_FROM = 32 << 20
 # entries each of oneDNN's primitive caches keeps (torch's ideep, oneDNN's own); both read at first use
 ONEDNN_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 
-# spins of an OpenMP thread out of work before it sleeps (libgomp reads it at load; its own default
-# is 300,000, PASSIVE is 0); set unless the user set either variable
-OPENMP = {"GOMP_SPINCOUNT": "3000"}
+# what says how long an OpenMP thread out of work spins before it sleeps (libgomp reads them at
+# load); the engine sets GOMP_SPINCOUNT (openmp_spin.spin_count) unless the user set either
 OPENMP_USER = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 # jemalloc (SESS_MALLOC=jemalloc): freed pages go back after ~2 s, by its own thread, and at once
@@ -134,11 +136,11 @@ def engine_env(base: dict[str, str] | None = None, device: str = "cpu") -> dict[
     plus the malloc settings above, unless turned off, already set, or the engine is not on CPU.
     With ``SESS_MALLOC=jemalloc``, jemalloc preloaded instead (ValueError where it is missing). A
     CPU engine's oneDNN caches are capped (:data:`ONEDNN_CACHES`) and its OpenMP threads spin
-    briefly (:data:`OPENMP`) whatever its malloc."""
+    for :data:`.openmp_spin.SPIN_SECONDS` whatever its malloc."""
     env = dict(os.environ if base is None else base)
     _cap_onednn(env, device)
     if device == "cpu" and not any(key in env for key in OPENMP_USER):
-        env.update(OPENMP)
+        env["GOMP_SPINCOUNT"] = str(openmp_spin.spin_count())
     malloc = _engine_malloc(env, device)
     if malloc == "jemalloc":
         library = jemalloc_library()
