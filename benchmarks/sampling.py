@@ -274,6 +274,9 @@ def main() -> None:
         # each round: the batch, then the floor at once, so both see the same state of a shared host
         rounds = []
         parts = BatchParts(host.decoder)
+        if floor_here:  # the floor's first pass packs the base weights (merged plans do not use
+            # them): done before the first batch, its copies do not take the heap a batch freed
+            on_engine(svc, matmul_floor, host, rows, 1)
         for _ in range(args.rounds):
             with parts.timing():
                 n_sess, t_sess = sess_batch(sc, prompts, args.samples, params)
