@@ -36,7 +36,7 @@ SIGNATURES = {
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str]:
     """The kernels built for this CPU and loaded, with how; (None, why not) where they cannot be."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_compiler()
     if compiler is None:
         return None, "not built: no C compiler (cc or $CC)"
     try:
@@ -52,6 +52,11 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     if runtimes is None or len(runtimes) > 1:
         return None, f"not used: OpenMP runtimes in the process {runtimes or 'unknown'} (one is torch's)"
     return declared(lib), f"built by {Path(compiler).name} for this CPU"
+
+
+def c_compiler() -> str | None:
+    """The path of the system's C compiler (``$CC``, else ``cc``), or None where there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
 
 
 def build_command(compiler: str, out: Path, arch: str = "native") -> list[str]:

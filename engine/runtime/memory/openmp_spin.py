@@ -20,11 +20,11 @@ benchmarks/README.md, "The engine's OpenMP spin".
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from sess.engine.sampling.native import c_compiler
 
 SPIN_SECONDS = 150e-6  # how long an engine's OpenMP thread spins before it sleeps
 FALLBACK = 3000  # the count where the loop cannot be timed here
@@ -77,7 +77,7 @@ def spin_count() -> int:
 def iteration_ns() -> float | None:
     """Nanoseconds one iteration of libgomp's spin loop takes here; None where the system's C
     compiler is missing or the program fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_compiler()
     if compiler is None:
         return None
     try:
