@@ -12,14 +12,17 @@
 
    Every sum is taken in an order fixed by this code and the row's own data: a score is a dot
    product summed in LANES partial sums over dim (in order within each), the partials then added
-   pairwise (hsum16); softmax subtracts the row's exact maximum, exponentiates (exp_neg16: IEEE
-   operations only, no library call that may differ between CPUs) and sums the weights the same
-   way, in LANES partial sums over columns then pairwise; the output adds weight * value in column
-   order and divides by that sum at the end. A row reads no entries but its own (or the same
-   entries of a sibling sample of its prompt: bit copies) and nothing past its position, so its
-   result is the same alone as among 63 others, however long the others are. No fused
-   multiply-adds (the build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin
-   rounded op by op, as torch's elementwise ops do it.
+   pairwise (hsum16; eight columns' scores are reduced together, each by the same additions);
+   softmax subtracts the row's exact maximum, exponentiates (exp_neg16: IEEE operations only, no
+   library call that may differ between CPUs) and sums the weights the same way, in LANES partial
+   sums over columns then pairwise; the output adds weight * value in column order (a value read
+   once for up to four query heads, each with its own sums) and divides by that sum at the end. A
+   row reads no entries but its own (or the same entries of a sibling sample of its prompt: bit
+   copies) and nothing past its position, so its result is the same alone as among 63 others,
+   however long the others are. While a row computes, the next row's own entries are asked for a
+   few columns at a time, so memory is read as the arithmetic runs. No fused multiply-adds (the
+   build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op, as
+   torch's elementwise ops do it.
 
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
    then pairwise, as a score; the activation is elementwise. So every row's result depends on that
@@ -76,15 +79,6 @@ static inline float hsum16(v16 p)
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* sum of a[d] * b[d]: LANES partial sums p[l] over d = l, l + LANES, ... in order, then
-   hsum16 */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int dim)
-{
-    v16 p = load16(a) * load16(b);
-    for (int c = LANES; c < dim; c += LANES) p = p + load16(a + c) * load16(b + c);
-    return hsum16(p);
-}
-
 /* e^x for x <= 0 (0 below -87), 16 at a time: x = n ln 2 + r, e^r by Cephes' expf polynomial,
    times 2^n built from its bits; every step an IEEE operation on each lane, so the same bits on
    every CPU and at every lane */
@@ -108,19 +102,107 @@ static inline v16 exp_neg16(v16 x)
     return select16(below, splat16(0.0f), y * scale);
 }
 
-/* one row's attention for key/value head h: its groups of query heads over columns 0..position */
+/* hsum16 of each of the 8 vectors p[0..7] at once: lane i of the result is hsum16(p[i]), its
+   additions the same ones in the same order (p[l] + p[l + 8], those + 4 apart, then
+   (q[0] + q[2]) + (q[1] + q[3])), the vectors' lanes regrouped between them */
+static inline v8 hsum16_x8(const v16 p[8])
+{
+    v16 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-7: p[2i]'s l + (l + 8); lanes 8-15: p[2i + 1]'s */
+        t[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                         29, 30, 31);
+    for (int i = 0; i < 2; i++) /* four lanes a vector: its l + (l + 4) */
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                         30, 31);
+    /* two lanes a vector: q[0] + q[2] and q[1] + q[3] */
+    const v16 v = __builtin_shufflevector(u[0], u[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+                  + __builtin_shufflevector(u[0], u[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14)
+           + __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* column c of a row's cache entries: below `shared` its source row's (the same entries) */
+static inline const float *column_of(const float *own, const float *source, int64_t shared, int64_t c,
+                                     size_t block_stride, size_t column_stride)
+{
+    return (c < shared ? source : own) + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * column_stride;
+}
+
+/* the cache entries a task asks for while another computes: columns next..end - 1 of one row's
+   keys and values, each column's cache lines requested into L2 (the hardware's stream prefetch
+   stops at each 4 KiB page, 16 columns of a slot) */
+typedef struct {
+    const float *keys, *values;
+    int64_t next, end;
+    size_t block_stride, column_stride;
+    int dim;
+} ahead_t;
+
+/* request up to `columns` more of `a`'s columns (none where a is NULL or done) */
+static inline void ask_ahead(ahead_t *a, int columns)
+{
+    if (a == NULL) return;
+    for (; columns > 0 && a->next < a->end; columns--, a->next++) {
+        const size_t at = (size_t)(a->next / BLOCK) * a->block_stride + (size_t)(a->next % BLOCK) * a->column_stride;
+        for (int d = 0; d < a->dim; d += 16) {
+            __builtin_prefetch(a->keys + at + d, 0, 2);
+            __builtin_prefetch(a->values + at + d, 0, 2);
+        }
+    }
+}
+
+/* out[g] for G query heads at once: the sum over columns c <= position of weights[g][c] *
+   value[c] in column order (each product, then its add, rounded on its own), divided by total[g]
+   at the end; each value is read once for all G */
+static inline __attribute__((always_inline)) void
+weigh_values(const float *weights, int64_t longest, const int G, const float *row_values,
+             const float *source_values, int64_t shared, size_t block_stride, size_t column_stride,
+             int64_t position, const int dim, const float *total, float *out, ahead_t *ahead)
+{
+    v16 acc[4][WIDEST / LANES];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < dim / LANES; j++) acc[g][j] = splat16(0.0f);
+    for (int64_t c = 0; c <= position; c++) {
+        ask_ahead(ahead, 1);
+        const float *value = column_of(row_values, source_values, shared, c, block_stride, column_stride);
+        for (int j = 0; j < dim / LANES; j++) {
+            const v16 entries = load16(value + j * LANES);
+            for (int g = 0; g < G; g++) acc[g][j] = acc[g][j] + splat16(weights[g * longest + c]) * entries;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[g][j] / total[g]);
+}
+
+/* one row's attention for key/value head h: its groups of query heads over columns 0..position.
+   Scores are taken 8 columns at a time, each column's dot product in its own vector of partial
+   sums, the 8 reduced together (hsum16_x8: the bits of dot's hsum16 each) */
 static inline __attribute__((always_inline)) void
 row_head(const float *query_in, const float *q_cos, const float *q_sin, const float *row_keys,
          const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
          size_t block_stride, size_t column_stride, int64_t position, int groups, const int dim, float *scores,
-         int64_t longest, float *out)
+         int64_t longest, float *out, ahead_t *ahead)
 {
     float query[MOST_GROUPS][WIDEST];
     for (int g = 0; g < groups; g++) rotate(query_in + (size_t)g * dim, q_cos, q_sin, dim, query[g]);
-    for (int64_t c = 0; c <= position; c++) {
-        const float *key = (c < shared ? source_keys : row_keys) + (size_t)(c / BLOCK) * block_stride
-                           + (size_t)(c % BLOCK) * column_stride;
-        for (int g = 0; g < groups; g++) scores[g * longest + c] = dot(query[g], key, dim);
+    for (int64_t first = 0; first <= position; first += 8) {
+        ask_ahead(ahead, 8);
+        const float *key[8];
+        for (int i = 0; i < 8; i++) /* past the row: its last column again (the score is set to -inf below) */
+            key[i] = column_of(row_keys, source_keys, shared, first + i <= position ? first + i : position,
+                               block_stride, column_stride);
+        for (int g = 0; g < groups; g++) {
+            v16 p[8];
+            for (int i = 0; i < 8; i++) { /* as dot: LANES partial sums over dim, in order */
+                v16 sum = load16(query[g]) * load16(key[i]);
+                for (int d = LANES; d < dim; d += LANES) sum = sum + load16(query[g] + d) * load16(key[i] + d);
+                p[i] = sum;
+            }
+            const v8 dots = hsum16_x8(p);
+            memcpy(scores + g * longest + first, &dots, sizeof dots);
+        }
     }
     float total[MOST_GROUPS];
     const int64_t columns = position + 1, padded = (columns + LANES - 1) / LANES * LANES;
@@ -142,17 +224,24 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
         }
         total[g] = hsum16(sum);
     }
-    for (int g = 0; g < groups; g++) { /* a group at a time: its sums stay in registers */
-        const float *weights = scores + g * longest;
-        v16 acc[WIDEST / LANES];
-        for (int j = 0; j < dim / LANES; j++) acc[j] = splat16(0.0f);
-        for (int64_t c = 0; c <= position; c++) {
-            const float *value = (c < shared ? source_values : row_values) + (size_t)(c / BLOCK) * block_stride
-                                 + (size_t)(c % BLOCK) * column_stride;
-            const v16 weight = splat16(weights[c]);
-            for (int j = 0; j < dim / LANES; j++) acc[j] = acc[j] + weight * load16(value + j * LANES);
-        }
-        for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[j] / total[g]);
+    /* the groups a few at a time (their sums stay in registers), each value read once for them */
+    const int most_at_once = dim <= 64 ? 4 : dim <= 128 ? 2 : 1;
+    for (int g = 0; g < groups; g += most_at_once) {
+        const int n = groups - g < most_at_once ? groups - g : most_at_once;
+        const float *w = scores + g * longest;
+        float *o = out + (size_t)g * dim;
+        if (n == 4)
+            weigh_values(w, longest, 4, row_values, source_values, shared, block_stride, column_stride, position,
+                         dim, total + g, o, ahead);
+        else if (n == 3)
+            weigh_values(w, longest, 3, row_values, source_values, shared, block_stride, column_stride, position,
+                         dim, total + g, o, ahead);
+        else if (n == 2)
+            weigh_values(w, longest, 2, row_values, source_values, shared, block_stride, column_stride, position,
+                         dim, total + g, o, ahead);
+        else
+            weigh_values(w, longest, 1, row_values, source_values, shared, block_stride, column_stride, position,
+                         dim, total + g, o, ahead);
     }
 }
 
@@ -160,17 +249,17 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
 static void attend_head(const float *query, const float *q_cos, const float *q_sin, const float *row_keys,
                         const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
                         size_t block_stride, size_t column_stride, int64_t position, int groups, int dim,
-                        float *scores, int64_t longest, float *out)
+                        float *scores, int64_t longest, float *out, ahead_t *ahead)
 {
     if (dim == 64)
         row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
-                 column_stride, position, groups, 64, scores, longest, out);
+                 column_stride, position, groups, 64, scores, longest, out, ahead);
     else if (dim == 128)
         row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
-                 column_stride, position, groups, 128, scores, longest, out);
+                 column_stride, position, groups, 128, scores, longest, out, ahead);
     else
         row_head(query, q_cos, q_sin, row_keys, row_values, source_keys, source_values, shared, block_stride,
-                 column_stride, position, groups, dim, scores, longest, out);
+                 column_stride, position, groups, dim, scores, longest, out, ahead);
 }
 
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
@@ -226,26 +315,18 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
             /* the next task's own entries (not a shared prompt's, which the core's cache holds)
-               asked for now, while this one computes: the hardware's stream prefetch stops at each
-               4 KiB page, 16 columns of a slot */
+               asked for a few columns at a time while this one computes */
+            ahead_t ahead = {0};
             if (task + 1 < rows * kv_heads) {
                 const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
-                const int64_t from = sources ? shared[nr] : 0, to = positions[nr];
-                const float *nk = keys + ((size_t)nr * kv_heads + nh) * slot;
-                const float *nv = values + ((size_t)nr * kv_heads + nh) * slot;
-                for (int64_t c = from; c < to; c++) {
-                    const size_t at = (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * dim;
-                    for (int d = 0; d < dim; d += 16) {
-                        __builtin_prefetch(nk + at + d, 0, 2);
-                        __builtin_prefetch(nv + at + d, 0, 2);
-                    }
-                }
+                ahead = (ahead_t){keys + ((size_t)nr * kv_heads + nh) * slot, values + ((size_t)nr * kv_heads + nh) * slot,
+                                  sources ? shared[nr] : 0, positions[nr], block_stride, dim, dim};
             }
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
             float *o = out + ((size_t)r * heads + (size_t)h * groups) * dim;
             attend_head(query, qc, qs, row_keys, row_values, source_keys, source_values, common, block_stride, dim,
-                        position, groups, dim, scores, longest, o);
+                        position, groups, dim, scores, longest, o, &ahead);
         }
         free(scores);
     }
@@ -299,7 +380,7 @@ int sess_prefill_attention(const float *q, long q_stride, const float *q_cos, co
             const float *qc = q_cos + (size_t)t * dim, *qs = q_sin + (size_t)t * dim;
             float *o = out + ((size_t)t * heads + (size_t)h * groups) * dim;
             attend_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
-                        column, positions[t], groups, dim, scores, longest, o);
+                        column, positions[t], groups, dim, scores, longest, o, NULL);
         }
         free(scores);
     }
@@ -344,7 +425,7 @@ static inline v16 silu_mul16(v16 g, v16 u)
 {
     const v16i negative = g < splat16(0.0f);
     const v16 e = exp_neg16(select16(negative, g, -g));
-    const v16 sigmoid = select16(negative, e / (1.0f + e), 1.0f / (1.0f + e));
+    const v16 sigmoid = select16(negative, e, splat16(1.0f)) / (1.0f + e); /* e / (1 + e) or 1 / (1 + e) */
     return (g * sigmoid) * u;
 }
 

@@ -64,6 +64,82 @@ def test_the_kernel_writes_the_cache_as_the_torch_ops_and_attends_to_rounding(he
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _hsum16(p: torch.Tensor) -> torch.Tensor:
+    """fused_ops.c's hsum16 of each [..., 16]: lanes l + (l + 8), those + 4 apart, then
+    (q0 + q2) + (q1 + q3)."""
+    h = p[..., :8] + p[..., 8:]
+    q = h[..., :4] + h[..., 4:]
+    return (q[..., 0] + q[..., 2]) + (q[..., 1] + q[..., 3])
+
+
+def _exp_neg16(x: torch.Tensor) -> torch.Tensor:
+    """fused_ops.c's exp_neg16, op by op in float32."""
+    below = x < -87.0
+    x = torch.where(below, _f32(-87.0), x)
+    shift = _f32(12582912.0)
+    n = (x * _f32(1.44269504088896341) + shift) - shift
+    r = x - n * _f32(0.693359375)
+    r = r - n * _f32(-2.12194440e-4)
+    z = r * r
+    y = torch.full_like(x, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + _f32(c)
+    y = y * z + r + _f32(1.0)
+    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(below, _f32(0.0), y * scale)
+
+
+def _stated_attention(keys, values, positions, q, rotation) -> torch.Tensor:
+    """Decode attention over a written cache layer as the comment atop fused_ops.c states its
+    arithmetic, one float32 op at a time: each score a dot product in 16 lane sums over dim, then
+    hsum16; the row's maximum subtracted, exp_neg16, the weights summed in 16 lane sums over
+    columns (those past the row padded with exact zeros), then hsum16; weight * value added in
+    column order, then divided by that sum."""
+    _, _, q_cos, q_sin = rotation
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    groups = heads // kv_heads
+    queries = q * q_cos + q.roll(dim // 2, dims=-1) * q_sin
+    out = torch.empty(rows, heads, dim)
+    for r in range(rows):
+        n = int(positions[r]) + 1
+        columns = torch.arange(n)
+        row_keys = keys[columns // BLOCK, r, :, columns % BLOCK]  # [n, kv heads, dim]
+        row_values = values[columns // BLOCK, r, :, columns % BLOCK]
+        for head in range(heads):
+            query, h = queries[r, head], head // groups
+            p = query[:16] * row_keys[:, h, :16]
+            for d in range(16, dim, 16):
+                p = p + query[d : d + 16] * row_keys[:, h, d : d + 16]
+            scores = _hsum16(p)
+            weights = _exp_neg16(scores - scores.max())
+            lanes = torch.zeros(16)
+            for start in range(0, n, 16):
+                chunk = weights[start : start + 16]
+                lanes = lanes + torch.cat([chunk, torch.zeros(16 - chunk.shape[0])])
+            acc = torch.zeros(dim)
+            for c in range(n):
+                acc = acc + weights[c] * row_values[c, h]
+            out[r, head] = acc / _hsum16(lanes)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 32), (5, 1, 64), (4, 2, 128), (3, 3, 48)])
+def test_decode_attention_is_the_arithmetic_its_source_states_to_the_bit(heads, kv_heads, dim):
+    """The kernel's attention equals, to the bit, a float32 re-statement of the order its source
+    fixes (scores of several columns reduced together, values read once for several heads, the
+    next row's entries fetched ahead: none of it may change a bit)."""
+    _built()
+    positions = [0, 7, 8, 63, 64, 100, 127]
+    keys, values, pos, q, k, v, rotation = _step(len(positions), heads, kv_heads, dim, positions, blocks=2, seed=7)
+    got = _kernel(keys, values, pos, q, k, v, rotation)  # writes the step's entries into the cache
+    assert torch.equal(got, _stated_attention(keys, values, pos, q, rotation))
+
+
 def test_a_row_gets_the_same_bits_alone_as_among_others_of_any_length():
     """Each row reads its own columns only: its result alone (in a cache just long enough) and in
     a batch of longer and shorter rows (in a larger cache) is the same to the bit."""
