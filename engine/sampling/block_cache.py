@@ -4,7 +4,11 @@ Row ``r``'s entries fill columns ``[0, positions[r])`` (column c lives in block 
 decode step writes its new token at column ``positions[r]``; the rest is zeros. Blocks lead so that
 the first few are one contiguous tensor for :func:`~.row_invariant.decode_attention`, whatever the
 capacity, and a decode step copies nothing that grows with length. Rows join (:meth:`append`) and
-leave (:meth:`keep`) between steps.
+leave (:meth:`keep`) between steps. Where the decoder reads the cache through the attention kernel
+(:attr:`BlockCache.by_place`), rows leave without moving a byte while most of the cache's rows are
+still in the batch: the kernel finds each row's entries by :attr:`BlockCache.places`, and the
+cache is compacted only once half its rows have left (rows finish a few at a time, so moving the
+rest each time copied the whole cache ~once a step as a batch ran out).
 
 The samples of one prompt hold the same entries over the prompt's columns; the cache knows which
 rows those are (:meth:`sharing`), so attention reads a prompt's entries from memory once for all
@@ -55,6 +59,11 @@ class BlockCache:
         self.prompts = prompts if prompts is not None else [None] * keys[0].shape[1]
         self.step: WriteStep | None = None
         self._sharing: tuple[torch.Tensor, torch.Tensor] | None = None
+        # whether rows may leave without their entries moving (the decoder reads through places)
+        self.by_place = False
+        # int64 [rows], ascending: the cache row that holds each row's entries, where rows left
+        # in place (None: row r in cache row r, every cache row a row's)
+        self.places: torch.Tensor | None = None
 
     @classmethod
     def from_prompts(
@@ -93,6 +102,11 @@ class BlockCache:
     def blocks(self) -> int:
         return self.keys[0].shape[0]
 
+    @property
+    def held(self) -> int:
+        """Rows the cache holds entries for (the batch's and, until compacted, ones that left)."""
+        return self.keys[0].shape[1]
+
     def sharing(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sources, lengths)``, int64 [rows]: row ``r``'s first ``lengths[r]`` columns hold the
         same entries as row ``sources[r]``'s (the first row of its prompt; itself, 0 columns, for a
@@ -100,7 +114,8 @@ class BlockCache:
         if self._sharing is None:
             first: dict[int, int] = {}
             sources, lengths = [], []
-            for row, prompt in enumerate(self.prompts):
+            prompts = self.prompts if self.places is None else [self.prompts[p] for p in self.places.tolist()]
+            for row, prompt in enumerate(prompts):
                 sources.append(row if prompt is None else first.setdefault(prompt[0], row))
                 lengths.append(0 if prompt is None else prompt[1])
             self._sharing = (torch.tensor(sources, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
@@ -117,6 +132,8 @@ class BlockCache:
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new entry [rows, kv heads, dim] of ``layer``; its keys and values up to
         this step's last block."""
+        if self.places is not None:
+            raise RuntimeError("a cache whose rows left in place is read through the attention kernel only")
         step = self.step
         self.keys[layer][step.block, step.rows, :, step.column] = key
         self.values[layer][step.block, step.rows, :, step.column] = value
@@ -130,12 +147,21 @@ class BlockCache:
         return self.keys[layer], self.values[layer]
 
     def keep(self, rows: torch.Tensor, width: int) -> None:
-        """Keep ``rows`` (ascending), and of their blocks enough for ``width`` columns and some
-        growth. Rows finish a few at a time, so while at least half the cache stays it is compacted
-        in its own memory (:func:`_compact`) rather than copied to a new one: a new cache is fresh
-        pages the kernel faults in one by one, ~200 ms a finished row at 64 rows and 2 blocks of
-        smollm2."""
-        keep = min(self.blocks, 2 * (width // BLOCK + 1))
+        """Keep ``rows`` (ascending) of the batch's. With :attr:`by_place`, while more than half the
+        cache's rows stay, only :attr:`places` changes. Otherwise the rows' entries, and of their
+        blocks enough for ``width`` columns and some growth, are compacted in the cache's own memory
+        (:func:`_compact`) while at least half of it stays, else copied to a smaller cache: a new
+        cache is fresh pages the kernel faults in one by one, ~200 ms a finished row at 64 rows and
+        2 blocks of smollm2."""
+        places = rows if self.places is None else self.places[rows]
+        self._sharing = None
+        if self.by_place and 2 * places.shape[0] > self.held:
+            self.places = places
+            return
+        self._move(places, min(self.blocks, 2 * (width // BLOCK + 1)))
+
+    def _move(self, rows: torch.Tensor, keep: int) -> None:
+        """Hold only the cache rows ``rows`` (ascending), in order, and ``keep`` blocks."""
 
         def kept(t: torch.Tensor) -> torch.Tensor:
             if 2 * keep * rows.shape[0] * t[0, 0].numel() < t.numel():
@@ -144,10 +170,13 @@ class BlockCache:
 
         _each_layer((self.keys, self.values), kept)
         self.prompts = [self.prompts[row] for row in rows.tolist()]
+        self.places = None
         self._sharing = None
 
     def append(self, other: BlockCache) -> None:
-        """Add ``other``'s rows after this cache's."""
+        """Add ``other``'s rows after this cache's (rows that left in place go first)."""
+        if self.places is not None:
+            self._move(self.places, self.blocks)
         blocks = max(self.blocks, other.blocks)
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for layer, entries in enumerate(theirs):

@@ -264,23 +264,29 @@ static void attend_head(const float *query, const float *q_cos, const float *q_s
 
 /* q [rows][heads * dim] (row stride q_stride floats), k and v [rows][kv_heads * dim] (strides
    k_stride, v_stride), cos, sin, q_cos, q_sin [rows][dim] (the queries' rotation carries their
-   scaling); keys and values the cache, `rows` rows a block, `columns` columns a row; out
-   [rows][heads * dim]. With `sources` (else NULL), row r reads its columns below shared[r] from
-   row sources[r], which holds the same entries there (a prompt's samples: the prompt's entries are
-   read from memory once for all of them and from the core's cache after; the bits are those of
-   the row's own copy). Returns 0, -1 for a shape not built here, -2 where memory ran out, -3 for a
-   position outside the cache, -4 for a source outside the rows or a shared prefix past a row's
-   or its source's position. */
+   scaling); keys and values the cache, `held` rows a block, `columns` columns a row; out
+   [rows][heads * dim]. Row r's entries are the cache's row places[r] (with `places` NULL, row r;
+   rows that left the batch stay in the cache unread until it is compacted). With `sources` (else
+   NULL), row r reads its columns below shared[r] from row sources[r]'s entries, which are the same
+   there (a prompt's samples: the prompt's entries are read from memory once for all of them and
+   from the core's cache after; the bits are those of the row's own copy). Returns 0, -1 for a
+   shape not built here, -2 where memory ran out, -3 for a position outside the cache, -4 for a
+   source outside the rows or a shared prefix past a row's or its source's position, -5 for a
+   place outside the cache's rows or two rows in one place. */
 int sess_decode_attention(const float *q, long q_stride, const float *k, long k_stride, const float *v,
                           long v_stride, const float *cos, const float *sin, const float *q_cos,
                           const float *q_sin, float *keys, float *values, const int64_t *positions,
-                          const int64_t *sources, const int64_t *shared, long columns, int rows, int heads,
-                          int kv_heads, int dim, float *out, int threads)
+                          const int64_t *sources, const int64_t *shared, const int64_t *places, long held,
+                          long columns, int rows, int heads, int kv_heads, int dim, float *out, int threads)
 {
     if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
         return -1;
     for (int r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= columns) return -3;
+    if (places != NULL) /* ascending, so no two rows write one place */
+        for (int r = 0; r < rows; r++)
+            if (places[r] < 0 || places[r] >= held || (r > 0 && places[r] <= places[r - 1])) return -5;
+    if (places == NULL && held != rows) return -5;
     if (sources != NULL)
         for (int r = 0; r < rows; r++) {
             const int64_t source = sources[r];
@@ -289,7 +295,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
                 return -4;
         }
     const int groups = heads / kv_heads;
-    const size_t slot = (size_t)BLOCK * dim, block_stride = (size_t)rows * kv_heads * slot;
+    const size_t slot = (size_t)BLOCK * dim, block_stride = (size_t)held * kv_heads * slot;
     int64_t longest = 1;
     for (int r = 0; r < rows; r++)
         if (positions[r] + 1 > longest) longest = positions[r] + 1;
@@ -306,11 +312,13 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
         for (int task = 0; task < rows * kv_heads; task++) {
             if (scores == NULL) continue;
             const int r = task / kv_heads, h = task % kv_heads;
-            const int64_t position = positions[r], source = sources ? sources[r] : r, common = sources ? shared[r] : 0;
-            float *row_keys = keys + ((size_t)r * kv_heads + h) * slot;
-            float *row_values = values + ((size_t)r * kv_heads + h) * slot;
-            const float *source_keys = keys + ((size_t)source * kv_heads + h) * slot;
-            const float *source_values = values + ((size_t)source * kv_heads + h) * slot;
+            const int64_t position = positions[r], common = sources ? shared[r] : 0;
+            const int64_t place = places ? places[r] : r, source = sources ? sources[r] : r;
+            const int64_t source_place = places ? places[source] : source;
+            float *row_keys = keys + ((size_t)place * kv_heads + h) * slot;
+            float *row_values = values + ((size_t)place * kv_heads + h) * slot;
+            const float *source_keys = keys + ((size_t)source_place * kv_heads + h) * slot;
+            const float *source_values = values + ((size_t)source_place * kv_heads + h) * slot;
             const size_t here = (size_t)(position / BLOCK) * block_stride + (size_t)(position % BLOCK) * dim;
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
@@ -319,8 +327,8 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             ahead_t ahead = {0};
             if (task + 1 < rows * kv_heads) {
                 const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
-                ahead = (ahead_t){keys + ((size_t)nr * kv_heads + nh) * slot, values + ((size_t)nr * kv_heads + nh) * slot,
-                                  sources ? shared[nr] : 0, positions[nr], block_stride, dim, dim};
+                const size_t at = ((size_t)(places ? places[nr] : nr) * kv_heads + nh) * slot;
+                ahead = (ahead_t){keys + at, values + at, sources ? shared[nr] : 0, positions[nr], block_stride, dim, dim};
             }
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;

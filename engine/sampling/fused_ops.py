@@ -56,34 +56,43 @@ def attend(
     value: torch.Tensor,
     rotation: tuple[torch.Tensor, ...],
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    places: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each row's ``key`` (rotated) and ``value`` [rows, kv heads, dim] into the cache layer
-    ``keys``/``values`` [blocks, rows, kv heads, BLOCK, dim] at ``positions`` [rows], and return
-    the attention [rows, heads, dim] of ``query`` [rows, heads, dim] (rotated, scaled) over each
-    row's columns up to its position. ``rotation`` is ``(cos, sin, q_cos, q_sin)`` [rows, 1, dim]
-    (``sin`` with rotate_half's signs; the queries' carry their scaling). ``shared``, int64
+    ``keys``/``values`` [blocks, held rows, kv heads, BLOCK, dim] at ``positions`` [rows], and
+    return the attention [rows, heads, dim] of ``query`` [rows, heads, dim] (rotated, scaled) over
+    each row's columns up to its position. ``rotation`` is ``(cos, sin, q_cos, q_sin)`` [rows, 1,
+    dim] (``sin`` with rotate_half's signs; the queries' carry their scaling). ``shared``, int64
     ``(sources, lengths)`` [rows] (:meth:`.BlockCache.sharing`): row ``r`` reads its first
     ``lengths[r]`` columns from row ``sources[r]``, whose entries there are the same (a prompt's
-    samples): read from memory once for them all, the same bits."""
+    samples): read from memory once for them all, the same bits. ``places``, int64 [rows]
+    ascending (:attr:`.BlockCache.places`): the cache row that holds each row's entries (None: row
+    ``r`` in cache row ``r``, every cache row a row's)."""
     lib = _lib()
     rows, heads, dim = query.shape
     kv_heads = key.shape[1]
-    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (rows, kv_heads, BLOCK, dim):
+    held = keys.shape[1] if places is not None else rows
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (held, kv_heads, BLOCK, dim):
         raise ValueError(f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows")
     query, key, value = (_rows_dense(t) for t in (query, key, value))
     cos, sin, q_cos, q_sin = (t.contiguous() for t in rotation)
-    positions = positions.to(torch.int64).contiguous()
+    positions = _int64(positions)
     out = query.new_empty(rows, heads, dim)
     if shared is not None:
-        sources, lengths = (t.to(torch.int64).contiguous() for t in shared)
+        sources, lengths = (_int64(t) for t in shared)
         if sources.shape != (rows,) or lengths.shape != (rows,):
             raise ValueError(f"decode attention kernel: shared prefixes for {tuple(sources.shape)} rows, not {rows}")
+    if places is not None:
+        places = _int64(places)
+        if places.shape != (rows,):
+            raise ValueError(f"decode attention kernel: cache places for {tuple(places.shape)} rows, not {rows}")
     _check(
         lib.sess_decode_attention(
             *(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)),
             *(cos.data_ptr(), sin.data_ptr(), q_cos.data_ptr(), q_sin.data_ptr()),
             *(keys.data_ptr(), values.data_ptr(), positions.data_ptr()),
             *((sources.data_ptr(), lengths.data_ptr()) if shared is not None else (None, None)),
+            *(places.data_ptr() if places is not None else None, held),
             keys.shape[0] * BLOCK,
             *(rows, heads, kv_heads, dim),
             *(out.data_ptr(), torch.get_num_threads()),
@@ -199,8 +208,15 @@ def _check(failed: int, what: str) -> None:
         raise ValueError(f"{what} kernel: a position outside the cache or the prefill's tokens")
     if failed == -4:
         raise ValueError(f"{what} kernel: a shared prefix's source outside the rows or past a position")
+    if failed == -5:
+        raise ValueError(f"{what} kernel: cache places outside the cache's rows or not ascending")
     if failed:
         raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as dense int64 (itself where it is)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _rows_dense(t: torch.Tensor) -> torch.Tensor:

@@ -208,6 +208,7 @@ class LlamaDecoder:
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16))
+        cache.by_place = fused  # the steps read it through the kernel, by place
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)
@@ -235,7 +236,7 @@ class LlamaDecoder:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
             if fused:
                 keys, values = cache.layer(layer)
-                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared)
+                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared, cache.places)
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)

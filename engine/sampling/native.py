@@ -25,7 +25,8 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 # each kernel's C signature (argtypes; every one returns an int status)
 SIGNATURES = {
     "sess_few_rows": [_P, _I, _I, _P, _I, _I, _I, _P, _I],
-    "sess_decode_attention": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _P, _I],
+    "sess_decode_attention": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L]
+    + [_I, _I, _I, _I, _P, _I],
     "sess_prefill_attention": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
     "sess_rms_norm": [_P, _L, _P, _L, _P, ctypes.c_float, _I, _I, _P, _P, _I],
     "sess_silu_mul": [_P, _L, _P, _L, _I, _I, _P, _I],

@@ -191,6 +191,37 @@ def test_a_prompts_samples_read_its_entries_from_one_row_with_the_same_bits():
         fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources[:3], lengths[:3]))
 
 
+def test_rows_read_by_place_get_the_bits_of_a_compacted_cache_and_nothing_of_the_rows_that_left():
+    """Rows that left the batch stay in the cache (:attr:`BlockCache.places`): the rows still in
+    it write and attend where their entries are, with the same bits as in a cache holding only
+    them, and the rows that left are never read; places out of the cache or out of order are
+    refused."""
+    _built()
+    positions = [41, 70, 45, 100, 66, 64]  # held rows; rows 1 and 4 have left the batch
+    keys, values, _, q, k, v, rotation = _step(len(positions), 9, 3, 64, positions, blocks=2, seed=3)
+    places = torch.tensor([0, 2, 3, 5])
+    pos = torch.tensor(positions)[places]
+    q, k, v = q[places], k[places], v[places]
+    rotation = tuple(t[places] for t in rotation)
+    compact_keys, compact_values = keys[:, places].clone(), values[:, places].clone()
+    expected = _kernel(compact_keys, compact_values, pos, q, k, v, rotation)
+    keys[:, [1, 4]] = float("nan")  # the rows that left: never read
+    values[:, [1, 4]] = float("nan")
+    got = fused_ops.attend(keys, values, pos, q, k, v, rotation, places=places)
+    assert torch.equal(got, expected)
+    assert torch.equal(keys[:, places], compact_keys) and torch.equal(values[:, places], compact_values)
+    sources, lengths = torch.tensor([0, 0, 2, 3]), torch.tensor([0, 30, 0, 0])  # rows 0, 1 one prompt
+    keys[:, 2, :, :30], values[:, 2, :, :30] = keys[:, 0, :, :30], values[:, 0, :, :30]
+    own = fused_ops.attend(keys.clone(), values.clone(), pos, q, k, v, rotation, places=places)
+    shared = fused_ops.attend(keys, values, pos, q, k, v, rotation, (sources, lengths), places)
+    assert torch.equal(shared, own)
+    for bad in ([0, 2, 3, 6], [0, 3, 2, 5], [0, 2, 2, 5]):
+        with pytest.raises(ValueError, match="cache places"):
+            fused_ops.attend(keys, values, pos, q, k, v, rotation, places=torch.tensor(bad))
+    with pytest.raises(ValueError, match="cache layer"):  # without places every held row is a row
+        fused_ops.attend(keys, values, pos, q, k, v, rotation)
+
+
 def _prefill(prompts: dict[tuple[int, ...], torch.Tensor], share: bool, heads: int = 9, kv_heads: int = 3):
     """Each prompt's prefill attention from one :func:`fused_ops.prefill_attend` call over the
     tokens a :class:`Layout` of ``prompts`` computes ({token ids: its tokens' q, k, v rows

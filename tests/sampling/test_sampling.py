@@ -486,6 +486,44 @@ def test_the_cache_keeps_the_rows_asked_for_in_place_or_in_a_smaller_copy():
     assert k.shape == (3, 2, 2, BLOCK, 4) and torch.equal(k[step.block, step.rows, :, step.column], new)
 
 
+def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
+    """Where the decoder reads the cache by place, rows leave by their places alone while more
+    than half the cache's rows are still in the batch (nothing is copied); then the cache is
+    compacted to them, and a join compacts first. Prompts' shared prefixes follow the rows."""
+    import torch
+
+    from sess.engine.sampling.block_cache import BLOCK, BlockCache
+
+    gen = torch.Generator().manual_seed(1)
+    entries = [torch.randn(10, 2, 4, generator=gen) for _ in range(2)]  # tokens, kv heads, dim
+    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16)
+    cache.by_place = True
+    held = [t.clone() for t in cache.keys]
+    storage = cache.keys[0].untyped_storage().data_ptr()
+    cache.keep(torch.tensor([1, 2, 3, 5]), width=20)  # 4 of 6 rows: in place
+    assert cache.places.tolist() == [1, 2, 3, 5] and cache.held == 6
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys, held))  # not a byte moved
+    assert cache.keys[0].untyped_storage().data_ptr() == storage
+    assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2, 2], [6, 6, 4, 4]]  # by batch row
+    with pytest.raises(RuntimeError, match="attention kernel"):
+        cache.update(0, torch.zeros(4, 2, 4), torch.zeros(4, 2, 4))
+    cache.keep(torch.tensor([0, 3]), width=20)  # 2 of 6 held rows stay: compacted to them
+    assert cache.places is None and cache.held == 2
+    assert all(torch.equal(mine, old[:, [1, 5]]) for mine, old in zip(cache.keys, held))
+    assert [t.tolist() for t in cache.sharing()] == [[0, 1], [6, 4]]
+    cache.keep(torch.tensor([1]), width=20)  # 1 of 2: not more than half, compacted
+    assert cache.places is None and torch.equal(cache.keys[0], held[0][:, [5]])
+    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16)
+    cache.by_place = True
+    held = [t.clone() for t in cache.keys]
+    cache.keep(torch.tensor([0, 2, 4, 5]), width=20)
+    other = [torch.randn(3, 2, 4, generator=gen) for _ in range(2)]
+    cache.append(BlockCache.from_prompts(list(other), [e.clone() for e in other], [(0, 3, 2)], BLOCK + 1))
+    assert cache.places is None and cache.held == 6 and cache.blocks == 2
+    assert torch.equal(cache.keys[0][:1, :4], held[0][:, [0, 2, 4, 5]])
+    assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2, 2, 4, 4], [6, 6, 4, 4, 3, 3]]
+
+
 EXIT_SCRIPT = """
 import atexit, sys, threading
 def report():  # registered first, so it runs after sess's own exit handler
