@@ -186,14 +186,16 @@ def rowwise(
     with zero rows to a calibrated count: each row gets its result in a CHUNK-row call. With
     ``few`` (the same packed weight's few-row kernel), fp32 calls of up to few_rows.FEW rows go
     through it instead: the same bits, faster."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    flat_in = x.dim() == 2  # a decoder's rows (no reshaping either way)
+    rows = x.shape[0] if flat_in else x.numel() // x.shape[-1] if x.shape[-1] else 0
     if few is not None and 0 < rows <= few_rows.FEW and x.dtype == torch.float32:
         return few(x)
-    flat = x.reshape(rows, x.shape[-1])
+    flat = x if flat_in else x.reshape(rows, x.shape[-1])
     if not flat.is_contiguous() or flat.data_ptr() % 64:  # as calibrated: dense, aligned rows
         flat = flat.clone(memory_format=torch.contiguous_format)
     if 0 < rows <= CHUNK and counts.padded[rows - 1] == rows:  # one call as it is (most decode steps)
-        return fn(flat).reshape(*x.shape[:-1], out_features)
+        out = fn(flat)
+        return out if flat_in else out.reshape(*x.shape[:-1], out_features)
     outs = []
     for start in range(0, rows, CHUNK):
         part = flat[start : start + CHUNK]
@@ -257,8 +259,10 @@ class PackedMatmul:
         return cls(packed, weight.shape[0], counts, few_rows.FewRows.of(packed, *weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        fn = functools.partial(onednn.linear, packed=self.weight)
-        return rowwise(fn, x, self.counts, self.out_features, self.few)
+        return rowwise(self._call, x, self.counts, self.out_features, self.few)
+
+    def _call(self, rows: torch.Tensor) -> torch.Tensor:
+        return onednn.linear(rows, self.weight)
 
 
 class _PackedCopy(NamedTuple):
