@@ -131,7 +131,8 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     (after ``warmup`` steps), on the engine's thread."""
     decoder = host.decoder
     vocab = host.model.config.vocab_size
-    jobs = [Job(p, samples, adapter) for p in prompts]
+    # room in the cache for every step: past its max_tokens a cache grows, a copy of all of it
+    jobs = [Job(p, samples, adapter, params=SamplingParams(max_tokens=warmup + steps + 1)) for p in prompts]
     pre = decoder.prefill(jobs)
     cache, rows = pre.cache, len(prompts) * samples
     adapters = [adapter] * rows
