@@ -322,13 +322,15 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             const size_t here = (size_t)(position / BLOCK) * block_stride + (size_t)(position % BLOCK) * dim;
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
-            /* the next task's own entries (not a shared prompt's, which the core's cache holds)
-               asked for a few columns at a time while this one computes */
+            /* the next task's entries asked for a few columns at a time while this one computes:
+               its own, and a prompt's where it is the row the prompt's samples read them from (the
+               others then find them in the core's cache: the step's matmuls have evicted them) */
             ahead_t ahead = {0};
             if (task + 1 < rows * kv_heads) {
                 const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
                 const size_t at = ((size_t)(places ? places[nr] : nr) * kv_heads + nh) * slot;
-                ahead = (ahead_t){keys + at, values + at, sources ? shared[nr] : 0, positions[nr], block_stride, dim, dim};
+                const int64_t from = sources && sources[nr] != nr ? shared[nr] : 0;
+                ahead = (ahead_t){keys + at, values + at, from, positions[nr], block_stride, dim, dim};
             }
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
