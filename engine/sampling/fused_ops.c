@@ -19,10 +19,11 @@
    once for up to four query heads, each with its own sums) and divides by that sum at the end. A
    row reads no entries but its own (or the same entries of a sibling sample of its prompt: bit
    copies) and nothing past its position, so its result is the same alone as among 63 others,
-   however long the others are. While a row computes, the next row's own entries are asked for a
-   few columns at a time, so memory is read as the arithmetic runs. No fused multiply-adds (the
-   build has -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op, as
-   torch's elementwise ops do it.
+   however long the others are. While a row computes, the next row's entries are asked for a few
+   columns at a time (its own, and a prompt's where it is the row the prompt's samples read them
+   from), so memory is read as the arithmetic runs. No fused multiply-adds (the build has
+   -ffp-contract=off): the rotation is q * cos + roll(q) * sin rounded op by op, as torch's
+   elementwise ops do it.
 
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
    then pairwise, as a score; the activation is elementwise. So every row's result depends on that
@@ -123,20 +124,26 @@ static inline v8 hsum16_x8(const v16 p[8])
            + __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+/* where column c of a row's entries is from the row's first: block c / BLOCK, slot c % BLOCK */
+static inline size_t column_at(int64_t c, size_t block_stride, size_t column_stride)
+{
+    return (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * column_stride;
+}
+
 /* column c of a row's cache entries: below `shared` its source row's (the same entries) */
 static inline const float *column_of(const float *own, const float *source, int64_t shared, int64_t c,
                                      size_t block_stride, size_t column_stride)
 {
-    return (c < shared ? source : own) + (size_t)(c / BLOCK) * block_stride + (size_t)(c % BLOCK) * column_stride;
+    return (c < shared ? source : own) + column_at(c, block_stride, column_stride);
 }
 
-/* the cache entries a task asks for while another computes: columns next..end - 1 of one row's
-   keys and values, each column's cache lines requested into L2 (the hardware's stream prefetch
-   stops at each 4 KiB page, 16 columns of a slot) */
+/* the cache entries a decode task asks for while another computes: columns next..end - 1 of one
+   row's keys and values (dim floats a column), each column's cache lines requested into L2 (the
+   hardware's stream prefetch stops at each 4 KiB page, 16 columns of a slot) */
 typedef struct {
     const float *keys, *values;
     int64_t next, end;
-    size_t block_stride, column_stride;
+    size_t block_stride;
     int dim;
 } ahead_t;
 
@@ -145,7 +152,7 @@ static inline void ask_ahead(ahead_t *a, int columns)
 {
     if (a == NULL) return;
     for (; columns > 0 && a->next < a->end; columns--, a->next++) {
-        const size_t at = (size_t)(a->next / BLOCK) * a->block_stride + (size_t)(a->next % BLOCK) * a->column_stride;
+        const size_t at = column_at(a->next, a->block_stride, (size_t)a->dim);
         for (int d = 0; d < a->dim; d += 16) {
             __builtin_prefetch(a->keys + at + d, 0, 2);
             __builtin_prefetch(a->values + at + d, 0, 2);
@@ -230,18 +237,14 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
         const int n = groups - g < most_at_once ? groups - g : most_at_once;
         const float *w = scores + g * longest;
         float *o = out + (size_t)g * dim;
-        if (n == 4)
-            weigh_values(w, longest, 4, row_values, source_values, shared, block_stride, column_stride, position,
-                         dim, total + g, o, ahead);
-        else if (n == 3)
-            weigh_values(w, longest, 3, row_values, source_values, shared, block_stride, column_stride, position,
-                         dim, total + g, o, ahead);
-        else if (n == 2)
-            weigh_values(w, longest, 2, row_values, source_values, shared, block_stride, column_stride, position,
-                         dim, total + g, o, ahead);
-        else
-            weigh_values(w, longest, 1, row_values, source_values, shared, block_stride, column_stride, position,
-                         dim, total + g, o, ahead);
+#define WEIGH(G) \
+    weigh_values(w, longest, G, row_values, source_values, shared, block_stride, column_stride, position, dim, \
+                 total + g, o, ahead) /* G a constant: each count's sums in registers */
+        if (n == 4) WEIGH(4);
+        else if (n == 3) WEIGH(3);
+        else if (n == 2) WEIGH(2);
+        else WEIGH(1);
+#undef WEIGH
     }
 }
 
@@ -319,7 +322,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             float *row_values = values + ((size_t)place * kv_heads + h) * slot;
             const float *source_keys = keys + ((size_t)source_place * kv_heads + h) * slot;
             const float *source_values = values + ((size_t)source_place * kv_heads + h) * slot;
-            const size_t here = (size_t)(position / BLOCK) * block_stride + (size_t)(position % BLOCK) * dim;
+            const size_t here = column_at(position, block_stride, dim);
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
             /* the next task's entries asked for a few columns at a time while this one computes:
@@ -330,7 +333,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
                 const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
                 const size_t at = ((size_t)(places ? places[nr] : nr) * kv_heads + nh) * slot;
                 const int64_t from = sources && sources[nr] != nr ? shared[nr] : 0;
-                ahead = (ahead_t){keys + at, values + at, from, positions[nr], block_stride, dim, dim};
+                ahead = (ahead_t){keys + at, values + at, from, positions[nr], block_stride, dim};
             }
             const float *query = q + r * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)r * dim, *qs = q_sin + (size_t)r * dim;
