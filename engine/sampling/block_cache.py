@@ -52,6 +52,7 @@ class BlockCache:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         prompts: list[tuple[int, int] | None] | None = None,
+        by_place: bool = False,
     ):
         self.keys, self.values = keys, values  # per layer [blocks, rows, kv heads, BLOCK, dim]
         # per row: (id, length) of the prompt whose entries its first columns hold, shared with
@@ -60,7 +61,7 @@ class BlockCache:
         self.step: WriteStep | None = None
         self._sharing: tuple[torch.Tensor, torch.Tensor] | None = None
         # whether rows may leave without their entries moving (the decoder reads through places)
-        self.by_place = False
+        self.by_place = by_place
         # int64 [rows], ascending: the cache row that holds each row's entries, where rows left
         # in place (None: row r in cache row r, every cache row a row's)
         self.places: torch.Tensor | None = None
@@ -72,12 +73,13 @@ class BlockCache:
         values: list[torch.Tensor],
         spans: list[tuple[int, int, int]],
         capacity: int,
+        by_place: bool = False,
     ) -> BlockCache:
         """From a prefill's per-layer entries [tokens, kv heads, dim] of prompts laid end to end:
         ``spans`` gives each prompt's (first token, length, rows it gets); each of its rows starts
         with the prompt's entries at column 0, with room for ``capacity`` columns. The lists are
         used up (each layer's entries let go once blocked: a prefill of 64 prompts held 177 MB of
-        them on smollm2 beside the new cache)."""
+        them on smollm2 beside the new cache). ``by_place``: see :attr:`by_place`."""
         blocks = -(-capacity // BLOCK)
         rows = sum(count for _, _, count in spans)
 
@@ -96,7 +98,7 @@ class BlockCache:
         prompts = []
         for _, length, count in spans:
             prompts += [(next(_prompts), length)] * count
-        return cls(keys, values, prompts)
+        return cls(keys, values, prompts, by_place)
 
     @property
     def blocks(self) -> int:
@@ -154,9 +156,8 @@ class BlockCache:
         cache is fresh pages the kernel faults in one by one, ~200 ms a finished row at 64 rows and
         2 blocks of smollm2."""
         places = rows if self.places is None else self.places[rows]
-        self._sharing = None
         if self.by_place and 2 * places.shape[0] > self.held:
-            self.places = places
+            self.places, self._sharing = places, None
             return
         self._move(places, min(self.blocks, 2 * (width // BLOCK + 1)))
 

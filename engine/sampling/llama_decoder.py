@@ -207,8 +207,8 @@ class LlamaDecoder:
             keys, values = ([t.index_select(0, order) for t in entries] for entries in (keys, values))
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
-        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16))
-        cache.by_place = fused  # the steps read it through the kernel, by place
+        # the steps read it through the kernel, by place
+        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16), by_place=fused)
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)

@@ -18,11 +18,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` of ``x`` with a :func:`pack_weight` copy (and ``bias``), through oneDNN."""
-    return _linear_pointwise(x, packed, bias, "none", [], "")
+    return _linear_pointwise()(x, packed, bias, "none", [], "")
 
 
-# the op's one overload, looked up once: a decode step makes ~120 of these calls
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+@functools.cache
+def _linear_pointwise():
+    """The op's one overload, looked up once (a decode step makes ~120 calls), on first use: a
+    torch build without it fails in :func:`available`, not on import."""
+    return torch.ops.mkldnn._linear_pointwise.default
 
 
 @functools.cache

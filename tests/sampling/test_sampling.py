@@ -496,8 +496,7 @@ def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
 
     gen = torch.Generator().manual_seed(1)
     entries = [torch.randn(10, 2, 4, generator=gen) for _ in range(2)]  # tokens, kv heads, dim
-    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16)
-    cache.by_place = True
+    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16, True)
     held = [t.clone() for t in cache.keys]
     storage = cache.keys[0].untyped_storage().data_ptr()
     cache.keep(torch.tensor([1, 2, 3, 5]), width=20)  # 4 of 6 rows: in place
@@ -513,8 +512,7 @@ def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
     assert [t.tolist() for t in cache.sharing()] == [[0, 1], [6, 4]]
     cache.keep(torch.tensor([1]), width=20)  # 1 of 2: not more than half, compacted
     assert cache.places is None and torch.equal(cache.keys[0], held[0][:, [5]])
-    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16)
-    cache.by_place = True
+    cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16, True)
     held = [t.clone() for t in cache.keys]
     cache.keep(torch.tensor([0, 2, 4, 5]), width=20)
     other = [torch.randn(3, 2, 4, generator=gen) for _ in range(2)]
