@@ -137,6 +137,13 @@ static inline const float *column_of(const float *own, const float *source, int6
     return (c < shared ? source : own) + column_at(c, block_stride, column_stride);
 }
 
+/* where batch row r's entries for key/value head h start in a cache layer: at its place (row r
+   itself where `places` is NULL), `slot` floats a (row, head) a block */
+static inline size_t entries_of(const int64_t *places, int64_t r, int h, int kv_heads, size_t slot)
+{
+    return ((size_t)(places ? places[r] : r) * kv_heads + h) * slot;
+}
+
 /* the cache entries a decode task asks for while another computes: columns next..end - 1 of one
    row's keys and values (dim floats a column), each column's cache lines requested into L2 (the
    hardware's stream prefetch stops at each 4 KiB page, 16 columns of a slot) */
@@ -185,7 +192,7 @@ weigh_values(const float *weights, int64_t longest, const int G, const float *ro
 
 /* one row's attention for key/value head h: its groups of query heads over columns 0..position.
    Scores are taken 8 columns at a time, each column's dot product in its own vector of partial
-   sums, the 8 reduced together (hsum16_x8: the bits of dot's hsum16 each) */
+   sums, the 8 reduced together (hsum16_x8: each the bits of its own hsum16) */
 static inline __attribute__((always_inline)) void
 row_head(const float *query_in, const float *q_cos, const float *q_sin, const float *row_keys,
          const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
@@ -202,7 +209,7 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
                                block_stride, column_stride);
         for (int g = 0; g < groups; g++) {
             v16 p[8];
-            for (int i = 0; i < 8; i++) { /* as dot: LANES partial sums over dim, in order */
+            for (int i = 0; i < 8; i++) { /* LANES partial sums over dim, in order */
                 v16 sum = load16(query[g]) * load16(key[i]);
                 for (int d = LANES; d < dim; d += LANES) sum = sum + load16(query[g] + d) * load16(key[i] + d);
                 p[i] = sum;
@@ -316,12 +323,10 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             if (scores == NULL) continue;
             const int r = task / kv_heads, h = task % kv_heads;
             const int64_t position = positions[r], common = sources ? shared[r] : 0;
-            const int64_t place = places ? places[r] : r, source = sources ? sources[r] : r;
-            const int64_t source_place = places ? places[source] : source;
-            float *row_keys = keys + ((size_t)place * kv_heads + h) * slot;
-            float *row_values = values + ((size_t)place * kv_heads + h) * slot;
-            const float *source_keys = keys + ((size_t)source_place * kv_heads + h) * slot;
-            const float *source_values = values + ((size_t)source_place * kv_heads + h) * slot;
+            const size_t own = entries_of(places, r, h, kv_heads, slot);
+            const size_t from_source = entries_of(places, sources ? sources[r] : r, h, kv_heads, slot);
+            float *row_keys = keys + own, *row_values = values + own;
+            const float *source_keys = keys + from_source, *source_values = values + from_source;
             const size_t here = column_at(position, block_stride, dim);
             rotate(k + r * k_stride + h * dim, cos + (size_t)r * dim, sin + (size_t)r * dim, dim, row_keys + here);
             memcpy(row_values + here, v + r * v_stride + h * dim, sizeof(float) * dim);
@@ -331,7 +336,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
             ahead_t ahead = {0};
             if (task + 1 < rows * kv_heads) {
                 const int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;
-                const size_t at = ((size_t)(places ? places[nr] : nr) * kv_heads + nh) * slot;
+                const size_t at = entries_of(places, nr, nh, kv_heads, slot);
                 const int64_t from = sources && sources[nr] != nr ? shared[nr] : 0;
                 ahead = (ahead_t){keys + at, values + at, from, positions[nr], block_stride, dim};
             }

@@ -120,7 +120,7 @@ def prefill_attend(
     tokens, heads, dim = query.shape
     query = _rows_dense(query)
     keys, values, q_cos, q_sin = (t.contiguous() for t in (keys, values, q_cos, q_sin))
-    positions, splits, lows, highs = (t.to(torch.int64).contiguous() for t in columns)
+    positions, splits, lows, highs = (_int64(t) for t in columns)
     if any(t.shape != (tokens,) for t in (positions, splits, lows, highs)) or keys.shape[0] != tokens:
         raise ValueError(f"prefill attention kernel: columns for {tuple(positions.shape)} tokens, not {tokens}")
     out = query.new_empty(tokens, heads, dim)
