@@ -1,7 +1,7 @@
 /* A decode step's work besides its matmuls, and a prefill's attention, for sess's sampler
    (native.py builds and loads this file; fused_ops.py calls it): attention over the KV cache, RMS
    norms (with the residual add before them) and the MLP's silu(gate) * up, each one call a layer
-   over all rows.
+   over all rows; and token choice's draw with its logprob.
 
    Attention, one decode step, one layer: each row's new key and value go into the KV cache at
    the row's position (the key rotated there), and each query head attends over its row's columns
@@ -468,46 +468,111 @@ int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stri
     return 0;
 }
 
-/* One token per row drawn from softmax(logits / temperature) by inverse CDF, as token_choice's
-   inverse_cdf does it: the row's tiles of SPAN entries summed (16 partial sums then pairwise, in
-   float), their running sum in double locates the tile where it first exceeds u times the total,
-   and a double running sum over that tile's entries the token (at most the tile's last non-zero
-   entry, where rounding left the target past its own sum). The weights are e^(x - max) of
-   x = logit / temperature, unnormalised (the draw scales u by their total). Rows: logits
-   [rows][vocab] (row stride `stride`), temperature > 0 and u in [0, 1) per row; tiles a scratch of
-   rows * ceil(vocab / SPAN) doubles. Returns 0. */
+/* A row's largest logit (the first of equal ones does not matter: the value is what is used) */
+static float row_max(const float *row, int vocab)
+{
+    const int full = vocab - vocab % LANES;
+    v16 top = splat16(-INFINITY);
+    for (int d = 0; d < full; d += LANES) {
+        const v16 next = load16(row + d);
+        top = select16(next > top, next, top);
+    }
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    for (int d = full; d < vocab; d++) most = row[d] > most ? row[d] : most;
+    return most;
+}
+
 enum { SPAN = 256 };
 
+/* The sum of e^(x / t - most / t) over one tile of SPAN entries from row + lo (n of them in the
+   vocabulary, the rest weight 0): 16 partial sums over the tile, then pairwise (hsum16) */
+static inline float tile_sum(const float *row, int lo, int n, float t, float scaled_most)
+{
+    float entries[SPAN];
+    memcpy(entries, row + lo, sizeof(float) * n);
+    for (int d = n; d < SPAN; d++) entries[d] = -INFINITY; /* past the vocabulary: weight 0 */
+    v16 sum = splat16(0.0f);
+    for (int d = 0; d < SPAN; d += LANES) sum = sum + exp_neg16(load16(entries + d) / t - scaled_most);
+    return hsum16(sum);
+}
+
+/* ln(x) for a finite x > 0 in double by IEEE operations alone (no library log, whose variants
+   differ between CPUs): x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) for
+   s = (m - 1) / (m + 1), |s| < 0.172, its series to s^23 (the next term under 1e-18) */
+static double log_ieee(double x)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int e = (int)((bits >> 52) & 0x7ff) - 1023;
+    bits = (bits & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL; /* m in [1, 2) */
+    double m;
+    memcpy(&m, &bits, sizeof m);
+    if (m > 1.4142135623730951) {
+        m = m * 0.5;
+        e += 1;
+    }
+    const double s = (m - 1.0) / (m + 1.0), z = s * s;
+    double series = 1.0 / 23.0;
+    for (int k = 21; k >= 1; k -= 2) series = series * z + 1.0 / k;
+    return (double)e * 0.69314718055994530942 + 2.0 * s * series;
+}
+
+/* A logprob, (x - max) - ln(total), from a token's logit x, its row's max and the row's sum of
+   e^(x - max) (in tiles of SPAN as tile_sum takes them, their float sums added in double in
+   tile order) */
+static inline float logprob_of(float x, float most, double total)
+{
+    return (float)(((double)x - (double)most) - log_ieee(total));
+}
+
+/* The logprob of tokens[r] under softmax(logits[r]) for each row (logprob_of: the row's own
+   values alone decide it). Returns 0, or -6 for a token outside the vocabulary. */
+int sess_logprobs(const float *logits, long stride, int rows, int vocab, const int64_t *tokens, float *logprobs,
+                  int threads)
+{
+    for (int r = 0; r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab) return -6;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *row = logits + r * stride;
+        const float most = row_max(row, vocab);
+        double total = 0.0;
+        for (int lo = 0; lo < vocab; lo += SPAN)
+            total += (double)tile_sum(row, lo, vocab - lo < SPAN ? vocab - lo : SPAN, 1.0f, most);
+        logprobs[r] = logprob_of(row[tokens[r]], most, total);
+    }
+    return 0;
+}
+
+/* One token per row drawn from softmax(logits / temperature) by inverse CDF, as token_choice's
+   inverse_cdf does it: the row's tiles of SPAN entries summed (tile_sum), their running sum in
+   double locates the tile where it first exceeds u times the total, and a double running sum over
+   that tile's entries the token (at most the tile's last non-zero entry, where rounding left the
+   target past its own sum). The weights are e^(x - max) of x = logit / temperature, unnormalised
+   (the draw scales u by their total). With it each row's logprob of its token, as sess_logprobs
+   gives it (at temperature 1 from the same tile sums, which are then those it takes). Rows: logits
+   [rows][vocab] (row stride `stride`), temperature > 0 and u in [0, 1) per row; tiles a scratch of
+   rows * ceil(vocab / SPAN) doubles. Returns 0. */
 int sess_draw(const float *logits, long stride, int rows, int vocab, const float *temperature, const double *u,
-              double *tiles, int64_t *tokens, int threads)
+              double *tiles, int64_t *tokens, float *logprobs, int threads)
 {
     const int count = (vocab + SPAN - 1) / SPAN;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *row = logits + r * stride;
         const float t = temperature[r];
-        const int full = vocab - vocab % LANES;
-        v16 top = splat16(-INFINITY);
-        for (int d = 0; d < full; d += LANES) {
-            const v16 next = load16(row + d);
-            top = select16(next > top, next, top);
-        }
-        float most = top[0];
-        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-        for (int d = full; d < vocab; d++) most = row[d] > most ? row[d] : most;
+        const float most = row_max(row, vocab);
         const float scaled_most = most / t; /* division rounds monotonically: the max of logit / t */
         double *cdf = tiles + (size_t)r * count;
-        double running = 0.0;
+        double running = 0.0, total = 0.0; /* total: at temperature 1, for the logprob */
         for (int tile = 0; tile < count; tile++) {
-            float entries[SPAN];
             const int lo = tile * SPAN, n = vocab - lo < SPAN ? vocab - lo : SPAN;
-            memcpy(entries, row + lo, sizeof(float) * n);
-            for (int d = n; d < SPAN; d++) entries[d] = -INFINITY; /* past the vocabulary: weight 0 */
-            v16 sum = splat16(0.0f);
-            for (int d = 0; d < SPAN; d += LANES) sum = sum + exp_neg16(load16(entries + d) / t - scaled_most);
-            running += (double)hsum16(sum);
+            running += (double)tile_sum(row, lo, n, t, scaled_most);
+            if (t != 1.0f) total += (double)tile_sum(row, lo, n, 1.0f, most);
             cdf[tile] = running;
         }
+        if (t == 1.0f) total = running; /* x / 1 is x: the same sums */
         const double target = u[r] * running;
         int tile = 0;
         while (tile < count - 1 && !(cdf[tile] > target)) tile++;
@@ -526,8 +591,9 @@ int sess_draw(const float *logits, long stride, int rows, int vocab, const float
         }
         last = last < 0 ? SPAN - 1 : last;
         pick = pick < last ? pick : last;
-        const int64_t token = (int64_t)lo + pick;
-        tokens[r] = token < vocab - 1 ? token : vocab - 1;
+        const int64_t picked = (int64_t)lo + pick, token = picked < vocab - 1 ? picked : vocab - 1;
+        tokens[r] = token;
+        logprobs[r] = logprob_of(row[token], most, total);
     }
     return 0;
 }

@@ -1,4 +1,4 @@
-"""A decode step's work besides its matmuls as C calls: attention, norms, the MLP's activation.
+"""A decode step's work besides its matmuls as C calls: attention, norms, the MLP's activation, token choice.
 
 The lean decoder's step as torch ops is ~700 small ops at 64 rows on smollm2 besides its matmuls:
 attention over the :class:`~.block_cache.BlockCache` (:func:`~.row_invariant.decode_attention`,
@@ -13,7 +13,10 @@ the residual adds and ``silu(gate) * up``. ``fused_ops.c`` does each in one call
 * :func:`rms_norm`: the residual add and the norm after it;
 * :func:`silu_mul`: the MLP's activation times its up projection;
 * :func:`draw`: a sampled row's token (temperature, no top-k or top-p), by the inverse CDF of
-  :func:`.token_choice.inverse_cdf` in two passes over the logits instead of ~8 ops.
+  :func:`.token_choice.inverse_cdf` in two passes over the logits instead of ~8 ops, with its
+  logprob from the same passes (torch's log_softmax would write all [rows, vocab] of its result
+  to read one entry a row);
+* :func:`logprobs`: that logprob for given tokens (rows the draw does not take).
 
 Every sum runs in an order fixed by the code and the row's data (see the C file), so a row's
 result does not depend on its batch, as with the torch ops, nor on the CPU's vector width (the
@@ -175,10 +178,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [rows, vocab] from softmax(logits / temperature) (every
     temperature > 0, no truncation), by inverse CDF at ``u`` (float64 in [0, 1)) in the two levels
-    of :func:`.token_choice.inverse_cdf`: a row's token depends on the row alone."""
+    of :func:`.token_choice.inverse_cdf`, and its logprob as :func:`logprobs` gives it (taken in the
+    same pass over the row): a row's token and logprob depend on the row alone."""
     lib = _lib()
     logits = _last_dense(logits)
     rows, vocab = logits.shape
@@ -186,14 +190,33 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> to
     u = u.to(torch.float64).contiguous()
     tiles = torch.empty(rows, -(-vocab // 256), dtype=torch.float64)
     tokens = torch.empty(rows, dtype=torch.int64)
+    chosen = torch.empty(rows, dtype=torch.float32)
     _check(
         lib.sess_draw(
             *(logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(), u.data_ptr()),
-            *(tiles.data_ptr(), tokens.data_ptr(), torch.get_num_threads()),
+            *(tiles.data_ptr(), tokens.data_ptr(), chosen.data_ptr(), torch.get_num_threads()),
         ),
         "token draw",
     )
-    return tokens
+    return tokens, chosen
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log-softmax of each row of ``logits`` [rows, vocab] at its id in ``tokens`` [rows], fp32:
+    (x - max) - ln(sum of e^(x - max)), the sum in a fixed order of the row's own values (to
+    ~1e-7 of torch's log_softmax, not its bits)."""
+    lib = _lib()
+    logits = _last_dense(logits)
+    rows, vocab = logits.shape
+    tokens = tokens.to(torch.int64).contiguous()
+    out = torch.empty(rows, dtype=torch.float32)
+    _check(
+        lib.sess_logprobs(
+            logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        ),
+        "logprob",
+    )
+    return out
 
 
 def _lib():
@@ -210,6 +233,8 @@ def _check(failed: int, what: str) -> None:
         raise ValueError(f"{what} kernel: a shared prefix's source outside the rows or past a position")
     if failed == -5:
         raise ValueError(f"{what} kernel: cache places outside the cache's rows or not ascending")
+    if failed == -6:
+        raise ValueError(f"{what} kernel: a token id outside the vocabulary")
     if failed:
         raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
 

@@ -1,7 +1,7 @@
 """The sampler's C kernels, built on first use for this CPU and loaded into the process.
 
 The few-row matmul (``few_rows.c``, :mod:`.few_rows`) and a decode step's other work: attention
-(a prefill's too), norms, the MLP's activation and token draws (``fused_ops.c``, :mod:`.fused_ops`). The system's C
+(a prefill's too), norms, the MLP's activation, token draws and logprobs (``fused_ops.c``, :mod:`.fused_ops`). The system's C
 compiler (``cc``, or ``$CC``) builds both into one library with OpenMP, ``-march=native`` and
 ``-ffp-contract=off`` (every sum is rounded as the source writes it, whatever the CPU offers);
 loaded, its threads are torch's own OpenMP team. Where there is no compiler, the build fails, no
@@ -30,7 +30,8 @@ SIGNATURES = {
     "sess_prefill_attention": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
     "sess_rms_norm": [_P, _L, _P, _L, _P, ctypes.c_float, _I, _I, _P, _P, _I],
     "sess_silu_mul": [_P, _L, _P, _L, _I, _I, _P, _I],
-    "sess_draw": [_P, _L, _I, _I, _P, _P, _P, _P, _I],
+    "sess_draw": [_P, _L, _I, _I, _P, _P, _P, _P, _P, _I],
+    "sess_logprobs": [_P, _L, _I, _I, _P, _P, _I],
 }
 
 

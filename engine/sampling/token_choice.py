@@ -4,7 +4,8 @@ Each row draws one uniform number per step from a hash of (its request's seed, i
 the step), so a seeded request samples the same tokens whichever other requests share its batch,
 with no per-row generator objects or Python work per row. A token is drawn by inverse CDF from the
 tempered, truncated distribution (:func:`inverse_cdf`); the logprob reported is the model's own (temperature 1,
-untruncated), so it equals what ``forward`` computes for the same token.
+untruncated), what ``forward``'s log-softmax computes for the same token from the same logits (to
+~1e-7: the C kernel sums in its own order).
 """
 
 from __future__ import annotations
@@ -73,12 +74,21 @@ def choose(
     for start in range(0, logits.shape[0], step):
         part = slice(start, start + step)
         rows = logits[part].float()
-        token = choose_tokens(rows, temperature[part], top_k[part], top_p[part], u[part])
+        if _all_drawn(temperature[part], top_k[part], top_p[part]) and fused_ops.usable(rows.dtype, rows.device):
+            token, logprob = fused_ops.draw(rows, temperature[part], u[part])  # both in one pass
+        else:
+            token = choose_tokens(rows, temperature[part], top_k[part], top_p[part], u[part])
+            logprob = chosen_logprobs(rows, token)
         tokens.append(token)
-        logprobs.append(chosen_logprobs(rows, token))
+        logprobs.append(logprob)
     if len(tokens) == 1:
         return tokens[0], logprobs[0]
     return torch.cat(tokens), torch.cat(logprobs)
+
+
+def _all_drawn(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Whether every row samples from its whole tempered distribution (the usual case)."""
+    return bool(((temperature > 0) & (top_k <= 0) & (top_p >= 1.0)).all())
 
 
 def choose_tokens(
@@ -112,7 +122,7 @@ def _draw(logits, temperature, top_k, top_p, u, truncate: bool) -> torch.Tensor:
     """One token per row from its tempered distribution (every row sampled), truncated (in sorted
     order) or not (in vocabulary order)."""
     if not truncate and fused_ops.usable(logits.dtype, logits.device):  # the same draw in C, where the kernels are built
-        return fused_ops.draw(logits, temperature, u)
+        return fused_ops.draw(logits, temperature, u)[0]
     scaled = logits / temperature[:, None]
     if not truncate:
         return inverse_cdf(scaled.softmax(dim=-1), u)
@@ -128,10 +138,12 @@ def _draw(logits, temperature, top_k, top_p, u, truncate: bool) -> torch.Tensor:
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log-softmax of ``logits`` at the ids ``tokens`` (one per row of the last dimension). The
-    sampler and ``forward`` both report logprobs with it. torch's fused log_softmax beats
-    ``gather - logsumexp`` here although it writes the whole [rows, vocab] result: 1.2 vs 2.6-3.4 ms
-    for 64 x 49,152 logits, and 0.29-0.33 vs 0.45-0.52 s forward + backward for 1,000 rows."""
+    """log-softmax of ``logits`` at the ids ``tokens`` (one per row of the last dimension): by the C
+    kernel where it is built (:func:`.fused_ops.logprobs`, the logprob :func:`.fused_ops.draw`
+    gives with its token), else torch's fused log_softmax, which beats ``gather - logsumexp``
+    although it writes the whole [rows, vocab] result."""
+    if logits.dim() == 2 and fused_ops.usable(logits.dtype, logits.device):
+        return fused_ops.logprobs(logits, tokens)
     return logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 

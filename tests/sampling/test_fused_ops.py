@@ -366,7 +366,9 @@ def test_the_activation_is_silu_times_up_to_rounding_over_the_whole_range():
 def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_same(vocab):
     """The C draw follows token_choice.inverse_cdf (softmax of logits / temperature, tiles of 256,
     float64 running sums): the same tokens but where rounding puts u at a boundary (its weights
-    are its own exp, not torch's), and a row's token is the same alone as among others."""
+    are its own exp, not torch's), and a row's token is the same alone as among others. The
+    logprob it gives with each token is the model's own (temperature 1) to 1e-6 of a float64
+    log-softmax, the bits ``fused_ops.logprobs`` gives for that token, and a row's alone too."""
     _built()
     from sess.engine.sampling.token_choice import inverse_cdf
 
@@ -375,19 +377,32 @@ def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_
     logits = torch.randn(rows, vocab, generator=gen) * 4
     temperature = torch.tensor([0.3, 0.7, 1.0, 1.5] * (rows // 4))
     u = torch.rand(rows, generator=gen, dtype=torch.float64)
-    got = fused_ops.draw(logits, temperature, u)
+    got, logprobs = fused_ops.draw(logits, temperature, u)
     expected = inverse_cdf((logits / temperature[:, None]).softmax(dim=-1), u)
     assert (got == expected).sum() >= rows - 1, (got, expected)
     assert ((got >= 0) & (got < vocab)).all()
+    exact = logits.double().log_softmax(-1).gather(-1, got[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-6)
+    assert torch.equal(fused_ops.logprobs(logits, got), logprobs)
     for row in range(0, rows, 7):
         one = slice(row, row + 1)
-        assert fused_ops.draw(logits[one], temperature[one], u[one]).item() == got[row].item()
+        token, logprob = fused_ops.draw(logits[one], temperature[one], u[one])
+        assert (token.item(), logprob.item()) == (got[row].item(), logprobs[row].item())
+
+
+def test_logprobs_refuse_a_token_outside_the_vocabulary():
+    """A token id past the vocabulary (or negative) is refused before any row is read."""
+    _built()
+    logits = torch.randn(3, 10)
+    for bad in (10, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            fused_ops.logprobs(logits, torch.tensor([0, bad, 2]))
 
 
 def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
     """Every operation in fused_ops.c is IEEE arithmetic in an order the source fixes (no fused
     multiply-adds, no library exp), so the kernels built for an AVX2 or an SSE4 CPU give exactly
-    what the build for this one gives: a run's attention, norms, activation and draws are the same
+    what the build for this one gives: a run's attention, norms, activation, draws and logprobs are the same
     bits on every x86-64 host (its matmuls are calibrated per host)."""
     import ctypes
     import platform
@@ -409,7 +424,8 @@ def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
             _kernel(keys, values, pos, q, k, v, rotation),
             fused_ops.rms_norm(x, weight, 1e-5, x * 0.5)[1],
             fused_ops.silu_mul(x * 10, x),
-            fused_ops.draw(logits, torch.full((16,), 0.7), u),
+            *fused_ops.draw(logits, torch.full((16,), 0.7), u),
+            fused_ops.logprobs(logits, logits.argmax(-1)),
         )
 
     reference = outputs()
