@@ -1,7 +1,9 @@
 """The decode batch's KV cache: per layer, preallocated buffers [blocks, rows, kv heads, BLOCK, dim].
 
 Row ``r``'s entries fill columns ``[0, positions[r])`` (column c lives in block c // BLOCK) and a
-decode step writes its new token at column ``positions[r]``; the rest is zeros. Blocks lead so that
+decode step writes its new token at column ``positions[r]``; the rest is zeros, or where only the
+attention kernel reads the cache, whatever the allocation held (it reads nothing past a row's
+position). Blocks lead so that
 the first few are one contiguous tensor for :func:`~.row_invariant.decode_attention`, whatever the
 capacity, and a decode step copies nothing that grows with length. Rows join (:meth:`append`) and
 leave (:meth:`keep`) between steps. Where the decoder reads the cache through the attention kernel
@@ -10,9 +12,11 @@ still in the batch: the kernel finds each row's entries by :attr:`BlockCache.pla
 cache is compacted only once half its rows have left (rows finish a few at a time, so moving the
 rest each time copied the whole cache ~once a step as a batch ran out).
 
-The samples of one prompt hold the same entries over the prompt's columns; the cache knows which
+The samples of one prompt have the same entries over the prompt's columns; the cache knows which
 rows those are (:meth:`sharing`), so attention reads a prompt's entries from memory once for all
-its samples (:func:`~.fused_ops.attend`).
+its samples (:func:`~.fused_ops.attend`), from the prompt's first row. Where only the kernel reads
+the cache, that row alone holds them (the prompt's first row that stays gets a copy when it
+leaves), so a prefill writes one row's prompt entries a prompt, not one a sample.
 """
 
 from __future__ import annotations
@@ -79,18 +83,26 @@ class BlockCache:
         ``spans`` gives each prompt's (first token, length, rows it gets); each of its rows starts
         with the prompt's entries at column 0, with room for ``capacity`` columns. The lists are
         used up (each layer's entries let go once blocked: a prefill of 64 prompts held 177 MB of
-        them on smollm2 beside the new cache). ``by_place``: see :attr:`by_place`."""
+        them on smollm2 beside the new cache). ``by_place`` (see :attr:`by_place`): the reader is
+        the attention kernel, which reads a row's prompt columns from its prompt's first row
+        (:meth:`sharing`) and nothing past a row's position, so only that row gets the prompt's
+        entries and the rest of the cache is left as allocated (written by the steps before
+        read); else every row gets them, and zeros after."""
         blocks = -(-capacity // BLOCK)
         rows = sum(count for _, _, count in spans)
 
         def blocked(entries: torch.Tensor) -> torch.Tensor:
             _, heads, dim = entries.shape
-            out = entries.new_empty(blocks, rows, heads, BLOCK, dim)  # every row written below
+            out = entries.new_empty(blocks, rows, heads, BLOCK, dim)
             row = 0
             for start, length, count in spans:
-                prompt = _pad(entries[start : start + length].transpose(0, 1), blocks * BLOCK, dim=1)
-                prompt = prompt.reshape(heads, blocks, BLOCK, dim).permute(1, 0, 2, 3)
-                out[:, row : row + count] = prompt[:, None]
+                used = -(-length // BLOCK) if by_place else blocks
+                prompt = _pad(entries[start : start + length].transpose(0, 1), used * BLOCK, dim=1)
+                prompt = prompt.reshape(heads, used, BLOCK, dim).permute(1, 0, 2, 3)
+                if by_place:
+                    out[:used, row] = prompt
+                else:
+                    out[:, row : row + count] = prompt[:, None]
                 row += count
             return out
 
@@ -156,10 +168,35 @@ class BlockCache:
         cache is fresh pages the kernel faults in one by one, ~200 ms a finished row at 64 rows and
         2 blocks of smollm2."""
         places = rows if self.places is None else self.places[rows]
+        if self.by_place:
+            self._hand_over(places)
         if self.by_place and 2 * places.shape[0] > self.held:
             self.places, self._sharing = places, None
             return
         self._move(places, min(self.blocks, 2 * (width // BLOCK + 1)))
+
+    def _hand_over(self, kept: torch.Tensor) -> None:
+        """Where a prompt's first row (the one whose copy of its entries the others read, in a
+        :attr:`by_place` cache) leaves and rows of that prompt stay (cache rows ``kept``,
+        ascending), the first that stays gets the entries: it is the first row of the prompt
+        from then on."""
+        held = self.places.tolist() if self.places is not None else range(self.held)
+        holders: dict[int, int] = {}
+        for row in held:
+            if self.prompts[row] is not None:
+                holders.setdefault(self.prompts[row][0], row)
+        staying = kept.tolist()
+        moves: dict[int, tuple[int, int, int]] = {}
+        left = set(held) - set(staying)
+        for row in staying:
+            prompt = self.prompts[row]
+            if prompt is not None and holders[prompt[0]] in left:
+                moves.setdefault(prompt[0], (holders[prompt[0]], row, prompt[1]))
+        for source, target, length in moves.values():
+            for entries in self.keys + self.values:
+                for block in range(-(-length // BLOCK)):  # the prompt's columns only: after them, the row's own
+                    columns = min(BLOCK, length - block * BLOCK)
+                    entries[block, target, :, :columns] = entries[block, source, :, :columns]
 
     def _move(self, rows: torch.Tensor, keep: int) -> None:
         """Hold only the cache rows ``rows`` (ascending), in order, and ``keep`` blocks."""

@@ -222,6 +222,41 @@ def test_rows_read_by_place_get_the_bits_of_a_compacted_cache_and_nothing_of_the
         fused_ops.attend(keys, values, pos, q, k, v, rotation)
 
 
+def test_a_prompts_samples_read_its_entries_from_its_first_row_and_the_next_one_when_that_leaves():
+    """A cache the kernel reads by place holds a prompt's entries in its first row only, the
+    others' columns left unwritten (here NaN, so a read of them shows): each row attends with the
+    bits of a cache where every row holds its own copy, before and after each prompt's first row
+    leaves the batch (the next one that stays gets the entries), and after a compaction."""
+    _built()
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, dim = 9, 3, 64
+    keys, values = (torch.randn(10, kv_heads, dim, generator=gen) for _ in range(2))  # prompts of 6 and 4
+    spans, lengths = [(0, 6, 3), (6, 4, 3)], [6, 6, 6, 4, 4, 4]
+    own = BlockCache.from_prompts([keys.clone()], [values.clone()], spans, BLOCK + 8)
+    read = BlockCache.from_prompts([keys.clone()], [values.clone()], spans, BLOCK + 8, by_place=True)
+    for entries in (read.keys[0], read.values[0]):
+        for row, length in enumerate(lengths):
+            entries[0, row, :, 0 if row not in (0, 3) else length :] = float("nan")
+        entries[1:] = float("nan")
+
+    def attends(rows: list[int], seed: int) -> None:
+        _, _, _, q, k, v, rotation = _step(len(rows), heads, kv_heads, dim, [0] * len(rows), blocks=1, seed=seed)
+        pos = torch.tensor([lengths[row] for row in rows])  # each row's first step after its prompt
+        expected = fused_ops.attend(*own.layer(0), pos, q, k, v, rotation)
+        got = fused_ops.attend(*read.layer(0), pos, q, k, v, rotation, read.sharing(), read.places)
+        assert torch.equal(got, expected)
+
+    attends([0, 1, 2, 3, 4, 5], seed=1)
+    for cache in (own, read):  # each prompt's first row leaves: 4 of 6 stay, in place where read by place
+        cache.keep(torch.tensor([1, 2, 4, 5]), width=8)
+    assert read.places.tolist() == [1, 2, 4, 5] and [t.tolist() for t in read.sharing()] == [[0, 0, 2, 2], [6, 6, 4, 4]]
+    attends([1, 2, 4, 5], seed=2)
+    for cache in (own, read):  # 2 of 6 held rows stay: compacted
+        cache.keep(torch.tensor([1, 3]), width=8)
+    assert read.places is None
+    attends([2, 5], seed=3)
+
+
 def _prefill(prompts: dict[tuple[int, ...], torch.Tensor], share: bool, heads: int = 9, kv_heads: int = 3):
     """Each prompt's prefill attention from one :func:`fused_ops.prefill_attend` call over the
     tokens a :class:`Layout` of ``prompts`` computes ({token ids: its tokens' q, k, v rows

@@ -53,6 +53,23 @@ def test_sample_logprobs_equal_forward(trained, source):
     assert worst < 1e-4
 
 
+def test_samples_that_go_on_after_their_prompts_first_sample_stops_still_equal_forward(trained):
+    """The first sample of a prompt holds the prompt's entries the others read: when it stops
+    first (here at a stop token it draws third) the next one takes them over, and every sample's
+    logprobs still equal ``forward``'s."""
+    tc, prompt = trained
+    sc = tc.save_weights_and_get_sampling_client()
+    params = {"max_tokens": 24, "temperature": 1.0, "seed": 11}
+    first = sc.sample(prompt, num_samples=4, sampling_params=SamplingParams(**params)).result().sequences[0]
+    stop = first.tokens[2]
+    result = sc.sample(prompt, num_samples=4, sampling_params=SamplingParams(**params, stop=[stop])).result()
+    lengths = [len(seq.tokens) for seq in result.sequences]
+    assert lengths[0] == 3 and max(lengths[1:]) > 3, lengths  # the others go on after it
+    for seq in result.sequences:
+        expected = forward_logprobs(tc, prompt, seq.tokens)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
+
+
 def _wire_sample(svc, target: dict, prompt: list[int], **extra) -> dict:
     """A sample request as a transport sends it, and its result as it comes back (the wire dict)."""
     args = {"target": target, "prompt": prompt, "num_samples": 2, **extra}
@@ -489,37 +506,50 @@ def test_the_cache_keeps_the_rows_asked_for_in_place_or_in_a_smaller_copy():
 
 def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
     """Where the decoder reads the cache by place, rows leave by their places alone while more
-    than half the cache's rows are still in the batch (nothing is copied); then the cache is
-    compacted to them, and a join compacts first. Prompts' shared prefixes follow the rows."""
+    than half the cache's rows are still in the batch (nothing is copied but a prompt's entries,
+    to its first row that stays where its first row left); then the cache is compacted to them,
+    and a join compacts first. Prompts' shared prefixes follow the rows."""
     import torch
 
     from sess.engine.sampling.block_cache import BLOCK, BlockCache
 
+    def bits(t: torch.Tensor) -> torch.Tensor:  # what a by-place prefill leaves unwritten may be NaN
+        return t.view(torch.int32)
+
     gen = torch.Generator().manual_seed(1)
     entries = [torch.randn(10, 2, 4, generator=gen) for _ in range(2)]  # tokens, kv heads, dim
     cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16, True)
+    for layer, prompt_entries in enumerate(entries):  # each prompt's first row holds its entries
+        assert torch.equal(cache.keys[layer][0, 0, :, :6], prompt_entries[:6].transpose(0, 1))
+        assert torch.equal(cache.keys[layer][0, 3, :, :4], prompt_entries[6:].transpose(0, 1))
     held = [t.clone() for t in cache.keys]
     storage = cache.keys[0].untyped_storage().data_ptr()
     cache.keep(torch.tensor([1, 2, 3, 5]), width=20)  # 4 of 6 rows: in place
     assert cache.places.tolist() == [1, 2, 3, 5] and cache.held == 6
-    assert all(torch.equal(a, b) for a, b in zip(cache.keys, held))  # not a byte moved
     assert cache.keys[0].untyped_storage().data_ptr() == storage
+    for layer, prompt_entries in enumerate(entries):  # row 0 left: row 1 holds prompt 0's entries now
+        assert torch.equal(cache.keys[layer][0, 1, :, :6], prompt_entries[:6].transpose(0, 1))
+        held[layer][0, 1, :, :6] = cache.keys[layer][0, 1, :, :6]
+        assert torch.equal(bits(cache.keys[layer]), bits(held[layer]))  # and nothing else moved
     assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2, 2], [6, 6, 4, 4]]  # by batch row
     with pytest.raises(RuntimeError, match="attention kernel"):
         cache.update(0, torch.zeros(4, 2, 4), torch.zeros(4, 2, 4))
     cache.keep(torch.tensor([0, 3]), width=20)  # 2 of 6 held rows stay: compacted to them
     assert cache.places is None and cache.held == 2
-    assert all(torch.equal(mine, old[:, [1, 5]]) for mine, old in zip(cache.keys, held))
+    for layer, prompt_entries in enumerate(entries):  # row 3 left: row 5 got prompt 1's entries first
+        held[layer][0, 5, :, :4] = prompt_entries[6:].transpose(0, 1)
+        assert torch.equal(bits(cache.keys[layer]), bits(held[layer][:, [1, 5]]))
     assert [t.tolist() for t in cache.sharing()] == [[0, 1], [6, 4]]
     cache.keep(torch.tensor([1]), width=20)  # 1 of 2: not more than half, compacted
-    assert cache.places is None and torch.equal(cache.keys[0], held[0][:, [5]])
+    assert cache.places is None and torch.equal(bits(cache.keys[0]), bits(held[0][:, [5]]))
     cache = BlockCache.from_prompts(list(entries), [e.clone() for e in entries], [(0, 6, 3), (6, 4, 3)], 16, True)
+    cache.keep(torch.tensor([0, 2, 4, 5]), width=20)  # prompt 1's first row (3) leaves: row 4 holds it
     held = [t.clone() for t in cache.keys]
-    cache.keep(torch.tensor([0, 2, 4, 5]), width=20)
     other = [torch.randn(3, 2, 4, generator=gen) for _ in range(2)]
     cache.append(BlockCache.from_prompts(list(other), [e.clone() for e in other], [(0, 3, 2)], BLOCK + 1))
     assert cache.places is None and cache.held == 6 and cache.blocks == 2
-    assert torch.equal(cache.keys[0][:1, :4], held[0][:, [0, 2, 4, 5]])
+    assert torch.equal(bits(cache.keys[0][:1, :4]), bits(held[0][:, [0, 2, 4, 5]]))
+    assert torch.equal(cache.keys[0][0, 2, :, :4], entries[0][6:].transpose(0, 1))
     assert [t.tolist() for t in cache.sharing()] == [[0, 0, 2, 2, 4, 4], [6, 6, 4, 4, 3, 3]]
 
 
