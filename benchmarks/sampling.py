@@ -302,8 +302,8 @@ def main() -> None:
             f"{(rows / floor) / (n_hf / t_hf):.2f}x",
         )
         notes.append(
-            f"batch / floor: {statistics.median(ratios):.2f}, the median of {len(rounds)} rounds "
-            f"({', '.join(f'{r:.2f}' for r in ratios)}), each round's batch against the floor measured "
+            f"batch / floor: {statistics.median(ratios):.3f}, the median of {len(rounds)} rounds "
+            f"({', '.join(f'{r:.3f}' for r in ratios)}), each round's batch against the floor measured "
             f"right after it"
         )
         notes.append(
