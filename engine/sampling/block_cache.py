@@ -146,8 +146,8 @@ class BlockCache:
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new entry [rows, kv heads, dim] of ``layer``; its keys and values up to
         this step's last block."""
-        if self.places is not None:
-            raise RuntimeError("a cache whose rows left in place is read through the attention kernel only")
+        if self.by_place:  # rows left in place, columns a prompt's samples read from its first row
+            raise RuntimeError("a cache made for the attention kernel is read through the attention kernel only")
         step = self.step
         self.keys[layer][step.block, step.rows, :, step.column] = key
         self.values[layer][step.block, step.rows, :, step.column] = value

@@ -508,7 +508,8 @@ def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
     """Where the decoder reads the cache by place, rows leave by their places alone while more
     than half the cache's rows are still in the batch (nothing is copied but a prompt's entries,
     to its first row that stays where its first row left); then the cache is compacted to them,
-    and a join compacts first. Prompts' shared prefixes follow the rows."""
+    and a join compacts first. Prompts' shared prefixes follow the rows. The torch ops' write
+    (:meth:`BlockCache.update`) refuses such a cache."""
     import torch
 
     from sess.engine.sampling.block_cache import BLOCK, BlockCache
@@ -522,6 +523,8 @@ def test_rows_leave_a_cache_read_by_place_without_moving_until_half_have_left():
     for layer, prompt_entries in enumerate(entries):  # each prompt's first row holds its entries
         assert torch.equal(cache.keys[layer][0, 0, :, :6], prompt_entries[:6].transpose(0, 1))
         assert torch.equal(cache.keys[layer][0, 3, :, :4], prompt_entries[6:].transpose(0, 1))
+    with pytest.raises(RuntimeError, match="attention kernel"):  # the other rows' prompt columns: unwritten
+        cache.update(0, torch.zeros(6, 2, 4), torch.zeros(6, 2, 4))
     held = [t.clone() for t in cache.keys]
     storage = cache.keys[0].untyped_storage().data_ptr()
     cache.keep(torch.tensor([1, 2, 3, 5]), width=20)  # 4 of 6 rows: in place
