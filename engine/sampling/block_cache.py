@@ -146,7 +146,7 @@ class BlockCache:
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new entry [rows, kv heads, dim] of ``layer``; its keys and values up to
         this step's last block."""
-        if self.by_place:  # rows left in place, columns a prompt's samples read from its first row
+        if self.by_place:  # rows may have left in place; a prompt's other rows lack its columns
             raise RuntimeError("a cache made for the attention kernel is read through the attention kernel only")
         step = self.step
         self.keys[layer][step.block, step.rows, :, step.column] = key
@@ -161,12 +161,13 @@ class BlockCache:
         return self.keys[layer], self.values[layer]
 
     def keep(self, rows: torch.Tensor, width: int) -> None:
-        """Keep ``rows`` (ascending) of the batch's. With :attr:`by_place`, while more than half the
-        cache's rows stay, only :attr:`places` changes. Otherwise the rows' entries, and of their
-        blocks enough for ``width`` columns and some growth, are compacted in the cache's own memory
-        (:func:`_compact`) while at least half of it stays, else copied to a smaller cache: a new
-        cache is fresh pages the kernel faults in one by one, ~200 ms a finished row at 64 rows and
-        2 blocks of smollm2."""
+        """Keep ``rows`` (ascending) of the batch's. With :attr:`by_place`, a prompt's entries go
+        first to its first row that stays where its first row leaves (:meth:`_hand_over`), and
+        while more than half the cache's rows stay, only :attr:`places` changes. Otherwise the
+        rows' entries, and of their blocks enough for ``width`` columns and some growth, are
+        compacted in the cache's own memory (:func:`_compact`) while at least half of it stays,
+        else copied to a smaller cache: a new cache is fresh pages the kernel faults in one by one,
+        ~200 ms a finished row at 64 rows and 2 blocks of smollm2."""
         places = rows if self.places is None else self.places[rows]
         if self.by_place:
             self._hand_over(places)
