@@ -468,7 +468,7 @@ int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stri
     return 0;
 }
 
-/* A row's largest logit (the first of equal ones does not matter: the value is what is used) */
+/* A row's largest logit (NaN entries aside) */
 static float row_max(const float *row, int vocab)
 {
     const int full = vocab - vocab % LANES;
@@ -497,11 +497,13 @@ static inline float tile_sum(const float *row, int lo, int n, float t, float sca
     return hsum16(sum);
 }
 
-/* ln(x) for a finite x > 0 in double by IEEE operations alone (no library log, whose variants
+/* ln(x) for a normal x > 0 in double by IEEE operations alone (no library log, whose variants
    differ between CPUs): x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) for
-   s = (m - 1) / (m + 1), |s| < 0.172, its series to s^23 (the next term under 1e-18) */
+   s = (m - 1) / (m + 1), |s| < 0.172, its series to s^23 (the next term under 1e-18). A sum of
+   weights is at least 1 (the max's own); NaN (a NaN logit) stays NaN */
 static double log_ieee(double x)
 {
+    if (!(x >= 1.0 && x < INFINITY)) return x == INFINITY ? x : NAN;
     uint64_t bits;
     memcpy(&bits, &x, sizeof bits);
     int e = (int)((bits >> 52) & 0x7ff) - 1023;

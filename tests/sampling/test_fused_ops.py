@@ -425,13 +425,19 @@ def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_
         assert (token.item(), logprob.item()) == (got[row].item(), logprobs[row].item())
 
 
-def test_logprobs_refuse_a_token_outside_the_vocabulary():
-    """A token id past the vocabulary (or negative) is refused before any row is read."""
+def test_logprobs_refuse_a_token_outside_the_vocabulary_and_leave_a_nan_row_nan():
+    """A token id past the vocabulary (or negative) is refused before any row is read; a row with
+    a NaN logit (a model gone wrong) gets a NaN logprob, as from torch's log_softmax, not a number."""
     _built()
-    logits = torch.randn(3, 10)
-    for bad in (10, -1):
+    logits = torch.randn(3, 300)
+    for bad in (300, -1):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             fused_ops.logprobs(logits, torch.tensor([0, bad, 2]))
+    logits[1, 7] = float("nan")
+    got = fused_ops.logprobs(logits, torch.tensor([0, 1, 2]))
+    assert got[1].isnan() and not got[[0, 2]].isnan().any()
+    _, drawn = fused_ops.draw(logits, torch.tensor([1.0, 0.7, 1.0]), torch.full((3,), 0.5, dtype=torch.float64))
+    assert drawn[1].isnan() and not drawn[[0, 2]].isnan().any()
 
 
 def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
