@@ -485,13 +485,19 @@ static float row_max(const float *row, int vocab)
 
 enum { SPAN = 256 };
 
-/* The sum of e^(x / t - most / t) over one tile of SPAN entries from row + lo (n of them in the
-   vocabulary, the rest weight 0): 16 partial sums over the tile, then pairwise (hsum16) */
-static inline float tile_sum(const float *row, int lo, int n, float t, float scaled_most)
+/* One tile of a row's logits: the SPAN entries from row + lo, those past the vocabulary (vocab)
+   -inf (weight 0) */
+static inline void tile_of(const float *row, int lo, int vocab, float entries[SPAN])
 {
-    float entries[SPAN];
+    const int n = vocab - lo < SPAN ? vocab - lo : SPAN;
     memcpy(entries, row + lo, sizeof(float) * n);
-    for (int d = n; d < SPAN; d++) entries[d] = -INFINITY; /* past the vocabulary: weight 0 */
+    for (int d = n; d < SPAN; d++) entries[d] = -INFINITY;
+}
+
+/* The sum of e^(x / t - most / t) over a tile's entries (tile_of): 16 partial sums over the tile,
+   then pairwise (hsum16) */
+static inline float tile_sum(const float entries[SPAN], float t, float scaled_most)
+{
     v16 sum = splat16(0.0f);
     for (int d = 0; d < SPAN; d += LANES) sum = sum + exp_neg16(load16(entries + d) / t - scaled_most);
     return hsum16(sum);
@@ -540,8 +546,11 @@ int sess_logprobs(const float *logits, long stride, int rows, int vocab, const i
         const float *row = logits + r * stride;
         const float most = row_max(row, vocab);
         double total = 0.0;
-        for (int lo = 0; lo < vocab; lo += SPAN)
-            total += (double)tile_sum(row, lo, vocab - lo < SPAN ? vocab - lo : SPAN, 1.0f, most);
+        float entries[SPAN];
+        for (int lo = 0; lo < vocab; lo += SPAN) {
+            tile_of(row, lo, vocab, entries);
+            total += (double)tile_sum(entries, 1.0f, most);
+        }
         logprobs[r] = logprob_of(row[tokens[r]], most, total);
     }
     return 0;
@@ -568,10 +577,11 @@ int sess_draw(const float *logits, long stride, int rows, int vocab, const float
         const float scaled_most = most / t; /* division rounds monotonically: the max of logit / t */
         double *cdf = tiles + (size_t)r * count;
         double running = 0.0, total = 0.0; /* total: at temperature 1, for the logprob */
+        float entries[SPAN], weights[SPAN];
         for (int tile = 0; tile < count; tile++) {
-            const int lo = tile * SPAN, n = vocab - lo < SPAN ? vocab - lo : SPAN;
-            running += (double)tile_sum(row, lo, n, t, scaled_most);
-            if (t != 1.0f) total += (double)tile_sum(row, lo, n, 1.0f, most);
+            tile_of(row, tile * SPAN, vocab, entries);
+            running += (double)tile_sum(entries, t, scaled_most);
+            if (t != 1.0f) total += (double)tile_sum(entries, 1.0f, most);
             cdf[tile] = running;
         }
         if (t == 1.0f) total = running; /* x / 1 is x: the same sums */
@@ -579,10 +589,8 @@ int sess_draw(const float *logits, long stride, int rows, int vocab, const float
         int tile = 0;
         while (tile < count - 1 && !(cdf[tile] > target)) tile++;
         const double before = tile ? cdf[tile - 1] : 0.0;
-        const int lo = tile * SPAN, n = vocab - lo < SPAN ? vocab - lo : SPAN;
-        float entries[SPAN], weights[SPAN];
-        memcpy(entries, row + lo, sizeof(float) * n);
-        for (int d = n; d < SPAN; d++) entries[d] = -INFINITY;
+        const int lo = tile * SPAN;
+        tile_of(row, lo, vocab, entries);
         for (int d = 0; d < SPAN; d += LANES) store16(weights + d, exp_neg16(load16(entries + d) / t - scaled_most));
         int pick = SPAN, last = -1;
         double inner = before;
