@@ -168,36 +168,31 @@ class BlockCache:
         compacted in the cache's own memory (:func:`_compact`) while at least half of it stays,
         else copied to a smaller cache: a new cache is fresh pages the kernel faults in one by one,
         ~200 ms a finished row at 64 rows and 2 blocks of smollm2."""
-        places = rows if self.places is None else self.places[rows]
         if self.by_place:
-            self._hand_over(places)
+            self._hand_over(rows)
+        places = rows if self.places is None else self.places[rows]
         if self.by_place and 2 * places.shape[0] > self.held:
             self.places, self._sharing = places, None
             return
         self._move(places, min(self.blocks, 2 * (width // BLOCK + 1)))
 
-    def _hand_over(self, kept: torch.Tensor) -> None:
-        """Where a prompt's first row (the one whose copy of its entries the others read, in a
-        :attr:`by_place` cache) leaves and rows of that prompt stay (cache rows ``kept``,
-        ascending), the first that stays gets the entries: it is the first row of the prompt
-        from then on."""
-        held = self.places.tolist() if self.places is not None else range(self.held)
-        holders: dict[int, int] = {}
-        for row in held:
-            if self.prompts[row] is not None:
-                holders.setdefault(self.prompts[row][0], row)
-        staying = kept.tolist()
-        moves: dict[int, tuple[int, int, int]] = {}
-        left = set(held) - set(staying)
-        for row in staying:
-            prompt = self.prompts[row]
-            if prompt is not None and holders[prompt[0]] in left:
-                moves.setdefault(prompt[0], (holders[prompt[0]], row, prompt[1]))
-        for source, target, length in moves.values():
+    def _hand_over(self, rows: torch.Tensor) -> None:
+        """Where a prompt's first row (the one :meth:`sharing` names, whose copy of the prompt's
+        entries the others read, in a :attr:`by_place` cache) leaves and rows of that prompt stay
+        (batch rows ``rows``, ascending), the first that stays gets the entries: it is the first
+        row of the prompt from then on."""
+        sources, lengths = (t.tolist() for t in self.sharing())
+        places = self.places.tolist() if self.places is not None else range(self.held)
+        staying, moved = set(rows.tolist()), set()
+        for row in rows.tolist():
+            source, length = sources[row], lengths[row]
+            if source in staying or source in moved:
+                continue
+            moved.add(source)
             for entries in self.keys + self.values:
                 for block in range(-(-length // BLOCK)):  # the prompt's columns only: after them, the row's own
                     columns = min(BLOCK, length - block * BLOCK)
-                    entries[block, target, :, :columns] = entries[block, source, :, :columns]
+                    entries[block, places[row], :, :columns] = entries[block, places[source], :, :columns]
 
     def _move(self, rows: torch.Tensor, keep: int) -> None:
         """Hold only the cache rows ``rows`` (ascending), in order, and ``keep`` blocks."""
