@@ -60,6 +60,7 @@ def attend(
     rotation: tuple[torch.Tensor, ...],
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     places: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each row's ``key`` (rotated) and ``value`` [rows, kv heads, dim] into the cache layer
     ``keys``/``values`` [blocks, held rows, kv heads, BLOCK, dim] at ``positions`` [rows], and
@@ -70,7 +71,8 @@ def attend(
     ``lengths[r]`` columns from row ``sources[r]``, whose entries there are the same (a prompt's
     samples): read from memory once for them all, the same bits. ``places``, int64 [rows]
     ascending (:attr:`.BlockCache.places`): the cache row that holds each row's entries (None: row
-    ``r`` in cache row ``r``, every cache row a row's)."""
+    ``r`` in cache row ``r``, every cache row a row's). ``out``: a dense block to write the result
+    into (:class:`Blocks`), else a new one."""
     lib = _lib()
     rows, heads, dim = query.shape
     kv_heads = key.shape[1]
@@ -80,7 +82,7 @@ def attend(
     query, key, value = (_rows_dense(t) for t in (query, key, value))
     cos, sin, q_cos, q_sin = (t.contiguous() for t in rotation)
     positions = _int64(positions)
-    out = query.new_empty(rows, heads, dim)
+    out = _into(out, query, (rows, heads, dim))
     if shared is not None:
         sources, lengths = (_int64(t) for t in shared)
         if sources.shape != (rows,) or lengths.shape != (rows,):
@@ -140,16 +142,21 @@ def prefill_attend(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, normed)``: ``h = x + residual`` (``x`` itself without one) and its RMS norm with
-    ``weight``, for ``x`` [rows, n] (rows may be strided)."""
+    ``weight``, for ``x`` [rows, n] (rows may be strided); written into the dense blocks ``into``
+    (for ``h``, ``normed``; None: a new one), which must not overlap ``x`` or ``residual``."""
     lib = _lib()
     rows, n = x.shape
     x = _last_dense(x)
     weight = weight.contiguous()
-    out = x.new_empty(rows, n)
-    total = x.new_empty(rows, n) if residual is not None else x
+    out = _into(into[1], x, (rows, n))
+    total = _into(into[0], x, (rows, n)) if residual is not None else x
     if residual is not None:
         residual = _last_dense(residual)
     _check(
@@ -163,12 +170,13 @@ def rms_norm(
     return total, out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate``, ``up`` [rows, n] (rows may be strided: a split's views)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate``, ``up`` [rows, n] (rows may be strided: a split's views),
+    written into the dense block ``out`` (None: a new one)."""
     lib = _lib()
     gate, up = _last_dense(gate), _last_dense(up)
     rows, n = gate.shape
-    out = gate.new_empty(rows, n)
+    out = _into(out, gate, (rows, n))
     _check(
         lib.sess_silu_mul(
             gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, n, out.data_ptr(), torch.get_num_threads()
@@ -237,6 +245,47 @@ def _check(failed: int, what: str) -> None:
         raise ValueError(f"{what} kernel: a token id outside the vocabulary")
     if failed:
         raise RuntimeError(f"{what} kernel failed ({failed}: -1 a shape not built, -2 out of memory)")
+
+
+class Blocks:
+    """The blocks one pass through a model's layers writes its norms, attention and activation
+    into, made on first use and written again layer after layer instead of allocated once a layer
+    (~180 large allocations a 64-row decode step on smollm2). Each such malloc searches a heap
+    that training and loading have left with many free chunks, whose headers the step's matmuls
+    have just evicted from the caches: ~10 us a call there. The residual stream alternates
+    between two blocks (a norm's sum never overlaps its input); the others hold one layer's value
+    until the next layer writes it, so a pass's result (the last norm's) stays valid until the
+    :class:`Blocks` writes again."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, torch.Tensor] = {}
+
+    def block(self, name: str, like: torch.Tensor, *shape: int) -> torch.Tensor:
+        """The block ``name`` of ``shape`` (made on first use, or again for another shape)."""
+        block = self._blocks.get(name)
+        if block is None or block.shape != shape or block.dtype != like.dtype:
+            block = self._blocks[name] = like.new_empty(shape)
+        return block
+
+    def norm(self, module: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):
+        """:func:`rms_norm` of ``h`` plus ``residual`` with ``module``'s weight and epsilon."""
+        shape = tuple(h.shape)
+        total = None
+        if residual is not None:  # the one of the two sums that is not h
+            total = self.block("sum", h, *shape)
+            if total is h:
+                total = self.block("other sum", h, *shape)
+        normed = self.block("normed", h, *shape)
+        return rms_norm(h, module.weight, module.variance_epsilon, residual, (total, normed))
+
+
+def _into(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` where given (dense, of ``shape`` and ``like``'s dtype), else a new block."""
+    if out is None:
+        return like.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"an output block of {tuple(out.shape)} {out.dtype}, not a dense {shape} {like.dtype}")
+    return out
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

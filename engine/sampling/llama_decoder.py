@@ -232,25 +232,31 @@ class LlamaDecoder:
         step = cache.set_positions(positions)
         fused = self.uses_kernels() and self.attention_kernel
         shared = cache.sharing() if fused else None
+        blocks = fused_ops.Blocks() if self.uses_kernels() else None
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation) -> torch.Tensor:
             if fused:
                 keys, values = cache.layer(layer)
-                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared, cache.places)
+                out = blocks.block("attention", q, *q.shape)
+                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared, cache.places, out)
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
 
         plans = self._group_plans(model, groups_of(adapters, tokens.device))
-        h = self._layers(model, plans, tokens, positions, attend, scale_queries=True)
+        h = self._layers(model, plans, tokens, positions, attend, scale_queries=True, blocks=blocks)
         return self._output(model, h, plans)
 
-    def _layers(self, model, plans: list, tokens, positions, attend, *, scale_queries: bool) -> torch.Tensor:
+    def _layers(
+        self, model, plans: list, tokens, positions, attend, *, scale_queries: bool, blocks=None
+    ) -> torch.Tensor:
         """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), each group
         of rows of ``plans`` (from :meth:`_group_plans`) through its adapter's, with
         ``attend(layer, q, k, v, rotation)`` doing the rotary embedding (``q, k`` as they come out of
         their projections and norms, [rows, heads, dim] each; ``rotation`` for :func:`_rotate`) and
-        attention; returns the final-normed states."""
+        attention; returns the final-normed states. With the C kernels, the norms and activation
+        write into ``blocks`` (:class:`~.fused_ops.Blocks`; new ones where None), the returned
+        states too."""
         inner = model.model
         count = tokens.shape[0]
         h = inner.embed_tokens(tokens)  # [rows, hidden]
@@ -261,7 +267,9 @@ class LlamaDecoder:
         q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
         rotation = (cos, sin, q_cos, q_sin)
         kernels = self.uses_kernels()
-        norm = self._kernel_norm if kernels else _add_norm
+        if kernels and blocks is None:
+            blocks = fused_ops.Blocks()
+        norm = blocks.norm if kernels else _add_norm
         pending = None  # the residual the next norm adds first
         for index, layer in enumerate(inner.layers):
             lora = [(rows, plan[index] if plan else plan) for rows, plan in plans]
@@ -276,14 +284,9 @@ class LlamaDecoder:
             (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
             h, x = norm(layer.post_attention_layernorm, h, o)
             gate, up = self._project(mlp, BUNDLES[2], x, lora, 2)
-            act = fused_ops.silu_mul(gate, up) if kernels else F.silu(gate) * up
+            act = fused_ops.silu_mul(gate, up, blocks.block("act", gate, *gate.shape)) if kernels else F.silu(gate) * up
             (pending,) = self._project(mlp, BUNDLES[3], act, lora, 3)
         return norm(inner.norm, h, pending)[1]
-
-    @staticmethod
-    def _kernel_norm(norm: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None):
-        """:func:`_add_norm` by the C kernel."""
-        return fused_ops.rms_norm(h, norm.weight, norm.variance_epsilon, residual)
 
     def _project(self, parent, names, x: torch.Tensor, lora, bundle: int) -> list[torch.Tensor]:
         """The projections ``names`` of ``parent`` on ``x``, each group of rows with its adapter's."""

@@ -397,6 +397,44 @@ def test_the_activation_is_silu_times_up_to_rounding_over_the_whole_range():
     assert torch.equal(fused_ops.silu_mul(gate[2:3], up[2:3])[0], got[2])
 
 
+def test_outputs_written_into_given_blocks_have_the_bits_of_new_ones():
+    """The norm, activation and attention write into blocks a pass reuses layer after layer
+    (:class:`fused_ops.Blocks`) with the bits they give in new ones; the residual stream alternates
+    between two blocks, never the norm's own input; a block of another shape is refused."""
+    _built()
+    gen = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(6, 96, generator=gen), torch.randn(6, 96, generator=gen)
+    norm = torch.nn.RMSNorm(96, eps=1e-5)
+    torch.nn.init.normal_(norm.weight, generator=gen)
+    norm.variance_epsilon = norm.eps
+    blocks = fused_ops.Blocks()
+    expected = fused_ops.rms_norm(x, norm.weight, 1e-5, residual)
+    total, normed = blocks.norm(norm, x, residual)
+    assert torch.equal(total, expected[0]) and torch.equal(normed, expected[1])
+    again, normed_again = blocks.norm(norm, total, residual)  # the next layer's: total is its input
+    assert again.data_ptr() != total.data_ptr() and normed_again.data_ptr() == normed.data_ptr()
+    assert torch.equal(again, expected[0] + residual)
+    third, _ = blocks.norm(norm, again, residual)
+    assert third.data_ptr() == total.data_ptr()  # two blocks in turn
+    first, plain = blocks.norm(norm, x, None)
+    assert first is x and torch.equal(plain, fused_ops.rms_norm(x, norm.weight, 1e-5)[1])
+
+    gate, up = (torch.randn(6, 2 * 50, generator=gen) * 5).split(50, dim=-1)
+    act = blocks.block("act", gate, 6, 50)
+    assert fused_ops.silu_mul(gate, up, act) is act
+    assert torch.equal(act, fused_ops.silu_mul(gate, up))
+
+    keys, values, pos, q, k, v, rotation = _step(3, 9, 3, 64, [4, 70, 127], blocks=2, seed=6)
+    fresh = fused_ops.attend(keys.clone(), values.clone(), pos, q, k, v, rotation)
+    out = blocks.block("attention", q, *q.shape)
+    assert fused_ops.attend(keys, values, pos, q, k, v, rotation, out=out) is out
+    assert torch.equal(out, fresh)
+    with pytest.raises(ValueError, match="output block"):
+        fused_ops.silu_mul(gate, up, torch.empty(6, 49))
+    with pytest.raises(ValueError, match="output block"):
+        fused_ops.rms_norm(x, norm.weight, 1e-5, residual, (torch.empty(96, 6).t(), None))
+
+
 @pytest.mark.parametrize("vocab", [49152, 3000, 7])
 def test_the_draw_picks_what_the_torch_inverse_cdf_picks_and_each_row_alone_the_same(vocab):
     """The C draw follows token_choice.inverse_cdf (softmax of logits / temperature, tiles of 256,
