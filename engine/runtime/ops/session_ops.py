@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
+from sess.engine.runtime.checkpoints.manifest import foreign_files
 from sess.engine.runtime.models.catalog import CATALOG, list_models
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
@@ -67,7 +68,9 @@ def canonical_model(runtime: Runtime, name: str) -> str:
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
     base_model = request.base_model
     name = check_name(request.name or default_name(base_model), "training_session_name")
-    if name in runtime.sessions:
+    # files on disk under the name that no session holds (a lost registry): never handed to a new
+    # session, unless their manifests say they are the caller's
+    if name in runtime.sessions or foreign_files(runtime.home, name, owner):
         raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
     seed = secrets.randbits(31) if request.seed is None else request.seed
     lora = {
