@@ -8,7 +8,8 @@ that owner, each session ``Stopped`` (resumable from its state checkpoints). Wha
 it says: checkpoints of owners no key has (kept on disk, unregistered, so no key can read them),
 directories without a manifest, and usage and spend, which no manifest records (the backup the
 engine takes at each start, ``registry.db.bak``, has them). A session or checkpoint the registry
-still has is left as it is.
+still has is left as it is. A home whose checkpoints predate manifests gets them at each engine
+start from the registry (:func:`label_unlabelled`), while the registry still knows their owners.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from sess.engine.runtime.checkpoints.manifest import checkpoint_dirs, owner_digest, read_manifest
+from sess.engine.runtime.checkpoints.manifest import (
+    checkpoint_dirs,
+    owner_digest,
+    read_manifest,
+    write_manifest,
+)
 from sess.engine.sdk.checkpoint_paths import CheckpointRef
 from sess.engine.sdk.home import sess_home
 from sess.engine.server import registry_guard
@@ -141,3 +147,20 @@ def _summary(session: str, items: list[tuple[Path, dict]]) -> dict:
         "user_metadata": None,
         "usage": {},
     }
+
+
+def label_unlabelled(registry: Registry, home: Path) -> int:
+    """Write a manifest into each checkpoint directory of a registered session that has none (a
+    checkpoint from before manifests), from the session's registry row; how many were written."""
+    sessions = {row["name"]: row for row in registry.sessions()}
+    written = 0
+    for directory in checkpoint_dirs(home):
+        session, kind, name = directory.relative_to(home / "checkpoints").parts
+        row = sessions.get(session)
+        if row is None or read_manifest(directory) is not None:
+            continue
+        write_manifest(
+            directory, owner=row["owner"], session=session, kind=kind, name=name, base_model=row["base_model"]
+        )
+        written += 1
+    return written

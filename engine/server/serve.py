@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
-from sess.engine.server import registry_guard
+from sess.engine.server import registry_guard, registry_repair
 from sess.engine.server.registry_guard import RegistryUnreadable
 from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback, load_price_table
 from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_QUEUED, MAX_SESSIONS
@@ -141,6 +141,7 @@ def serve(
         sock.close()
         raise SystemExit(f"sess engine: {exc}") from None
     engine.registry.backup()  # registry.db.bak: what a lost registry is restored from
+    registry_repair.label_unlabelled(engine.registry, home)  # checkpoints from before manifests
     if sampler == "vllm":
         runtime.vllm = VllmSampler(
             sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank

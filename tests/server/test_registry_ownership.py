@@ -157,6 +157,7 @@ def test_a_corrupt_registry_is_refused_naming_the_file_and_both_fixes(tmp_path):
 
 @pytest.mark.slow  # three engine starts
 def test_the_engine_backs_its_registry_up_at_each_start_and_the_backup_restores(tmp_path):
+    """Also: a start writes the manifests that checkpoints from before manifests lack."""
     home = tmp_path / "home"
     key_a, _ = _keys(home)
     url = start_engine(home)["url"]
@@ -166,8 +167,15 @@ def test_the_engine_backs_its_registry_up_at_each_start_and_the_backup_restores(
             usage = a.get_usage("alice")
     finally:
         stop_engine(home)
+    manifests = sorted(home.glob(f"checkpoints/*/*/*/{MANIFEST_FILE}"))
+    assert len(manifests) == 2
+    for manifest in manifests:  # as in a home from before manifests
+        manifest.unlink()
     url = start_engine(home)["url"]  # this start backs up what the first one recorded
     stop_engine(home)
+    # and labels the checkpoints that had no manifest from the registry, while it knows their owner
+    assert sorted(home.glob(f"checkpoints/*/*/*/{MANIFEST_FILE}")) == manifests
+    assert {json.loads(m.read_text())["owner_sha256"] for m in manifests} == {owner_digest("owner-a")}
     backup = home / "registry.db.bak"
     assert backup.stat().st_mode & 0o777 == 0o600
     with sqlite3.connect(backup) as db:
