@@ -14,6 +14,8 @@ checkpoint lifecycles or queue times gains the columns and the ``spend`` table (
 operations) when opened. When an engine starts,
 sessions the previous process
 left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
+A file SQLite cannot read raises :class:`~.registry_guard.RegistryUnreadable`, naming the file and
+the fixes; :meth:`Registry.backup` writes ``registry.db.bak`` (:mod:`.registry_guard`).
 """
 
 from __future__ import annotations
