@@ -19,28 +19,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sess.engine.sdk.checkpoint_paths import check_name
+from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
 
 MODELS_FILE = "models.json"
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
-_cache: dict[Path, tuple[tuple[int, int], dict[str, dict]]] = {}
+_cache: dict[Path, tuple[tuple[int, int, int], dict[str, dict]]] = {}
 
 
 def models_file(home: str | os.PathLike | None = None) -> Path:
     return sess_home(home) / MODELS_FILE
 
 
-def registered(home: str | os.PathLike | None = None) -> dict[str, dict]:
-    """The registered models of ``home``: name -> {"source", "repo", "arch", "added"} (none: {})."""
+def registered(home: str | os.PathLike | None = None, *, fresh: bool = False) -> dict[str, dict]:
+    """The registered models of ``home``: name -> {"source", "repo", "arch", "added"} (none: {}).
+    Read again when the file changed (each write renames a new file into place); ``fresh``: always."""
     path = models_file(home)
     try:
         stat = path.stat()
     except FileNotFoundError:
         return {}
-    stamp = (stat.st_mtime_ns, stat.st_size)
+    stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
     cached = _cache.get(path)
-    if cached is not None and cached[0] == stamp:
+    if cached is not None and cached[0] == stamp and not fresh:
         return cached[1]
     try:
         models = json.loads(path.read_text())["models"]
@@ -59,7 +61,7 @@ def _locked(home: str | os.PathLike | None) -> Iterator[dict[str, dict]]:
     path = models_file(home)
     with open(path.with_name(f".{MODELS_FILE}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        models = dict(registered(home))
+        models = dict(registered(home, fresh=True))
         yield models
         atomic_write_bytes(path, (json.dumps({"models": models}, indent=1, sort_keys=True) + "\n").encode())
 
@@ -85,7 +87,10 @@ def source_of(where: str) -> dict:
 def register(home: str | os.PathLike | None, name: str, where: str, *, reserved: set[str]) -> dict:
     """Register ``name`` for the model at ``where`` (a directory or a hub id); its entry.
     A name in ``reserved`` (the catalog's) or already registered is refused."""
-    check_name(name, "NAME")
+    try:
+        check_name(name, "NAME")
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
     if name in reserved:
         raise ValueError(f"NAME: {name!r} is a catalog model already; pick another name")
     entry = {**source_of(where), "added": time.time()}
