@@ -3,7 +3,7 @@ operator adds (add, list, remove).
 
 A request names a model by name only: a path, URL or hub id from a client is refused, whatever lies
 on disk; the operator gives one a name here. A running engine sees an added model at its next
-request, and refuses a removed one to new requests.
+request, and refuses a removed one to every request that names it.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def models_list(
 def models_remove(
     name: str = typer.Argument(..., help="A model added with `models add`."), home: str = HOME
 ) -> None:
-    """Stop serving an added model to new requests (its files are left where they are)."""
+    """Stop serving an added model (its files are left where they are); stop the sessions on it first."""
     from sess.engine.runtime.models.registered import models_file, unregister
 
     try:

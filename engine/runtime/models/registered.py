@@ -3,8 +3,8 @@
 ``sess engine models add NAME DIR|HUB_ID`` writes them to ``models.json`` in the engine home, under a
 lock and atomically (temp file + rename), as ``{"models": {NAME: {"source": "local" | "hf", "repo":
 DIR | HUB_ID, "arch": ...}}}``. A running engine reads the file again when it changes, so a model
-added while it runs is usable at once; one removed is refused to new requests (a base model already
-in memory stays there until the engine restarts).
+added while it runs is usable at once; one removed is refused to every request that names it (a
+base model already in memory stays there until the engine restarts).
 """
 
 from __future__ import annotations
