@@ -113,7 +113,8 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         target=target_wire(request.target, host.name),
     )
     batch = runtime.batch(host)
-    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed/sample_spread.py
+    # several ranks decode: distributed/sample_spread.py
+    if runtime.ranks is not None and batch.spread is None:
         from sess.engine.runtime.distributed.sample_spread import Spread
 
         batch.spread = Spread(runtime.ranks, host.name)
