@@ -346,3 +346,16 @@ def test_concurrent_adds_keep_every_model(tmp_path):
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda n: register(tmp_path, n, f"org/{n}", reserved=set()), names))
     assert sorted(registered(tmp_path, fresh=True)) == sorted(names)
+
+
+def test_an_unreadable_models_file_is_the_engine_s_fault_and_names_the_file(tmp_path):
+    from sess.engine.runtime.models.model_policy import model_name
+    from sess.engine.runtime.models.registered import ModelsFileError
+
+    for text in ("{not json", '{"models": []}', '{"models": {"x": {"source": "disk", "repo": "/"}}}'):
+        (tmp_path / "models.json").write_text(text)
+        with pytest.raises(ModelsFileError, match="models.json.*fix or remove it") as error:
+            model_name(tmp_path, "bob", "x")
+        assert error.value.status == 503
+    listed = runner.invoke(app, ["engine", "models", "list", "--home", str(tmp_path)])
+    assert listed.exit_code == 1 and "models.json" in listed.output

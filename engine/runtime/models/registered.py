@@ -19,11 +19,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sess.engine.sdk.checkpoint_paths import check_name
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
 
 MODELS_FILE = "models.json"
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class ModelsFileError(SessError, ValueError):
+    """``models.json`` cannot be read: the engine's setup, not the request, is at fault (503)."""
+
+    status = 503
+
 
 _cache: dict[Path, tuple[tuple[int, int, int], dict[str, dict]]] = {}
 
@@ -48,8 +55,13 @@ def registered(home: str | os.PathLike | None = None, *, fresh: bool = False) ->
         models = json.loads(path.read_text())["models"]
         if not isinstance(models, dict):
             raise TypeError("models is not an object")
+        for name, entry in models.items():
+            if not (isinstance(entry, dict) and entry.get("source") in ("local", "hf")):
+                raise TypeError(f"model {name!r} has no source local or hf")
+            if not isinstance(entry.get("repo"), str):
+                raise TypeError(f"model {name!r} has no repo")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a registered-models file ({exc}); fix or remove it") from None
+        raise ModelsFileError(f"{path}: not a registered-models file ({exc}); fix or remove it") from None
     _cache[path] = (stamp, models)
     return models
 
