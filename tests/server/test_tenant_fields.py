@@ -181,9 +181,11 @@ def test_every_sess_field_refuses_paths_and_other_keys_resources(engine):
             if name == "base_model":  # no probe: the same answer whatever lies at the path
                 assert len({texts[v] for v in paths}) == 1, (cls, {texts[v] for v in paths})
         # B's own checkpoint and the catalog still work through the same fields
-        assert http.post(
-            "/api/call", json={"name": "model_info", "args": {"base_model": "tiny-llama"}}
-        ).is_success
+        for name, args in [
+            ("model_info", {"base_model": "tiny-llama"}),
+            ("checkpoint_info", {"path": engine["bob_state"]}),
+        ]:
+            assert http.post("/api/call", json={"name": name, "args": args}).is_success, name
 
 
 # -------------------------------------------------------------------------------------- Tinker routes
