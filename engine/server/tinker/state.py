@@ -30,6 +30,7 @@ from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
 from sess.engine.server.tinker.request_futures import Answer, Futures
+from sess.engine.server.tinker.sequence_records import SequenceRecords
 
 log = logging.getLogger("sess.engine")
 _MISSING = object()
@@ -120,6 +121,7 @@ class Tinker:
         self.sessions: dict[str, TinkerSession] = {}
         self.samplers: dict[str, Sampler] = {}
         self.model_names: dict[str, str] = {}  # sess session -> the base model as its client named it
+        self.records: dict[str, SequenceRecords] = {}  # Tinker session -> its recorded sequences
         self._facts: dict[str, dict] = {}
         self._model_facts: dict[tuple[str, str], dict] = {}
 
@@ -261,6 +263,15 @@ class Tinker:
                 "(unknown, or the engine restarted; create a new sampling client)"
             )
         return sampler
+
+    def records_of(self, owner: str, session_id: str | None, create: bool = False) -> SequenceRecords | None:
+        """The recorded sequences of ``owner``'s Tinker session ``session_id`` (made if ``create``)."""
+        session = self.sessions.get(session_id) if session_id else None
+        if session is None or session.owner != owner or session.finished:
+            return None
+        if create and session_id not in self.records:
+            self.records[session_id] = SequenceRecords()
+        return self.records.get(session_id)
 
     def add_sampler(self, sampler: Sampler) -> None:
         self.samplers[sampler.id] = sampler
