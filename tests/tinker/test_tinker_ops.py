@@ -1,7 +1,8 @@
 """Issue-level Tinker features over the Tinker routes: distillation targets ((N, K) cross_entropy),
 the sampling options (stop=[], topk_sample_logprobs, prompt_logprobs_last_n, target_prompt_logprobs
 dense and sparse, prompt_alt_tokens_k) and what is refused (K = 0, mismatched shapes, malformed
-provenance spans, a record_stability_info that is not a bool, image-pointer chunks, the dimuon optimizer, unknown fields), each a
+provenance spans, a non-bool record_stability_info, image-pointer chunks, the dimuon optimizer,
+unknown fields), each a
 400 naming the field after which the model keeps working. Raw HTTP here (cheap); the same through
 the unmodified tinker 0.38 SDK in its own venv is slow-marked."""
 

@@ -222,10 +222,7 @@ def test_a_post_whose_answer_was_lost_runs_once_when_the_sdk_sends_it_again(
 def test_bad_input_through_the_sdk_is_an_error_at_once_and_the_client_keeps_working(checks):
     expected = {
         "out_of_vocab": ("BadRequestError", "outside the vocabulary"),
-        "unsupported_loss": (
-            "BadRequestError",
-            "(required by stable_reinforce)",
-        ),  # a datum without its inputs
+        "unsupported_loss": ("BadRequestError", "(required by stable_reinforce)"),  # lacks its inputs
         "foreign_checkpoint": ("NotFoundError", "not found"),
         "prompt_out_of_vocab": ("BadRequestError", "outside the vocabulary"),
     }
