@@ -21,6 +21,7 @@ from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, provenance, wire
 from sess.engine.server.tinker.request_futures import Answer
+from sess.engine.server.tinker.session_room import make_room
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 LOSSES = ", ".join(REQUIRED_INPUTS)
@@ -58,6 +59,7 @@ def add_routes(route, tinker: Tinker) -> None:
             work = await create(owner, name)
 
             async def run() -> Answer:
+                await make_room(tinker.engine, owner)  # an exited client's session goes first
                 answer = await work
                 session.models.add(name)
                 if session.project_id or session.display_name:  # list_training_runs filters by project
