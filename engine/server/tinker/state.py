@@ -266,6 +266,10 @@ class Tinker:
 
     def records_of(self, owner: str, session_id: str | None, create: bool = False) -> SequenceRecords | None:
         """The recorded sequences of ``owner``'s Tinker session ``session_id`` (made if ``create``)."""
+        for other, kept in list(self.records.items()):  # an exited client's records go after their day
+            kept.expire()
+            if not len(kept) and other != session_id:
+                del self.records[other]
         session = self.sessions.get(session_id) if session_id else None
         if session is None or session.owner != owner or session.finished:
             return None
