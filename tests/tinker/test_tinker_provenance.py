@@ -1,5 +1,5 @@
 """Provenance spans and record_stability_info over the Tinker routes (raw HTTP, as the SDK sends
-them): a sampler made with record_stability_info records each sequence; a datum whose spans tile
+them): a sampling session records each sequence (record_stability_info or not); a datum whose spans tile
 it, name recorded sequences and claim the sampled tokens trains with any loss, and stable_reinforce
 reads the recorded sampler logprobs; spans that contradict the datum are 400s naming the datum and
 the span, after which the model keeps working. The records' day, with a clock the test moves."""
@@ -159,14 +159,18 @@ def test_spans_that_contradict_the_datum_are_400s_naming_datum_and_span(a, tok):
     for seq, (bad, words) in enumerate(cases, start=1):
         refused = a.forward_backward(_request(model, seq, "ppo", [good, bad]))
         assert refused.status_code == 400 and words in refused.json()["detail"], refused.text[:300]
-    # a sampler without record_stability_info records nothing: its sequences are unknown
+    # a sampler without record_stability_info records its sequences too (the cookbook sends spans
+    # whatever the loss, and records only for stable_reinforce): its spans are checked and train
     other = a.session()
-    (unrecorded, *_), (tokens, *_) = _sampled(a, other, prompt, record=False)
+    (unflagged, *_), (tokens, *_) = _sampled(a, other, prompt, record=False)
     other_model = a.create_model(other)
-    refused = a.forward_backward(_request(other_model, 1, "ppo", [_rl_datum(prompt, unrecorded, tokens)]))
-    assert refused.status_code == 400 and "record_stability_info=True" in refused.json()["detail"]
+    started = a.forward_backward(_request(other_model, 1, "ppo", [_rl_datum(prompt, unflagged, tokens)]))
+    assert started.status_code == 200, started.text[:300]
+    bad = _rl_datum(prompt, unflagged, tokens[:-1] + [(tokens[-1] + 1) % 100])
+    refused = a.forward_backward(_request(other_model, 2, "ppo", [bad]))
+    assert refused.status_code == 400 and "data[0].loss_fn_input_spans[1]" in refused.json()["detail"]
     # nor is one session's record another's
-    refused = a.forward_backward(_request(other_model, 2, "ppo", [good]))
+    refused = a.forward_backward(_request(other_model, 3, "ppo", [good]))
     assert refused.status_code == 400 and "is not a sequence" in refused.json()["detail"]
     answer = a.result(a.forward_backward(_request(model, len(cases) + 1, "ppo", [good])).json()["request_id"])
     assert len(read_fb_output(answer)[0]) == 1

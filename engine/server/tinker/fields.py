@@ -22,11 +22,12 @@ ADAMW_ONLY = (
 TEXT_ONLY = "this engine runs text models: send encoded_text chunks (image, image-pointer and dmel chunks are not supported)"
 STABILITY = (
     "the sampling session's Tinker session keeps each sequence's prompt, tokens and sampling logprobs "
-    "under its sequence_id for a day (each use restarts it; in memory, bounded, gone with the session)"
+    "under its sequence_id for a day (each use restarts it; in memory, bounded, gone with the session); "
+    "it does so with the flag off too, so that provenance spans can be checked for any loss"
 )
 SPANS = (
-    "checked: the runs tile the field, offsets in range, each sequence recorded (record_stability_info) "
-    "with the tokens claimed; stable_reinforce reads the recorded sampler logprobs"
+    "checked: the runs tile the field, offsets in range, each sequence one the session sampled, with "
+    "the tokens claimed; stable_reinforce reads the recorded sampler logprobs"
 )
 NO_CUSTOM_LOSS = (
     "custom losses run on the client: forward_backward_custom works with the default client config"

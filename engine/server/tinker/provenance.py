@@ -5,7 +5,7 @@ A datum's ``model_input_spans`` tile its input tokens and its ``loss_fn_input_sp
 its positions are positions ``[offset, offset + length)`` of a recorded sequence's sampled tokens
 (``SampledProvenanceSpan``) or of its request's prompt (``PromptProvenanceSpan``). The engine checks
 every claim (the runs add up to the field they tile, each offset is in range, each ``sequence_id``
-is one this Tinker session sampled with ``record_stability_info`` (:mod:`.sequence_records`) and the
+is one this Tinker session sampled and still holds (:mod:`.sequence_records`) and the
 tokens are the ones sampled) and refuses a datum whose spans contradict it with a 400 naming the
 datum and the span. A loss that needs the sampler's logprobs from the record (``stable_reinforce``)
 gets them: the rows on sampled runs take the recorded logprobs, the other rows keep the datum's
@@ -93,8 +93,8 @@ def _check(
         if record is None:
             raise InvalidRequest(
                 f"{where}[{j}].sequence_id: {span.sequence_id[:80]!r} is not a sequence this session "
-                "sampled with record_stability_info=True, or its record expired (a day unused); "
-                "create the sampling client with record_stability_info=True"
+                "sampled, or its record expired (a day unused) or was dropped (the session's oldest go "
+                "past 4M recorded tokens); send the datum without spans, or sample it again"
             )
         source, kind = (record.tokens, "sampled tokens") if span.sampled else (record.prompt, "prompt")
         if span.offset + span.length > len(source):

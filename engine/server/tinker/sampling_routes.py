@@ -8,8 +8,8 @@ prompt logprobs come from the same prefill (``compute_logprobs`` is a one-token 
 for prompt logprobs); the scores beyond the sampled tokens (top-k of sampled positions, chosen ids'
 and alternative draws at prompt positions) come from forward passes as the request finishes
 (:mod:`sess.engine.runtime.prompt_scores`). Every field of the request is honoured or refused
-(:mod:`.fields`); with ``record_stability_info`` each sampled sequence is recorded under its
-``sequence_id`` (:mod:`.sequence_records`). Sample requests are not ordered; a re-sent one (same sampling session and
+(:mod:`.fields`); each sequence a sampling session samples is recorded under its ``sequence_id``
+(:mod:`.sequence_records`), which ``record_stability_info`` asks for and provenance spans need. Sample requests are not ordered; a re-sent one (same sampling session and
 ``seq_id``) gets the same request id.
 """
 
@@ -93,8 +93,10 @@ def add_routes(route, tinker: Tinker) -> None:
             sampler = tinker.sampler(owner, body["sampling_session_id"])
             target, of = sampler.target, sampler.session
             key = (owner, "sample", sampler.id, field_of(body, "seq_id", int))
-            if field_of(body, "record_stability_info", bool, False):
-                records = tinker.records_of(owner, sampler.id.split(":", 1)[0], create=True)
+            # every sequence is recorded, record_stability_info or not: the cookbook attaches
+            # provenance spans to every RL datum, whatever its loss, and they are checked against it
+            field_of(body, "record_stability_info", bool, False)
+            records = tinker.records_of(owner, sampler.id.split(":", 1)[0], create=True)
         else:  # the schema also allows naming the weights directly (the 0.38 SDK never does)
             if field_of(body, "record_stability_info", bool, False):
                 raise InvalidRequest(
@@ -147,8 +149,8 @@ def _sample_output(
     request_id: str,
     prompt: list[int],
 ) -> Answer:
-    """The ``SampleResponse``; with ``record_stability_info``, each sequence recorded under its
-    ``sequence_id`` (``<request_id>.<i>``, the ids ``asample`` answered) first."""
+    """The ``SampleResponse``; each sequence recorded under its ``sequence_id`` (``<request_id>.<i>``,
+    the ids ``asample`` answered) first, when the request came through a sampling session."""
     if records is not None:
         for i, sequence in enumerate(result["sequences"]):
             records.add(f"{request_id}.{i}", prompt, sequence["tokens"], sequence["logprobs"])

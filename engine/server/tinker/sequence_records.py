@@ -1,8 +1,11 @@
 """What the Tinker front end records of each sampled sequence, for provenance spans and StableReinforce.
 
-A ``SamplingClient`` made with ``record_stability_info=True`` asks that every sequence it samples be
-kept under its ``sequence_id`` (``<request_id>.<i>``, the ids ``asample`` answers): its request's
-prompt, its sampled tokens and each token's sampling logprob. Training requests then name those
+Every sequence a Tinker sampling session samples is kept under its ``sequence_id``
+(``<request_id>.<i>``, the ids ``asample`` answers): its request's prompt, its sampled tokens and
+each token's sampling logprob. A ``SamplingClient`` made with ``record_stability_info=True`` asks for
+this; the engine records the others too, because the cookbook attaches provenance spans to every RL
+datum whatever its loss (and records only for ``stable_reinforce``), and spans are checked against
+the record. Training requests then name those
 sequences in provenance spans (:mod:`.provenance`): the engine checks a datum's tokens against them
 and ``stable_reinforce`` reads the recorded logprobs instead of trusting the client's copy.
 
