@@ -15,7 +15,7 @@ from sess.engine.server.tinker import schema
 from sess.engine.server.tinker.sequence_records import LIFETIME_S, SequenceRecords
 
 from helpers import SENTENCES
-from tinker_helpers import TinkerHttp, read_fb_output
+from tinker_helpers import TinkerHttp, make_tinker_venv, read_fb_output, run_client
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +174,19 @@ def test_spans_that_contradict_the_datum_are_400s_naming_datum_and_span(a, tok):
     assert refused.status_code == 400 and "is not a sequence" in refused.json()["detail"]
     answer = a.result(a.forward_backward(_request(model, len(cases) + 1, "ppo", [good])).json()["request_id"])
     assert len(read_fb_output(answer)[0]) == 1
+
+
+@pytest.mark.slow
+def test_the_tinker_sdk_sends_spans_that_train_and_a_contradiction_is_refused(
+    http_engine, key, tok, tmp_path
+):
+    python = make_tinker_venv(tmp_path)
+    spec = {"out": str(tmp_path / "provenance.json"), "prompt": tok.encode(SENTENCES[2])[:5]}
+    out = run_client(python, "provenance.py", spec, url=http_engine["url"], key=key)
+    assert len(set(out["sequence_ids"])) == 2
+    # the datums' logprobs say -1; the recorded ones are the sampler's, which the fresh adapter matches
+    assert out["stable_reinforce"]["is_weight:mean"] == pytest.approx(1.0, abs=1e-3)
+    assert out["stable_reinforce"]["kl_sampler_learner_k3:mean"] < 1e-5
+    assert abs(out["ppo"]["ratio:mean"] - 1) > 0.3  # ppo reads the datum's -1 logprobs, as sent
+    error = out["corrupt_error"]
+    assert error.startswith("BadRequestError") and "data[0].loss_fn_input_spans[1]: target_tokens[" in error
