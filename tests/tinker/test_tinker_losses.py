@@ -164,6 +164,10 @@ def test_stable_reinforce_refuses_an_option_it_does_not_take(tc):
     )
     with pytest.raises(InvalidRequest, match="clip_low_threshold"):
         tc.forward_backward([rl], "stable_reinforce", loss_fn_config={"clip_low_threshold": 0.5})
+    with pytest.raises(InvalidRequest, match="kl_coeff: expected a value of 0 or more"):
+        tc.forward_backward([rl], "stable_reinforce", loss_fn_config={"kl_coeff": -0.1})
+    with pytest.raises(InvalidRequest, match="weight_cap: expected 1 or more"):
+        tc.forward_backward([rl], "stable_reinforce", loss_fn_config={"weight_cap": 0.5})
 
 
 def test_losses_the_engine_does_not_run_are_refused_with_the_supported_set(tc):
