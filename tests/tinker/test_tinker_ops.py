@@ -252,7 +252,7 @@ def test_the_tinker_sdk_gets_the_same(http_engine, key, tok, tmp_path):
     assert abs(out["multi_fb_loss"] - out["multi_loss"]) < 1e-5 * max(1.0, abs(out["multi_loss"]))
     assert "K = 0" in out["k0_error"] and "target_tokens" in out["k0_error"]
     assert f"({n}, 3)" in out["mismatch_error"] and f"({n}, 2)" in out["mismatch_error"]
-    assert "missing 'advantages' (required by stable_reinforce)" in out["stable_reinforce_error"]
+    assert "missing 'logprobs' (required by stable_reinforce)" in out["stable_reinforce_error"]
     assert "model_input_spans[0].sequence_id: 's' is not a sequence" in out["spans_error"]
     assert out["after_errors_loss"] > 0
     assert out["stop_none"] == {"tokens": [spec["eos"]], "reason": "stop"}
