@@ -219,20 +219,21 @@ class ManagedEngine(Executor):
         live = [s for s in self.runtime.sessions.values() if s.owner == owner and s.live]
         return len(live) >= self._limit_for(owner)
 
-    def silent_for(self, owner: str) -> list[tuple[float, str]]:
-        """(seconds silent, name) of ``owner``'s live sessions whose client heart-beats, longest first."""
+    def silent_for(self, owner: str, among: set[str]) -> list[tuple[float, str]]:
+        """(seconds silent, name) of ``owner``'s live sessions in ``among`` whose client heart-beats,
+        longest first."""
         now = time.time()
         found = [
             (now - self._last_seen(s), s.name)
             for s in list(self.runtime.sessions.values())
-            if s.owner == owner and s.live and s.name in self.heartbeats
+            if s.owner == owner and s.live and s.name in self.heartbeats and s.name in among
         ]
         return sorted(found, reverse=True)
 
-    def release_silent(self, owner: str, silent_s: float) -> list[str]:
-        """Stop (state saved, as the heartbeat lapse would) ``owner``'s sessions whose heart-beating
-        client has been silent over ``silent_s``: it missed its beats, so it has exited."""
-        names = [name for silent, name in self.silent_for(owner) if silent > silent_s]
+    def release_silent(self, owner: str, silent_s: float, among: set[str]) -> list[str]:
+        """Stop (state saved, as the heartbeat lapse would) ``owner``'s sessions in ``among`` whose
+        heart-beating client has been silent over ``silent_s``: it missed its beats, so it has exited."""
+        names = [name for silent, name in self.silent_for(owner, among) if silent > silent_s]
 
         def stop(runtime: Runtime) -> list[str]:
             return [name for name in names if self._stop_idle(runtime, name, silent_s)]

@@ -59,7 +59,7 @@ def add_routes(route, tinker: Tinker) -> None:
             work = await create(owner, name)
 
             async def run() -> Answer:
-                await make_room(tinker.engine, owner)  # an exited client's session goes first
+                await make_room(tinker, owner)  # an exited client's session goes first
                 answer = await work
                 session.models.add(name)
                 if session.project_id or session.display_name:  # list_training_runs filters by project
