@@ -12,7 +12,7 @@ import pytest
 from sess.engine import ServiceClient
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import schema
-from sess.engine.server.tinker.sequence_records import LIFETIME_S, SequenceRecords
+from sess.engine.server.tinker.sequence_records import LIFETIME_S, SequenceRecords, bound_key
 
 from helpers import SENTENCES
 from tinker_helpers import TinkerHttp, make_tinker_venv, read_fb_output, run_client
@@ -52,6 +52,12 @@ def test_a_record_lasts_a_day_unused_and_each_use_restarts_it():
         records.add(f"s.{i}", [1], [2, 3], [-1.0, -1.0])
     assert records.tokens == 18 and len(records) == 6
     assert records.get("s.1") is None and records.get("s.2") is not None
+    # and a key's sessions together: the least recently used go first, whichever session holds them
+    other = SequenceRecords(clock=lambda: now[0], max_tokens=20)
+    now[0] += 1
+    other.add("t.0", [1], [2, 3], [-1.0, -1.0])
+    bound_key([records, other], limit=12)
+    assert records.tokens + other.tokens <= 12 and other.get("t.0") is not None
 
 
 def _sampled(a: TinkerHttp, session: str, prompt: list[int], record: bool, n: int = 2):

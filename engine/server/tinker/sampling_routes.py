@@ -15,6 +15,8 @@ and alternative draws at prompt positions) come from forward passes as the reque
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -132,7 +134,11 @@ def add_routes(route, tinker: Tinker) -> None:
                 )
             op_id = await tinker.submit(owner, "sample", args)
             request_id = tinker.op_future(
-                owner, op_id, lambda result: _sample_output(result, sparse, records, request_id, prompt)
+                owner,
+                op_id,
+                lambda result: _sample_output(
+                    result, sparse, records, request_id, prompt, lambda: tinker.bound_records(owner)
+                ),
             )
             return {
                 "request_id": request_id,
@@ -148,10 +154,12 @@ def _sample_output(
     records: SequenceRecords | None,
     request_id: str,
     prompt: list[int],
+    bound: Callable[[], None] = lambda: None,
 ) -> Answer:
     """The ``SampleResponse``; each sequence recorded under its ``sequence_id`` (``<request_id>.<i>``,
     the ids ``asample`` answered) first, when the request came through a sampling session."""
     if records is not None:
         for i, sequence in enumerate(result["sequences"]):
             records.add(f"{request_id}.{i}", prompt, sequence["tokens"], sequence["logprobs"])
+        bound()
     return Answer(wire.sample_output(result, sparse_targets), "application/x-protobuf")

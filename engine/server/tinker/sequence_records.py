@@ -11,8 +11,8 @@ and ``stable_reinforce`` reads the recorded logprobs instead of trusting the cli
 
 A record lasts :data:`LIFETIME_S` (one day, as Tinker documents) after it was made or last used; each
 use restarts its day. Records live in memory only (never on disk), per Tinker session, and go with
-it; a session keeps at most :data:`MAX_TOKENS` tokens of records, dropping its least recently used
-first. The clock is a parameter so that tests can move it.
+it; a session keeps at most :data:`MAX_TOKENS` tokens of records and a key :data:`MAX_KEY_TOKENS`
+over all its sessions (:func:`bound_key`), dropping the least recently used first. The clock is a parameter so that tests can move it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 
 LIFETIME_S = 24 * 3600.0
 MAX_TOKENS = 1 << 22  # per session: prompt + sampled tokens of its records (about 50 MB at most)
+MAX_KEY_TOKENS = 4 * MAX_TOKENS  # per key, over all its sessions (a key may open many)
 
 
 @dataclass
@@ -75,6 +76,14 @@ class SequenceRecords:
             self._records.move_to_end(sequence_id)
         return record
 
+    def oldest_use(self) -> float:
+        """Clock reading of the least recently used record (infinity when empty)."""
+        return next(iter(self._records.values())).used if self._records else float("inf")
+
+    def drop_oldest(self) -> None:
+        if self._records:
+            self._drop(next(iter(self._records)))
+
     def expire(self) -> None:
         """Drop the records unused for over :data:`LIFETIME_S` (the oldest are first)."""
         now = self.clock()
@@ -88,3 +97,16 @@ class SequenceRecords:
         record = self._records.pop(sequence_id, None)
         if record is not None:
             self.tokens -= record.size
+
+
+def bound_key(sessions: list[SequenceRecords], limit: int = MAX_KEY_TOKENS) -> None:
+    """Drop the least recently used records of one key's ``sessions`` until they hold ``limit``
+    tokens or fewer."""
+    total = sum(records.tokens for records in sessions)
+    while total > limit:
+        oldest = min(sessions, key=SequenceRecords.oldest_use)
+        before = oldest.tokens
+        oldest.drop_oldest()
+        if oldest.tokens == before:
+            return
+        total -= before - oldest.tokens

@@ -30,7 +30,7 @@ from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
 from sess.engine.server.tinker.request_futures import Answer, Futures
-from sess.engine.server.tinker.sequence_records import SequenceRecords
+from sess.engine.server.tinker.sequence_records import SequenceRecords, bound_key
 
 log = logging.getLogger("sess.engine")
 _MISSING = object()
@@ -276,6 +276,13 @@ class Tinker:
         if create and session_id not in self.records:
             self.records[session_id] = SequenceRecords()
         return self.records.get(session_id)
+
+    def bound_records(self, owner: str) -> None:
+        """Keep ``owner``'s recorded sequences, over all its sessions, within the key's bound."""
+        mine = [
+            r for sid, r in self.records.items() if sid in self.sessions and self.sessions[sid].owner == owner
+        ]
+        bound_key(mine)
 
     def add_sampler(self, sampler: Sampler) -> None:
         self.samplers[sampler.id] = sampler
