@@ -214,6 +214,32 @@ class ManagedEngine(Executor):
             op.id, op.owner, op.name, name if session else None, error, usage, cost, queue_s
         )
 
+    # room at the live-session limit --------------------------------------------------------------
+    def at_limit(self, owner: str) -> bool:
+        live = [s for s in self.runtime.sessions.values() if s.owner == owner and s.live]
+        return len(live) >= self._limit_for(owner)
+
+    def silent_for(self, owner: str, among: set[str]) -> list[tuple[float, str]]:
+        """(seconds silent, name) of ``owner``'s live sessions in ``among`` whose client heart-beats,
+        longest first."""
+        now = time.time()
+        found = [
+            (now - self._last_seen(s), s.name)
+            for s in list(self.runtime.sessions.values())
+            if s.owner == owner and s.live and s.name in self.heartbeats and s.name in among
+        ]
+        return sorted(found, reverse=True)
+
+    def release_silent(self, owner: str, silent_s: float, among: set[str]) -> list[str]:
+        """Stop (state saved, as the heartbeat lapse would) ``owner``'s sessions in ``among`` whose
+        heart-beating client has been silent over ``silent_s``: it missed its beats, so it has exited."""
+        names = [name for silent, name in self.silent_for(owner, among) if silent > silent_s]
+
+        def stop(runtime: Runtime) -> list[str]:
+            return [name for name in names if self._stop_idle(runtime, name, silent_s)]
+
+        return self.run(stop, owner=owner) if names else []
+
     def _forget_gone_checkpoints(self, session: str) -> None:
         """Registry rows of ``session``'s checkpoints whose files are gone (a stopped session's
         transient samplers)."""
@@ -268,13 +294,13 @@ class ManagedEngine(Executor):
     def _last_seen(self, session: Session) -> float:
         return max(session.last_active, session.created, self.heartbeats.get(session.name, 0.0))
 
-    def _stop_idle(self, runtime: Runtime, name: str) -> None:
+    def _stop_idle(self, runtime: Runtime, name: str, timeout: float | None = None) -> bool:
         session = runtime.sessions.get(name)
         if session is None or not session.live:
-            return
-        timeout = self._timeout(session)
+            return False
+        timeout = self._timeout(session) if timeout is None else timeout
         if time.time() - self._last_seen(session) <= timeout:
-            return  # an op or a heartbeat arrived while this stop waited in the queue
+            return False  # an op or a heartbeat arrived while this stop waited in the queue
         owner = session.owner
         silent = "its client stopped heart-beating" if name in self.heartbeats else "it was idle"
         self._save_state(runtime, session, "idle")
@@ -285,6 +311,7 @@ class ManagedEngine(Executor):
         self._forget_gone_checkpoints(name)
         self.heartbeats.pop(name, None)  # resumed, it starts on the idle timeout again
         log.warning("session %s: %s for over %.0f s: state saved, session stopped", name, silent, timeout)
+        return True
 
     def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
         """``session``'s state before it stops (:func:`sess.engine.runtime.ops.checkpoint_ops.save_unsaved_state`), in

@@ -164,6 +164,7 @@ def add_core_routes(route, tinker: Tinker) -> None:
         session = tinker.session(owner, request.path_params["session_id"])
         if not session.finished:  # a finish is first-wins; its models stop, their checkpoints stay
             session.finished = True
+            tinker.records.pop(session.id, None)  # its recorded sequences go with it
             for name in sorted(session.models):
                 try:
                     await tinker.call(owner, "stop_session", {"name": name})

@@ -19,8 +19,9 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import fields, ids, wire
+from sess.engine.server.tinker import fields, ids, provenance, wire
 from sess.engine.server.tinker.request_futures import Answer
+from sess.engine.server.tinker.session_room import make_room
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 LOSSES = ", ".join(REQUIRED_INPUTS)
@@ -58,6 +59,7 @@ def add_routes(route, tinker: Tinker) -> None:
             work = await create(owner, name)
 
             async def run() -> Answer:
+                await make_room(tinker, owner)  # an exited client's session goes first
                 answer = await work
                 session.models.add(name)
                 if session.project_id or session.display_name:  # list_training_runs filters by project
@@ -202,6 +204,8 @@ def add_routes(route, tinker: Tinker) -> None:
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
                 )
+            records = tinker.records_of(owner, ids.session_of_model(message.model_id))
+            provenance.apply(batch.data, batch.spans, records, batch.loss_fn)
             facts = await tinker.model_facts(owner, name)
             check_data(batch.data, batch.loss_fn, vocab_size=facts["vocab_size"])
             args = {
