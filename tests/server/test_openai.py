@@ -82,9 +82,11 @@ def test_openai_errors_are_4xx_with_messages(served):
     for kwargs, message in [
         ({"n": 0}, "400 - n: expected a value in 1..1024, got 0"),
         ({"temperature": 1e39}, "400 - temperature: expected a value in 0.0..10000.0"),
-        ({"logprobs": 5}, "400 - logprobs: not supported"),
-        ({"echo": True}, "400 - echo: not supported"),
+        ({"logprobs": 21}, "400 - logprobs: expected a value in 0..20, got 21"),
+        ({"extra_body": {"max_tokens": 0}}, "400 - max_tokens: 0 samples nothing"),
         ({"best_of": 3}, "400 - best_of: not supported"),
+        ({"suffix": "x"}, "400 - suffix: not supported"),
+        ({"extra_body": {"frequency_penalty_x": 1}}, "400 - frequency_penalty_x: not a field"),
     ]:
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=tc.name, prompt="hi", max_tokens=2, **kwargs)
@@ -95,3 +97,25 @@ def test_openai_errors_are_4xx_with_messages(served):
         )
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
+
+
+def test_max_completion_tokens_is_max_tokens(served):
+    _, tc, _, client = served
+    for limit in (1, 3):
+        response = client.chat.completions.create(
+            model=tc.name,
+            messages=[{"role": "user", "content": "Count on"}],
+            max_completion_tokens=limit,
+            seed=5,
+        )
+        assert response.usage.completion_tokens == limit and response.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens: 3 differs from max_tokens 4"):
+        client.chat.completions.create(
+            model=tc.name, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3, max_tokens=4
+        )
+    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
+        client.chat.completions.create(
+            model=tc.name,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
