@@ -10,6 +10,7 @@ import pytest
 
 from sess.engine import ServiceClient
 from sess.engine.sdk.types import SamplingParams
+from sess.engine.server.keys import KeyStore
 
 from helpers import SENTENCES, train_steps
 
@@ -260,3 +261,44 @@ def test_a_long_prompt_is_named_as_such(served, http_engine):
         )
         answer = conn.recv(4096).decode()
     assert answer.startswith("HTTP/1.1 413") and "over the limit" in answer
+
+
+def test_a_second_key_reaches_none_of_the_firsts_models(served, http_engine, sess_home):
+    _, tc, checkpoint, client = served
+    other = openai.OpenAI(
+        base_url=str(client.base_url), api_key=KeyStore(sess_home).add("openai-b")["key"], max_retries=0
+    )
+    ids = [m.id for m in other.models.list().data]
+    assert tc.name not in ids and checkpoint not in ids and "tiny-llama" in ids
+    with pytest.raises(openai.NotFoundError):
+        other.completions.create(model=tc.name, prompt=["a", "b"], max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as refused:  # an unpublished checkpoint looks absent
+        other.completions.create(model=checkpoint, prompt=[[1, 2]], max_tokens=2, echo=True, logprobs=1)
+    assert refused.value.status_code in (403, 404)
+    with pytest.raises(openai.NotFoundError, match="not a live session"):  # no file path is a model
+        other.completions.create(model="/etc/passwd", prompt="a", max_tokens=2)
+
+
+def test_bad_batched_and_streamed_inputs_are_400s_naming_them(served):
+    _, tc, _, client = served
+    bad = [
+        (dict(prompt=[[1, 2], [3, 10**7]]), r"prompt\[1\]: token id 10000000 is outside the vocabulary"),
+        (dict(prompt=["a", ""]), r"prompt\[1\]: an empty string"),
+        (dict(prompt=["a", [1, 2], 3]), "prompt: expected a non-empty string"),
+        (
+            dict(prompt="a", extra_body={"stream_options": {"include_usage": True}}),
+            "stream_options: applies only",
+        ),
+        (
+            dict(prompt="a", stream=True, stream_options={"bogus": 1}),
+            r"stream_options.bogus: not a stream option",
+        ),
+        (dict(prompt=[[1]] * 1025), "prompt: 1025 prompts is over the limit"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=tc.name, max_tokens=2, **kwargs)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].name: not supported"):
+        client.chat.completions.create(
+            model=tc.name, messages=[{"role": "user", "content": "a", "name": "x"}]
+        )

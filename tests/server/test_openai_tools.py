@@ -71,3 +71,96 @@ def test_langchain_chat_and_completions(http_engine, key, tmp_path_factory):
     assert isinstance(seen["invoke"], str) and len(seen["batch"]) == 2
     assert len(seen["stream"]) > 2 and "".join(seen["stream"]) == seen["invoke"]  # same seed, same text
     assert isinstance(seen["completion"], str) and seen["completions"][0] == seen["completion"]
+
+
+QUESTIONS = [
+    ("What is the capital of France?", ["Paris", "London", "Rome", "Madrid"], 0),
+    ("What color is the sky on a clear day?", ["Green", "Blue", "Red", "Yellow"], 1),
+    ("How many legs does a spider have?", ["Six", "Four", "Eight", "Ten"], 2),
+    ("Which animal says moo?", ["Cat", "Dog", "Duck", "Cow"], 3),
+    ("What is 2 + 2?", ["Four", "Five", "Three", "Two"], 0),
+    ("Which planet do we live on?", ["Mars", "Earth", "Venus", "Jupiter"], 1),
+]
+TASKS = {
+    "sess_mc": """task: sess_mc
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list: [{{metric: acc}}]
+""",
+    "sess_gen": """task: sess_gen
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{choices[label]}}}}"
+generation_kwargs: {{until: ["\\n", "."], max_gen_toks: 8, do_sample: false, temperature: 0}}
+metric_list: [{{metric: exact_match, ignore_case: true, ignore_punctuation: true}}]
+filter_list: [{{name: strip, filter: [{{function: regex, regex_pattern: "\\\\s*(.*)"}}, {{function: take_first}}]}}]
+""",
+}
+
+
+def _lm_eval(python: Path, root: Path, name: str, model_args: str, env: dict | None = None) -> dict:
+    """One lm_eval run of both tasks: {task: (score, [per-request responses in doc order])}."""
+    out = root / name
+    run(
+        python,
+        [
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions" if name == "sess" else "hf",
+            "--model_args",
+            model_args,
+        ]
+        + ["--tasks", "sess_mc,sess_gen", "--include_path", str(root / "tasks"), "--log_samples"]
+        + ["--output_path", str(out), "--seed", "1234"],
+        timeout=1200,
+        env=env,
+    )
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    found = {}
+    for task, metric in (("sess_mc", "acc,none"), ("sess_gen", "exact_match,strip")):
+        lines = next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()
+        samples = sorted((json.loads(line) for line in lines), key=lambda s: s["doc_id"])
+        found[task] = (results[task][metric], [s["resps"] for s in samples])
+    return found
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_scores_as_its_hf_model(http_engine, key, sess_home, tmp_path_factory):
+    from sess.engine.runtime.models.catalog import prepare
+
+    root = tmp_path_factory.mktemp("lm-eval")
+    python = make_venv(root / "lm-eval-venv", [["torch==2.13.0"], ["lm-eval==0.4.13"]])
+    weights = prepare("smollm2-135m", sess_home, progress=False)  # the engine's converted model directory
+    data = root / "questions.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "label": a}) + "\n" for q, c, a in QUESTIONS)
+    )
+    (root / "tasks").mkdir()
+    for task, text in TASKS.items():
+        (root / "tasks" / f"{task}.yaml").write_text(text.format(data=data))
+    served = _lm_eval(
+        python,
+        root,
+        "sess",
+        f"model=smollm2-135m,base_url={http_engine['url']}/v1/completions,tokenizer={weights},max_retries=1",
+        env={"OPENAI_API_KEY": key},
+    )
+    oracle = _lm_eval(python, root, "hf", f"pretrained={weights},dtype=float32")
+    for task in TASKS:
+        assert served[task][0] == oracle[task][0], (task, served[task][0], oracle[task][0])
+    assert served["sess_mc"][0] >= 0.5  # the instruct model knows most of these
+    ours = [r[0] for doc in served["sess_mc"][1] for r in doc]  # [loglikelihood, is_greedy] per choice
+    theirs = [r[0] for doc in oracle["sess_mc"][1] for r in doc]
+    assert len(ours) == len(theirs) == 4 * len(QUESTIONS)
+    assert max(abs(float(a[0]) - float(b[0])) for a, b in zip(ours, theirs)) < 1e-4
+    assert [a[1] for a in ours] == [b[1] for b in theirs]
+    assert served["sess_gen"][1] == oracle["sess_gen"][1]  # the same greedy generations
