@@ -138,7 +138,7 @@ def test_lm_eval_local_completions_scores_as_its_hf_model(http_engine, key, sess
     from sess.engine.runtime.models.catalog import prepare
 
     root = tmp_path_factory.mktemp("lm-eval")
-    python = make_venv(root / "lm-eval-venv", [["torch==2.13.0"], ["lm-eval==0.4.13"]])
+    python = make_venv(root / "lm-eval-venv", [["torch==2.13.0"], ["lm-eval[api,hf]==0.4.13"]])
     weights = prepare("smollm2-135m", sess_home, progress=False)  # the engine's converted model directory
     data = root / "questions.jsonl"
     data.write_text(
@@ -157,10 +157,14 @@ def test_lm_eval_local_completions_scores_as_its_hf_model(http_engine, key, sess
     oracle = _lm_eval(python, root, "hf", f"pretrained={weights},dtype=float32")
     for task in TASKS:
         assert served[task][0] == oracle[task][0], (task, served[task][0], oracle[task][0])
-    assert served["sess_mc"][0] >= 0.5  # the instruct model knows most of these
+    assert served["sess_mc"][0] >= 0.5  # the instruct model knows half of these or more
     ours = [r[0] for doc in served["sess_mc"][1] for r in doc]  # [loglikelihood, is_greedy] per choice
     theirs = [r[0] for doc in oracle["sess_mc"][1] for r in doc]
     assert len(ours) == len(theirs) == 4 * len(QUESTIONS)
-    assert max(abs(float(a[0]) - float(b[0])) for a, b in zip(ours, theirs)) < 1e-4
+    gap = max(abs(float(a[0]) - float(b[0])) for a, b in zip(ours, theirs))
+    print(
+        f"lm-eval on smollm2-135m: acc {served['sess_mc'][0]} (hf {oracle['sess_mc'][0]}), loglikelihood gap {gap:.2e}"
+    )
+    assert gap < 1e-4
     assert [a[1] for a in ours] == [b[1] for b in theirs]
     assert served["sess_gen"][1] == oracle["sess_gen"][1]  # the same greedy generations
