@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import openai
@@ -302,3 +303,28 @@ def test_bad_batched_and_streamed_inputs_are_400s_naming_them(served):
         client.chat.completions.create(
             model=tc.name, messages=[{"role": "user", "content": "a", "name": "x"}]
         )
+
+
+def test_a_client_gone_mid_stream_stops_its_sampling(served):
+    svc, tc, _, client = served
+    body = {"model": tc.name, "prompt": "a", "max_tokens": 2000, "temperature": 0.0}
+    whole = client.completions.create(**body)
+    assert whole.choices[0].finish_reason == "length"  # unstreamed, greedy samples all 2000
+    before = svc.get_usage(tc.name).sampled_tokens
+    started = time.monotonic()
+    with httpx.stream(
+        "POST",
+        f"{client.base_url}completions",
+        headers={"Authorization": f"Bearer {client.api_key}"},
+        json={**body, "stream": True},
+        timeout=60,
+    ) as response:
+        lines = response.iter_lines()
+        firsts = [next(lines) for _ in range(6)]  # a few tokens' chunks, then the client goes
+    assert all(line.startswith("data: {") or not line for line in firsts)
+    while time.monotonic() - started < 300:  # the op ends at the batch's next step, and is billed
+        sampled = svc.get_usage(tc.name).sampled_tokens - before
+        if sampled:
+            break
+        time.sleep(0.2)
+    assert 0 < sampled < 2000, sampled

@@ -20,7 +20,7 @@ from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Target
 from sess.engine.sdk.types import SessionStatus
-from sess.engine.server.openai import streaming
+from sess.engine.server.openai import live, streaming
 from sess.engine.server.openai.answers import answer, choices_of, usage_block
 from sess.engine.server.openai.requests import Plan, read_plan
 from sess.engine.server.settings import MAX_BODY_BYTES
@@ -104,12 +104,21 @@ def _op(target: dict, plan: Plan, ids: list[int]) -> tuple[str, dict]:
     }
 
 
-async def _run_ops(engine, owner: str, target: dict, plan: Plan, prompts: list[list[int]]) -> list[dict]:
-    """Submit one op per prompt, then wait for all; the results in prompt order."""
+def _submit(
+    engine, owner: str, target: dict, plan: Plan, prompts: list[list[int]], progresses=None
+) -> list[str]:
+    """One op per prompt, all submitted before any is awaited (so they share decode steps)."""
     try:
-        op_ids = [engine.submit(owner, *_op(target, plan, ids)) for ids in prompts]
+        return [
+            engine.submit(owner, *_op(target, plan, ids), progress=progresses[i] if progresses else None)
+            for i, ids in enumerate(prompts)
+        ]
     except SessError as exc:
         raise _as_sent(exc) from None
+
+
+async def _wait(engine, owner: str, op_ids: list[str]) -> list[dict]:
+    """The ops' results in prompt order, or the first one's error."""
     ops = await asyncio.gather(*(engine.wait_async(owner, op_id, SAMPLE_TIMEOUT_S) for op_id in op_ids))
     for op in ops:
         if op is None:
@@ -152,14 +161,32 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
             tokenizer, prompts = await run_in_threadpool(_prepare, engine, owner, target, plan)
         except SessError as exc:
             raise _as_sent(exc) from None
-        results = await _run_ops(engine, owner, target, plan, prompts)
-        choices, sampled = [], 0
-        for i, (ids, result) in enumerate(zip(prompts, results)):
-            if plan.echo and plan.logprobs is not None and len(ids) == 1 and plan.max_tokens:
-                result = _one_token_prompt_result(ids, result)
-            choices += choices_of(tokenizer, plan, ids, result, i * plan.n)
-            sampled += sum(len(s["tokens"]) for s in result.get("sequences", []))
-        usage = usage_block(sum(len(ids) for ids in prompts), sampled)
+
+        async def finish(results: list[dict]) -> tuple[list, dict]:
+            choices, sampled = [], 0
+            for i, (ids, result) in enumerate(zip(prompts, results)):
+                if plan.echo and plan.logprobs is not None and len(ids) == 1 and plan.max_tokens:
+                    result = _one_token_prompt_result(ids, result)
+                choices += choices_of(tokenizer, plan, ids, result, i * plan.n)
+                sampled += sum(len(s["tokens"]) for s in result.get("sequences", []))
+            return choices, usage_block(sum(len(ids) for ids in prompts), sampled)
+
+        if live.eligible(plan):
+            queue, progresses = live.listeners(len(prompts))
+            waiting = asyncio.ensure_future(
+                _wait(engine, owner, _submit(engine, owner, target, plan, prompts, progresses))
+            )
+            try:
+                first = await live.first_event(queue, waiting)
+            except BaseException:
+                for progress in progresses:  # an error, or the client gone before the first token
+                    progress.cancelled = True
+                raise
+            lines = live.events(plan, tokenizer, first, queue, waiting, progresses, finish)
+            return StreamingResponse(lines, media_type=streaming.MEDIA_TYPE)
+        choices, usage = await finish(
+            await _wait(engine, owner, _submit(engine, owner, target, plan, prompts))
+        )
         if plan.stream:
             return StreamingResponse(streaming.events(plan, choices, usage), media_type=streaming.MEDIA_TYPE)
         return answer(plan, choices, usage)

@@ -1,9 +1,11 @@
-"""Server-sent events for ``stream: true``: ``data: {chunk}`` lines in OpenAI's chunk shapes, one per
-piece of each choice (a sampled token, or the echoed prompt), the choice's last chunk carrying its
-finish_reason, a usage chunk when ``stream_options.include_usage`` asks, then ``data: [DONE]``.
+"""Server-sent events for ``stream: true``: ``data: {chunk}`` lines in OpenAI's chunk shapes, the
+choice's last chunk carrying its finish_reason, a usage chunk when ``stream_options.include_usage``
+asks, then ``data: [DONE]``.
 
-The chunks are cut from the finished answer (:mod:`.answers`), so a stream carries exactly the text
-and logprobs of the unstreamed answer at the same seed; the first chunk leaves once sampling is done.
+Without logprobs or echo, tokens stream as the decode batch draws them (:mod:`.live`). With them,
+the chunks are cut from the finished answer (:func:`events`: one per piece of each choice, a sampled
+token or the echoed prompt), since the alternatives at each position come when sampling ends; the
+stream carries exactly the text and logprobs of the unstreamed answer at the same seed either way.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from sess.engine.server.openai.requests import Plan
 MEDIA_TYPE = "text/event-stream"
 
 
-def _event(data: dict | str) -> str:
+def event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
@@ -41,7 +43,7 @@ def events(plan: Plan, choices: list[Choice], usage: dict) -> Iterator[str]:
         for i, piece in enumerate(pieces):
             wire = _chunk_choice(plan, choice, piece, offset, i == 0, i == len(pieces) - 1)
             offset += sum(len(t.text) for t in piece.tokens)
-            yield _event({**head, "choices": [wire], **extra})
+            yield event({**head, "choices": [wire], **extra})
     if plan.include_usage:
-        yield _event({**head, "choices": [], "usage": usage})
-    yield _event("[DONE]")
+        yield event({**head, "choices": [], "usage": usage})
+    yield event("[DONE]")
