@@ -26,7 +26,7 @@ SAMPLING = {
     "top_k": "vLLM's extension: keep the k most likely tokens (-1: off)",
     "seed": "the engine's counter-based RNG: the same seed gives the same tokens, streamed or not",
     "stop": "a string or up to 64 strings; the text ends before the first one (finish_reason stop)",
-    "stream": "server-sent events: one chunk per sampled token, then data: [DONE]",
+    "stream": "server-sent events: text as it is drawn, then data: [DONE]; a client gone ends the sampling",
     "stream_options": "include_usage adds a last chunk with the usage block",
     "user": "accepted, not stored: usage is kept per key and session by the engine",
 }
