@@ -209,9 +209,12 @@ def test_batched_prompts_answer_in_index_order(served):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_stream_is_the_unstreamed_answer(served, chat):
+@pytest.mark.parametrize("logprobs", [False, True])  # as drawn; cut from the finished answer
+def test_stream_is_the_unstreamed_answer(served, chat, logprobs):
     _, tc, _, client = served
-    kwargs = dict(model=tc.name, max_tokens=8, seed=3, temperature=1.0, n=2)
+    kwargs = dict(model=tc.name, max_tokens=8, seed=3, temperature=1.0, n=2, stop=["e"])
+    if logprobs:
+        kwargs.update(dict(logprobs=True, top_logprobs=2) if chat else dict(logprobs=2))
     if chat:
         create, kwargs["messages"] = client.chat.completions.create, [{"role": "user", "content": "Go"}]
     else:
