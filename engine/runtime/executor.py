@@ -73,9 +73,11 @@ class Executor:
         session: str | None = None,
         seq: int | None = None,
         client_token: str | None = None,
+        progress: Any = None,
     ) -> str:
         """Queue an op and return its id at once; its result comes from :meth:`wait`, and so does an
-        error in its arguments (found here, before it is queued)."""
+        error in its arguments (found here, before it is queued). ``progress``: a sample op's
+        listener of its tokens as they are drawn (:class:`SampleJob`'s ``progress``)."""
         spec = OPS.get(name) if isinstance(name, str) else None
         if spec is None or spec.kind is Kind.CONTROL:
             raise InvalidRequest(f"name: unknown operation {str(name)[:64]!r}")
@@ -88,7 +90,7 @@ class Executor:
         with self._cv:
             if client_token is not None and (owner, client_token) in self._tokens:
                 return self._tokens[(owner, client_token)]
-        op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq)
+        op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq, progress=progress)
         try:
             op.request = spec.request.from_wire(args)
         except InvalidRequest as exc:  # answered at once, and still takes its place in the order
@@ -357,7 +359,7 @@ class Executor:
             self._finish(op, result=result, error=error)
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
-        OPS[op.name].handler(self.runtime, op.owner, op.request, done)
+        OPS[op.name].handler(self.runtime, op.owner, op.request, done, progress=op.progress)
 
     def _forget_order(self, session: str) -> None:
         """A deleted session's ordering ends with it; ops still parked for it are refused."""

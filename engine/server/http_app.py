@@ -5,7 +5,7 @@ typed request before queueing it, and its one thread owns torch. The wire is sma
 /api/call`` (control ops), ``POST /api/submit`` (queue an op, get its id), ``POST /api/wait``
 (long-poll an op's result), ``POST /api/heartbeat``, checkpoint file downloads, ``GET /api/usage``,
 checkpoint TTLs, publishing, copies, traces, storage and the audit log (:mod:`.lifecycle_routes`),
-the OpenAI-compatible ``/v1`` routes (:mod:`.openai_routes`) and the Tinker protocol under
+the OpenAI-compatible ``/v1`` routes (:mod:`.openai`) and the Tinker protocol under
 ``/api/v1`` (:mod:`.tinker`), all over the one engine. Bodies are JSON (arrays inside
 are base64, see :mod:`sess.engine.sdk.types`); errors are ``{"error": {"message", "status"}}`` with
 a 4xx for anything a client sent and a 5xx only for the engine's own failures.
@@ -220,7 +220,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     from sess.engine.server.lifecycle_routes import add_lifecycle_routes
 
     add_lifecycle_routes(app, engine.lifecycle, owner_of, read_json, json_response, max_body_bytes)
-    from sess.engine.server.openai_routes import add_openai_routes
+    from sess.engine.server.openai.routes import add_openai_routes
 
     add_openai_routes(app, engine, owner_of, read_json)
     from sess.engine.server.tinker.routes import add_tinker_routes

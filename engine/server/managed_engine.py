@@ -96,6 +96,7 @@ class ManagedEngine(Executor):
         seq=None,
         client_token=None,
         hold_seq: bool = False,
+        progress=None,
     ) -> str:
         """Queue an op (see Executor.submit). Past the key's budget a costly op is refused (402) and
         its sequence number used up, so the session's later ops run; ``hold_seq`` leaves the number
@@ -123,7 +124,9 @@ class ManagedEngine(Executor):
                 except SessError:
                     pass  # already used (a resubmission): nothing waits for it
             raise refusal
-        op_id = super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+        op_id = super().submit(
+            owner, name, args, session=session, seq=seq, client_token=client_token, progress=progress
+        )
         self.billing.accepted(owner, self._owned(owner, op_id))
         if isinstance(session, str) and session in self.heartbeats:
             self.heartbeats[session] = time.time()  # its client is alive, however long the op queues

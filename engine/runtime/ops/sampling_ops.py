@@ -49,11 +49,15 @@ def resolve_target(
     return runtime.host(model_name(runtime.home, owner, target.base_model)), None, None
 
 
-def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone) -> None:
+def start_sample(
+    runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone, progress=None
+) -> None:
     """Check a sample request and add it to its base model's decode batch.
 
     Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the executor
-    thread when the request's last row finishes, with the request's usage (:mod:`.usage`)."""
+    thread when the request's last row finishes, with the request's usage (:mod:`.usage`).
+    ``progress`` hears each token as it is drawn and may cancel the request (:class:`SampleJob`);
+    the vLLM sampler and rows decoded on other ranks report only at the end."""
     host, adapter, session = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
@@ -111,6 +115,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         on_done=finished,
         prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
         target=target_wire(request.target, host.name),
+        progress=progress,
     )
     batch = runtime.batch(host)
     # several ranks decode: distributed/sample_spread.py
