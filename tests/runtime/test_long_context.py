@@ -12,6 +12,7 @@ import torch
 
 from sess.engine import AdamParams, Datum, InvalidRequest, ModelInput, SamplingParams
 from sess.engine.runtime import output_layer
+from sess.engine.runtime.memory import training_budget
 from sess.engine.runtime.models.catalog import CATALOG, context_window
 from sess.engine.sdk.loss_registry import LOSSES
 
@@ -151,3 +152,19 @@ def test_a_request_over_the_window_is_refused_naming_the_prompt_length(svc, tc):
         sc.sample(fits, sampling_params=SamplingParams(max_tokens=200)).result()
     out = tc.forward_backward(_data(vocab, [12], 4), "cross_entropy").result()
     assert np.isfinite(out.metrics["loss:sum"])
+
+
+def test_the_default_ceiling_is_sized_from_the_machine_and_the_planning_budget_is_unchanged(monkeypatch):
+    """The default budget (micro-batch planning, so the default run's split) stays 384 MB on CPU;
+    the ceiling is a quarter of the memory available: on a 24 GiB machine with ~20 GiB available,
+    room for smollm2's whole window checkpointed (8,191 tokens at 109 KB, the engine's measured
+    price), which 384 MB refused."""
+    assert training_budget.default_budget("cpu") == training_budget.CPU_BUDGET == 384 << 20
+    monkeypatch.setattr(training_budget, "available_memory", lambda: 20 << 30)
+    ceiling = training_budget.default_ceiling("cpu")
+    assert ceiling == 5 << 30
+    needed = 8191 * 109 * 1024
+    assert needed > output_layer.activation_budget(training_budget.CPU_BUDGET)
+    assert needed < ceiling - output_layer.chunk_bytes(training_budget.CPU_BUDGET)
+    monkeypatch.setattr(training_budget, "available_memory", lambda: None)  # no /proc: the budget
+    assert training_budget.default_ceiling("cpu") == training_budget.CPU_BUDGET
