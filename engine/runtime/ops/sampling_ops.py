@@ -66,11 +66,7 @@ def start_sample(
         check_prompt(ids, host.vocab_size, "target_prompt_logprobs")
     stop_ids = [s for s in params.stop if isinstance(s, int)] if isinstance(params.stop, list) else []
     check_prompt(stop_ids, host.vocab_size, "sampling_params.stop")
-    if len(prompt) + params.max_tokens > host.max_context:
-        raise InvalidRequest(
-            f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-            f"exceeds the model's context of {host.max_context} tokens"
-        )
+    check_window(len(prompt), params.max_tokens, host.max_context)
 
     def finished(sequences, error) -> None:
         response = SampleResponse(sequences=sequences)
@@ -184,6 +180,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     """Each prompt token's logprob given the ones before it (the first is None)."""
     host, adapter, _ = resolve_target(runtime, owner, request.target)
     check_prompt(request.prompt, host.vocab_size)
+    check_window(len(request.prompt), 0, host.max_context)
     runtime.full_weights()  # several ranks: loading a checkpoint's adapter may have dropped them
     with host.activate(adapter) as model:
         logprobs, _ = prompt_logprobs(model, request.prompt, None, runtime.memory_budget)
@@ -194,3 +191,19 @@ def check_prompt(prompt: list[int], vocab_size: int, where: str = "prompt") -> N
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_window(length: int, max_tokens: int, context: int) -> None:
+    """Refuse a prompt of ``length`` tokens that, with ``max_tokens`` more, is over the model's
+    context window of ``context`` tokens, naming the prompt's length."""
+    if length > context:
+        raise InvalidRequest(
+            f"prompt: the prompt is too long: {length} tokens, over the model's context window of "
+            f"{context} tokens; shorten it"
+        )
+    if length + max_tokens > context:
+        raise InvalidRequest(
+            f"sampling_params.max_tokens: a prompt of {length} tokens plus max_tokens {max_tokens} is "
+            f"{length + max_tokens} tokens, over the model's context window of {context}; at most "
+            f"{context - length} new tokens fit after this prompt"
+        )

@@ -12,7 +12,7 @@ import time
 
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.checkpoints.manifest import foreign_files
-from sess.engine.runtime.models.catalog import CATALOG, list_models
+from sess.engine.runtime.models.catalog import CATALOG, context_window, list_models
 from sess.engine.runtime.models.model_policy import OPERATOR, model_name
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
@@ -27,6 +27,16 @@ def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[s
     """The served models; for the operator also what else it has in memory (its own directories)."""
     loaded = set(runtime.hosts) if owner == OPERATOR else set()
     return sorted(set(list_models(runtime.home)) | loaded)
+
+
+def model_windows(runtime: Runtime, owner: str, request: rq.NoArgs) -> dict[str, int | None]:
+    """Each model of :func:`list_base_models` with its context window in tokens: a loaded model's
+    from its config, else the catalog's (None where only loading the model would tell)."""
+    windows = {}
+    for name in list_base_models(runtime, owner, request):
+        host = runtime.hosts.get(name)
+        windows[name] = host.max_context if host is not None else context_window(name, runtime.home)
+    return windows
 
 
 def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) -> dict[str, str]:
