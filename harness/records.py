@@ -167,13 +167,18 @@ class RunRecord:
     def checkpoints(self) -> list[dict]:
         return read_jsonl(self.path / "checkpoints.jsonl")
 
+    def rows(self, name: str) -> list[dict]:
+        return read_jsonl(self.path / name)
+
     def last_state(self) -> dict | None:
         states = [c for c in self.checkpoints() if c.get("kind") == "state"]
         return states[-1] if states else None
 
     def truncate_after(self, step: int) -> None:
         """Drop rows past ``step`` (work a killed run did after its last save; a resume redoes it)."""
-        for name in ("metrics.jsonl", "checkpoints.jsonl"):
+        for name in ("metrics.jsonl", "checkpoints.jsonl", "session_steps.jsonl"):
+            if not (self.path / name).is_file():
+                continue
             rows = [r for r in read_jsonl(self.path / name) if r.get("step", 0) <= step]
             _write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in rows))
 
