@@ -15,6 +15,7 @@ import threading
 
 from .records import RunRecord
 from .recovery import run_usage
+from .resumes import STEPS_FILE
 
 WIND_DOWN_S = 60.0  # after Ctrl-C, the most that saving the state and stopping the session may take
 
@@ -77,8 +78,14 @@ def wind_down(svc, tc, hooks, record: RunRecord, *, keep_session: bool) -> list[
 
 
 def resume_hint(record: RunRecord, undone: list[str]) -> str:
-    state = record.last_state()
-    if state is None:
+    state, command = record.last_state(), f"sess run --resume {shlex.quote(str(record.path))}"
+    recorded = [r["step"] for r in record.rows(STEPS_FILE)]
+    if state is None and recorded:  # the engine saved the session's state when it stopped it
+        line = (
+            f"interrupted after step {max(recorded)}, none saved by the run; {command} continues from "
+            "the state the engine saved when it stopped the session, or from the start"
+        )
+    elif state is None:
         line = "interrupted before its first step was saved; nothing to resume (run the command again)"
     else:
         line = f"interrupted at step {state['step']}; resume with: sess run --resume {shlex.quote(str(record.path))}"

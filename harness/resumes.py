@@ -11,7 +11,7 @@ is the state at the last recorded step whose count is N; one whose count matches
 was saved after a step's update and before the step was recorded, and is not used.
 
 A state that does not load (a file or ``state.json`` missing, a file cut short: the engine answers
-4xx) is skipped with a line saying so, and the next best one is tried: the newer of the two kinds
+400 or 404) is skipped with a line saying so, and the next best one is tried: the newer of the two kinds
 first, then older states of the run's own, then the start. The choice is recorded in ``meta.json``'s
 ``resumes`` (``step``, ``path``, ``saved_by``, ``recomputed``: the recorded steps run again, and
 ``skipped``: the states that would not load).
@@ -105,7 +105,9 @@ def open_resumed(
         try:
             tc = open_from(state.path)
             break
-        except (InvalidRequest, NotFound) as exc:  # the engine's word that the state does not load
+        except (InvalidRequest, NotFound) as exc:
+            if exc.status not in (400, 404):  # not about the state (a name taken, a budget): the run's error
+                raise
             why = " ".join(str(exc).split())
             skipped.append(f"{state.path} ({why})")
             say(f"state {state.path} of step {state.step} is not whole ({why}): skipped")
