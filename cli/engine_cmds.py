@@ -10,7 +10,7 @@ import typer
 
 from sess.cli.app import app, fail
 from sess.cli.output import out
-from sess.engine.server import settings
+from sess.engine.server import registry_guard, settings
 
 engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys of the engine home.", no_args_is_help=True)
@@ -186,6 +186,9 @@ def up(
                 bind(host, port).close()
             except SystemExit as exc:
                 fail(str(exc))
+        lost = registry_guard.problem(home_path)  # the engine checks it too; this says it at once
+        if lost:
+            fail(lost)
         extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
         extra += ["--dtype", dtype] if dtype else []
         extra += ["--memory-budget", memory_budget] if memory_budget else []
@@ -353,3 +356,22 @@ def down(home: str = HOME) -> None:
             "sessions resume from the states they saved before (sess checkpoints NAME)"
         )
     out.print(f"engine at {info['url']} stopped")
+
+
+@engine_app.command("repair")
+def repair(home: str = HOME) -> None:
+    """Rebuild a lost or unreadable registry.db from the manifests beside the checkpoints.
+
+    Sessions (stopped, resumable) and checkpoints come back under their owners; the broken file is
+    kept as registry.db.broken-<time>. Usage and spend are not in the manifests: registry.db.bak,
+    the backup the engine writes at each start, has them. Run it with the engine down."""
+    from sess.engine.sdk.home import sess_home
+    from sess.engine.sdk.local_engine import engine_info
+    from sess.engine.server.registry_repair import repair as rebuild
+
+    home_path = sess_home(home)
+    running = engine_info(home_path)
+    if running is not None:
+        fail(f"an engine runs for {home_path} at {running['url']}; stop it first (sess engine down)")
+    for line in rebuild(home_path):
+        out.print(line, highlight=False)

@@ -59,7 +59,7 @@ def _target(engine, owner: str, model: Any) -> dict:
         return {"model_path": model}
     if engine.runtime.find_session(owner, model) is not None:
         return {"session": model}
-    if model in list_models():
+    if model in list_models(engine.runtime.home):
         return {"base_model": model}
     raise NotFound(f"model: {model!r} is not a live session, a checkpoint or a base model of this key")
 

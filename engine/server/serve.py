@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
+from sess.engine.server import registry_guard, registry_repair
+from sess.engine.server.registry_guard import RegistryUnreadable
 from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback, load_price_table
 from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_QUEUED, MAX_SESSIONS
 
@@ -112,24 +114,34 @@ def serve(
     except SystemExit as exc:
         raise SystemExit(f"sess engine: {exc}") from None
     port = sock.getsockname()[1]
+    lost = registry_guard.problem(home)
+    if lost:
+        sock.close()
+        raise SystemExit(f"sess engine: {lost}")
     runtime = Runtime(
         home,
         device,
         dtypes=Dtypes.parse(dtype),
         memory_budget=parse_bytes(memory_budget) if memory_budget else None,
     )
-    engine = ManagedEngine(
-        home,
-        device,
-        runtime=runtime,
-        idle_timeout=idle_timeout,
-        max_sessions=max_sessions,
-        session_limits=lambda owner: next(
-            (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
-        ),
-        billing=lambda registry: Billing(registry, keys, price_table, max_queued),
-        fair=fair,
-    )
+    try:
+        engine = ManagedEngine(
+            home,
+            device,
+            runtime=runtime,
+            idle_timeout=idle_timeout,
+            max_sessions=max_sessions,
+            session_limits=lambda owner: next(
+                (e.get("max_sessions") for e in keys.load().values() if e["owner"] == owner), None
+            ),
+            billing=lambda registry: Billing(registry, keys, price_table, max_queued),
+            fair=fair,
+        )
+    except RegistryUnreadable as exc:
+        sock.close()
+        raise SystemExit(f"sess engine: {exc}") from None
+    engine.registry.backup()  # registry.db.bak: what a lost registry is restored from
+    registry_repair.label_unlabelled(engine.registry, home)  # checkpoints from before manifests
     if sampler == "vllm":
         runtime.vllm = VllmSampler(
             sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank

@@ -14,6 +14,8 @@ checkpoint lifecycles or queue times gains the columns and the ``spend`` table (
 operations) when opened. When an engine starts,
 sessions the previous process
 left ``Running`` become ``Interrupted``: their adapters died with it, their checkpoints did not.
+A file SQLite cannot read raises :class:`~.registry_guard.RegistryUnreadable`, naming the file and
+the fixes; :meth:`Registry.backup` writes ``registry.db.bak`` (:mod:`.registry_guard`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import sess_home
+from sess.engine.server import registry_guard
+from sess.engine.server.registry_guard import RegistryUnreadable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -83,12 +87,15 @@ class Registry:
     def __init__(self, home: str | os.PathLike | None = None):
         self.path = Path(sess_home(home)) / "registry.db"
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        self._migrate()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise RegistryUnreadable(registry_guard.unreadable(self.path.parent, exc)) from exc
 
     def _migrate(self) -> None:
         """Bring an older home up to this schema: the columns it lacks, then the spend table."""
@@ -355,6 +362,12 @@ class Registry:
             where, params = where + " AND owner=?", [*params, owner]
         rows = self._run(f"SELECT * FROM audit WHERE {where} ORDER BY time, rowid", params)
         return [{**dict(r), "details": json.loads(r["details"] or "{}")} for r in rows]
+
+    # safety copies -----------------------------------------------------------------------------
+    def backup(self) -> Path:
+        """Write ``registry.db.bak`` beside the registry (SQLite's online backup, renamed into place)."""
+        with self._lock:
+            return registry_guard.backup(self._db, self.path.parent)
 
     def close(self) -> None:
         with self._lock:

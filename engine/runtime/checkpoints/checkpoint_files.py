@@ -13,7 +13,8 @@ A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
   that publishes a sampler every step leaves nothing behind (``save_weights_for_sampler`` keeps its
   ``weights`` for good).
 
-Every directory is written through :func:`sess.engine.sdk.home.atomic_dir`; nothing is pickled.
+Every directory is written through :func:`sess.engine.sdk.home.atomic_dir`, its manifest
+(:mod:`.manifest`: owner digest, session, kind, name, base model) inside it; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sess.engine.runtime.checkpoints.manifest import MANIFEST_FILE, write_manifest
 from sess.engine.sdk.checkpoint_paths import CheckpointRef
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import atomic_dir, remove_dir
@@ -60,10 +62,25 @@ def read_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return state, config
 
 
-def save_weights(ref: CheckpointRef, home: Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+def _write_manifest(directory: Path, ref: CheckpointRef, owner: str, base_model: str) -> None:
+    write_manifest(
+        directory, owner=owner, session=ref.session, kind=ref.kind, name=ref.name, base_model=base_model
+    )
+
+
+def save_weights(
+    ref: CheckpointRef,
+    home: Path,
+    state: dict[str, torch.Tensor],
+    config: dict,
+    *,
+    owner: str,
+    base_model: str,
+) -> Path:
     target = ref.directory(home)
     with atomic_dir(target) as tmp:
         write_adapter(tmp, state, config)
+        _write_manifest(tmp, ref, owner, base_model)
     return target
 
 
@@ -74,12 +91,15 @@ def save_state(
     adapter_config: dict,
     optimizer_tensors: dict[str, torch.Tensor],
     meta: dict,
+    *,
+    owner: str,
 ) -> Path:
     target = ref.directory(home)
     with atomic_dir(target) as tmp:
         write_adapter(tmp, adapter_state, adapter_config)
         _save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _write_manifest(tmp, ref, owner, meta["base_model"])
     return target
 
 
@@ -110,6 +130,9 @@ def save_merged(
     base_dir: Path,
     adapter_state: dict[str, torch.Tensor],
     adapter_config: dict,
+    *,
+    owner: str,
+    base_model: str,
 ) -> Path:
     """A transformers directory: config.json, model.safetensors, tokenizer files, and adapter/."""
     target = ref.directory(home)
@@ -121,6 +144,7 @@ def save_merged(
                 shutil.copy2(base_dir / name, tmp / name)
         (tmp / "adapter").mkdir()
         write_adapter(tmp / "adapter", adapter_state, adapter_config)
+        _write_manifest(tmp, ref, owner, base_model)
     return target
 
 
@@ -144,3 +168,10 @@ def saved(session: str, home: Path, kind: str = "*") -> list[CheckpointRef]:
 def remove(ref: CheckpointRef, home: Path) -> None:
     """Delete a checkpoint's directory (renamed away first, so its path is gone at once)."""
     remove_dir(ref.directory(home))
+
+
+def files(directory: Path) -> list[tuple[str, Path]]:
+    """A checkpoint's files for a client (relative name, path), its manifest left out: that is the
+    engine's record of the directory, not part of the checkpoint."""
+    found = sorted(f for f in directory.rglob("*") if f.is_file() and f.name != MANIFEST_FILE)
+    return [(str(f.relative_to(directory)), f) for f in found]

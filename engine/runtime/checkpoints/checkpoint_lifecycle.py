@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
+from sess.engine.runtime.checkpoints.manifest import write_manifest
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk.checkpoint_paths import CheckpointRef, parse_path
@@ -68,6 +69,9 @@ def copy_checkpoint(runtime: Runtime, owner: str, path: str) -> dict:
     target = CheckpointRef(name, ref.kind, ref.name)
     with atomic_dir(target.directory(runtime.home)) as tmp:
         shutil.copytree(directory, tmp, dirs_exist_ok=True)
+        write_manifest(
+            tmp, owner=owner, session=name, kind=ref.kind, name=ref.name, base_model=source.base_model
+        )
     runtime.sessions[name] = session
     return {"path": target.uri, "session": session.summary()}
 

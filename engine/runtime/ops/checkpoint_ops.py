@@ -40,8 +40,7 @@ def checkpoint_dir(runtime: Runtime, owner: str, path: str) -> Path:
 
 
 def checkpoint_files(runtime: Runtime, owner: str, request: rq.CheckpointPath) -> list[tuple[str, Path]]:
-    directory = checkpoint_dir(runtime, owner, request.path)
-    return [(str(f.relative_to(directory)), f) for f in sorted(directory.rglob("*")) if f.is_file()]
+    return ckpt.files(checkpoint_dir(runtime, owner, request.path))
 
 
 def list_checkpoints(runtime: Runtime, owner: str, request: rq.ListCheckpoints) -> list[dict]:
@@ -94,9 +93,21 @@ def save_weights(runtime: Runtime, owner: str, request: rq.SaveWeights) -> dict:
         model_config = host.peft.get_base_model().config
         if whole.untie:
             model_config = _replace_config(model_config, tie_word_embeddings=False)
-        ckpt.save_merged(ref, runtime.home, model_config, whole.merged, host.path, whole.state, config)
+        ckpt.save_merged(
+            ref,
+            runtime.home,
+            model_config,
+            whole.merged,
+            host.path,
+            whole.state,
+            config,
+            owner=session.owner,
+            base_model=session.base_model,
+        )
     else:
-        ckpt.save_weights(ref, runtime.home, whole.state, config)
+        ckpt.save_weights(
+            ref, runtime.home, whole.state, config, owner=session.owner, base_model=session.base_model
+        )
     host.forget_checkpoint(ref.uri)  # a name saved again must not serve stale weights
     result = {"path": ref.uri}
     if request.transient:
@@ -206,7 +217,7 @@ def save_state(runtime: Runtime, owner: str, request: rq.SaveState) -> dict:
         "format": 1,
     }
     config = host.adapter_config(session.adapter)
-    ckpt.save_state(ref, runtime.home, whole.state, config, whole.moments, meta)
+    ckpt.save_state(ref, runtime.home, whole.state, config, whole.moments, meta, owner=session.owner)
     session.saved_step = session.step
     return {"path": ref.uri}
 

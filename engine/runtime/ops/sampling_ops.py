@@ -15,6 +15,7 @@ from collections.abc import Callable
 from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.checkpoints.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.models.model_host import ModelHost
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.prompt_scores import add_scores, keep_last_n, wants_scores
 from sess.engine.runtime.runtime import Runtime
@@ -45,7 +46,7 @@ def resolve_target(
         if runtime.ranks is not None:  # every rank holds it: distributed/sample_spread.py
             runtime.ranks.share_samplers(host)
         return host, adapter, session
-    return runtime.host(target.base_model), None, None
+    return runtime.host(model_name(runtime.home, owner, target.base_model)), None, None
 
 
 def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone) -> None:
@@ -112,7 +113,8 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         target=target_wire(request.target, host.name),
     )
     batch = runtime.batch(host)
-    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed/sample_spread.py
+    # several ranks decode: distributed/sample_spread.py
+    if runtime.ranks is not None and batch.spread is None:
         from sess.engine.runtime.distributed.sample_spread import Spread
 
         batch.spread = Spread(runtime.ranks, host.name)

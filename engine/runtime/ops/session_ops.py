@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from pathlib import Path
 
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
+from sess.engine.runtime.checkpoints.manifest import foreign_files
 from sess.engine.runtime.models.catalog import CATALOG, list_models
+from sess.engine.runtime.models.model_policy import OPERATOR, model_name
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -23,19 +24,21 @@ from sess.engine.sdk.types import SessionStatus, Usage
 
 
 def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[str]:
-    return sorted(set(list_models()) | set(runtime.hosts))
+    """The served models; for the operator also what else it has in memory (its own directories)."""
+    loaded = set(runtime.hosts) if owner == OPERATOR else set()
+    return sorted(set(list_models(runtime.home)) | loaded)
 
 
 def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) -> dict[str, str]:
-    path = runtime.host(request.base_model).path
+    path = runtime.host(model_name(runtime.home, owner, request.base_model)).path
     return {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).exists()}
 
 
 def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
-    """A base model as another front end (the Tinker routes) needs it: its catalog name for any
-    spelling of it, vocabulary size, context length, architecture, local directory (loaded if
-    need be) and the public hub id of its tokenizer (None when there is none)."""
-    name = canonical_model(runtime, request.base_model)
+    """A base model as another front end (the Tinker routes) needs it: its served name for any
+    spelling of it (:func:`.model_policy.model_name`), vocabulary size, context length, architecture,
+    local directory (loaded if need be) and the public hub id of its tokenizer (None when there is none)."""
+    name = model_name(runtime.home, owner, request.base_model)
     host = runtime.host(name)
     spec = CATALOG.get(name)
     return {
@@ -48,26 +51,12 @@ def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
     }
 
 
-def canonical_model(runtime: Runtime, name: str) -> str:
-    """A catalog model's name for its hub id, or for a path named after it that is not another model
-    directory here (a client's tokenizer directory, or the engine's own cache of the model)."""
-    if name in CATALOG:
-        return name
-    for spec in CATALOG.values():
-        if spec.source == "hf" and spec.repo == name:
-            return spec.name
-    path = Path(name)
-    if "/" in name and path.name in CATALOG:
-        own = runtime.home / "models" / path.name
-        if not (path / "config.json").is_file() or path.resolve() == own.resolve():
-            return path.name
-    return name
-
-
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
-    base_model = request.base_model
+    base_model = model_name(runtime.home, owner, request.base_model)
     name = check_name(request.name or default_name(base_model), "training_session_name")
-    if name in runtime.sessions:
+    # files on disk under the name that no session holds (a lost registry): never handed to a new
+    # session, unless their manifests say they are the caller's
+    if name in runtime.sessions or foreign_files(runtime.home, name, owner):
         raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
     seed = secrets.randbits(31) if request.seed is None else request.seed
     lora = {

@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.billing import Busy, OverBudget
 from sess.engine.server.bodies import parse_json, read_body
@@ -189,7 +190,9 @@ class Tinker:
         )
 
     async def facts(self, owner: str, base_model: str) -> dict:
-        """Canonical name, vocabulary, context and directory of a base model (loaded if need be)."""
+        """Canonical name, vocabulary, context and directory of a base model (loaded if need be);
+        a name ``owner`` may not use is refused before any cache (:func:`.model_policy.model_name`)."""
+        base_model = model_name(self.engine.runtime.home, owner, base_model)
         if base_model not in self._facts:
             facts = await self.call(owner, "model_info", {"base_model": base_model})
             self._facts[base_model] = self._facts[facts["base_model"]] = facts

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.runtime.ops.session_ops import canonical_model
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
@@ -105,6 +105,7 @@ def add_routes(route, tinker: Tinker) -> None:
             }
             args.update(name=name, base_model=base_model, user_metadata=metadata, alpha=TINKER_LORA_ALPHA)
             rq.CreateSession.from_wire(args)  # a bad rank or flag is a 400 now, not a failed future
+            model_name(tinker.engine.runtime.home, owner, base_model)  # so is a model not served
 
             async def run() -> Answer:
                 facts = await tinker.facts(owner, base_model)  # loads the model the first time
@@ -323,8 +324,8 @@ async def _same_base_model(tinker: Tinker, owner: str, body: dict, path: str) ->
     if wanted is None:
         return
     saved = (await tinker.call(owner, "checkpoint_info", {"path": path}))["base_model"]
-    # the catalog name of any spelling (hub id, a path named after it), without loading a model
-    if canonical_model(tinker.engine.runtime, wanted) != saved:
+    # the served name of any spelling (hub id, a path named after it), without loading a model
+    if model_name(tinker.engine.runtime.home, owner, wanted) != saved:
         raise InvalidRequest(
             f"base_model: {wanted[:120]!r} differs from the checkpoint's base model {saved!r}; "
             "a checkpoint loads onto the base model it was trained on (leave base_model out)"
