@@ -127,30 +127,47 @@ def _wait_gone(pid: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"engine pid {pid} still running {timeout:.0f} s after the signal")
 
 
-@pytest.mark.slow  # two engine starts and a graceful shutdown: about a minute
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
-def test_the_run_resumes_from_the_engines_shutdown_state(own_home, tmp_path, capfd, signum):
-    """The local engine signalled after step 2 saves the session's state on its way down; the run
-    starts it again and continues from that state: nothing computed twice."""
+@pytest.mark.slow  # two engine starts and a graceful shutdown: about a minute each
+@pytest.mark.parametrize(
+    "signum, broken",
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+    ids=["TERM", "INT", "TERM-broken"],
+)
+def test_the_run_resumes_from_the_engines_shutdown_state(own_home, tmp_path, capfd, signum, broken):
+    """The local engine signalled after step 3 saves the session's state on its way down; the run
+    starts it again and continues from that state: nothing computed twice. The same state with its
+    optimizer file gone is skipped, with a line, for the run's own save at step 2."""
     whole = runner.start([*OVERRIDES, f"runs_dir={tmp_path / 'whole'}"], show_progress=False)
     signalled = []
 
     def on_step(done: int) -> None:
-        if done == 2 and not signalled:
+        if done == 3 and not signalled:
             pid = engine_info()["pid"]
             signalled.append(pid)
             os.kill(pid, signum)
             _wait_gone(pid)  # its shutdown save is done before the run sends its next op
+            if broken:
+                [saved] = own_home.glob("checkpoints/*/state/shutdown-*")
+                (saved / "optimizer.safetensors").unlink()
 
     run_dir = runner.start(
-        [*OVERRIDES, f"runs_dir={tmp_path / 'signalled'}"], on_step=on_step, show_progress=False
+        [*OVERRIDES, "save_every=2", f"runs_dir={tmp_path / 'signalled'}"],
+        on_step=on_step,
+        show_progress=False,
     )
     assert signalled
     said = capfd.readouterr().err
-    assert "the local engine is not running (at step 2): started it again and resuming from step 2" in said
     [resumed] = _meta(run_dir)["resumes"]
-    assert "/state/shutdown-step000001-" in resumed["path"] and resumed["saved_by"] == "engine"
-    assert resumed["recomputed"] == []
+    if broken:
+        assert "/state/shutdown-step000002-" in said and "optimizer.safetensors missing): skipped" in said
+        assert "started it again and resuming from step 2" in said
+        assert resumed["step"] == 2 and resumed["saved_by"] == "run" and resumed["recomputed"] == [3]
+    else:
+        assert (
+            "the local engine is not running (at step 3): started it again and resuming from step 3" in said
+        )
+        assert "/state/shutdown-step000002-" in resumed["path"] and resumed["saved_by"] == "engine"
+        assert resumed["step"] == 3 and resumed["recomputed"] == []
     assert _rows(run_dir) == _rows(whole)
 
 
