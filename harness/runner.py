@@ -135,8 +135,8 @@ class RunHooks:
         self.mid_step = True
 
     def on_ctrl_c(self, signum, frame) -> None:
-        """SIGINT while the loop trains: finish the step first; a second one (or one between steps)
-        is Python's own KeyboardInterrupt."""
+        """SIGINT or SIGTERM while the loop trains: finish the step first; a second one (or one
+        between steps) is a KeyboardInterrupt."""
         if not self.mid_step or self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
