@@ -20,8 +20,8 @@ MAX_BODY_BYTES = int(os.environ.get("SESS_MAX_BODY_BYTES", 256 << 20))
 # idle after a response is closed after KEEP_ALIVE_S; past MAX_CONNECTIONS in all, requests get 503.
 READ_TIMEOUT_S = float(os.environ.get("SESS_READ_TIMEOUT_S", 30.0))
 KEEP_ALIVE_S = float(os.environ.get("SESS_KEEP_ALIVE_S", 120.0))
-MAX_CLIENT_CONNECTIONS = int(os.environ.get("SESS_MAX_CLIENT_CONNECTIONS", 256))
-MAX_CONNECTIONS = 2048
+MAX_CLIENT_CONNECTIONS = int(os.environ.get("SESS_MAX_CLIENT_CONNECTIONS", 1024))
+MAX_CONNECTIONS = 4096
 MAX_HEAD_BYTES = 64 << 10  # an unfinished request head beyond this is refused (400)
 # engine.log rotates past LOG_MAX_BYTES, keeping LOG_BACKUPS older files (engine.log.1, .2)
 LOG_MAX_BYTES = int(os.environ.get("SESS_LOG_MAX_BYTES", 10 << 20))
