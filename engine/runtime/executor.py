@@ -394,7 +394,7 @@ class Executor:
                 log.error("op %s %s of key %s: %s", op.name, op.id, op.owner[:12], exc)
                 if isinstance(exc, Unrecorded) and session is not None:
                     session.usage = before  # not billed, so not counted either
-                if not op.done.is_set():
+                if not op.done.is_set() and op.error is None:  # a failed op keeps its own error
                     op.result, op.error = None, exc
             except Exception:  # an observer must never take the executor down
                 log.exception("observing op %s failed", op.name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+import time
 
 import pytest
 
@@ -90,6 +91,10 @@ def test_a_full_disk_never_answers_an_op_it_did_not_bill(small_home):
         assert run_ops(tc, sampler, tok, answered) == []
 
         fill(filler)
+        started = time.monotonic()
+        with pytest.raises(SessError, match="No space left on device"):  # a save fails at once, whole
+            tc.save_state("on-a-full-disk").result()
+        assert time.monotonic() - started < 2.0
         refused = []
         for _ in range(6):
             refused += run_ops(tc, sampler, tok, answered)
