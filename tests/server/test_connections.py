@@ -4,6 +4,7 @@ timeout, a client past its connection cap is closed at once, a dropped upload wr
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -15,14 +16,28 @@ from sess.engine.sdk.local_engine import start_engine, stop_engine
 READ_TIMEOUT_S, KEEP_ALIVE_S, CAP, LOG_LIMIT = 2.0, 2.0, 24, 64_000
 
 
-@pytest.fixture()
-def engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("SESS_READ_TIMEOUT_S", str(READ_TIMEOUT_S))
-    monkeypatch.setenv("SESS_KEEP_ALIVE_S", str(KEEP_ALIVE_S))
-    monkeypatch.setenv("SESS_MAX_CLIENT_CONNECTIONS", str(CAP))
-    monkeypatch.setenv("SESS_LOG_MAX_BYTES", str(LOG_LIMIT))
-    home = tmp_path / "home"
-    info = start_engine(home)
+SETTINGS = {
+    "SESS_READ_TIMEOUT_S": READ_TIMEOUT_S,
+    "SESS_KEEP_ALIVE_S": KEEP_ALIVE_S,
+    "SESS_MAX_CLIENT_CONNECTIONS": CAP,
+    "SESS_LOG_MAX_BYTES": LOG_LIMIT,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine with short timeouts, a small per-client cap and a small log limit (its environment)."""
+    saved = {name: os.environ.get(name) for name in SETTINGS}
+    os.environ.update({name: str(value) for name, value in SETTINGS.items()})
+    home = tmp_path_factory.mktemp("connections") / "home"
+    try:
+        info = start_engine(home)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     info["home"] = home
     info["key"] = (home / "api_key").read_text().strip()
     yield info
@@ -99,6 +114,10 @@ def test_a_client_past_its_connection_cap_is_closed_at_once(engine):
     time.sleep(0.2)
     extra = [connect(engine) for _ in range(4)]
     assert all(t < 1.0 for t in closed_after(extra, 1.5))
+    # another client (another source address) is served meanwhile
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    assert other.get(f"{engine['url']}/healthz").status_code == 200
+    other.close()
     for sock in held:
         sock.close()
     time.sleep(0.3)
