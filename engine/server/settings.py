@@ -22,7 +22,7 @@ READ_TIMEOUT_S = float(os.environ.get("SESS_READ_TIMEOUT_S", 30.0))
 KEEP_ALIVE_S = float(os.environ.get("SESS_KEEP_ALIVE_S", 120.0))
 MAX_CLIENT_CONNECTIONS = int(os.environ.get("SESS_MAX_CLIENT_CONNECTIONS", 1024))
 MAX_CONNECTIONS = 4096
-MAX_HEAD_BYTES = 64 << 10  # an unfinished request head beyond this is refused (400)
+MAX_HEAD_BYTES = 16 << 10  # an unfinished request head beyond this is refused (400): h11's default
 # engine.log rotates past LOG_MAX_BYTES, keeping LOG_BACKUPS older files (engine.log.1, .2)
 LOG_MAX_BYTES = int(os.environ.get("SESS_LOG_MAX_BYTES", 10 << 20))
 LOG_BACKUPS = 2
