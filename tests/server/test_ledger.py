@@ -4,6 +4,7 @@ key's spend equals the sum of its operation rows and every session's usage the s
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -140,6 +141,8 @@ def test_a_full_disk_never_answers_an_op_it_did_not_bill(small_home):
         total = client.get_usage(session)  # the session's own counters, as a client reads them
         assert all(getattr(total, k) == usage_rows[k] for k in TOKENS), (total, dict(usage_rows))
         assert total.operations == usage_rows["n"]
+        saved = json.loads(db.execute("SELECT usage FROM sessions WHERE name=?", (session,)).fetchone()[0])
+        assert all(saved.get(k, 0) == usage_rows[k] for k in TOKENS), (saved, dict(usage_rows))
         client.close()
     finally:
         for path in small_home.glob("filler*"):
