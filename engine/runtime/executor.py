@@ -29,7 +29,7 @@ from sess.engine.runtime.ops.operation import Operation, internal_error
 from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.sequence_order import SequenceOrder
-from sess.engine.runtime.usage import session_of, usage_of
+from sess.engine.runtime.usage import Unrecorded, session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import Usage
 
@@ -40,7 +40,8 @@ KEEP_RESULTS = 20_000
 
 class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
-    through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
+    through :meth:`admit` (before one runs) and :meth:`finished` (after, before the op is answered:
+    a :class:`~sess.engine.sdk.errors.SessError` it raises becomes the op's answer)."""
 
     def __init__(
         self,
@@ -370,24 +371,33 @@ class Executor:
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
         # counted and recorded before its answer is out: a client that reads the answer and then
-        # loses the engine (kill -9) finds the op in the registry, counted once
+        # loses the engine (kill -9) finds the op in the registry, counted once; an op that could
+        # not be recorded is answered with that error instead (see :mod:`.usage`)
         op.result, op.error = result, error
         self._observe(op, wake=False)
-        op.finish(result, error)
+        op.finish(op.result, op.error)
         self._wake(op)
 
     def _observe(self, op: Operation, wake: bool = True) -> None:
         if op.name and OPS[op.name].kind is Kind.BATCHED and op.usage is not None:
             with self._cv:  # a sample's share of the decode steps it was part of
                 self._ready.charge(op.owner, op.usage.wall_time_s)
+        session = None
         if op.name and OPS[op.name].accounted and op.usage is not None:
             name = session_of(op.session, op.request, op.result)
             session = self.runtime.find_session(op.owner, name) if name else None
             if session is not None:
+                before = session.usage
                 session.add_usage(op.usage)
         if op.name:
             try:
                 self.finished(op)
+            except SessError as exc:  # not recorded: the answer is the error, not the result
+                log.error("op %s %s of key %s: %s", op.name, op.id, op.owner[:12], exc)
+                if isinstance(exc, Unrecorded) and session is not None:
+                    session.usage = before  # not billed, so not counted either
+                if not op.done.is_set() and op.error is None:  # a failed op keeps its own error
+                    op.result, op.error = None, exc
             except Exception:  # an observer must never take the executor down
                 log.exception("observing op %s failed", op.name)
         if wake:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from sess.engine.runtime.memory.malloc_tuning import peak_resident_bytes, resident_bytes
 from sess.engine.runtime.ops.table import OPS, Kind
@@ -94,6 +95,15 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
             return await call_next(request)
         except SessError as exc:
             return error_response(exc)
+        except ClientDisconnect:  # one line, no traceback: a client that leaves is not an engine fault
+            client = request.client.host if request.client else "?"
+            log.warning(
+                "%s %s from %s: the client left before its body was read",
+                request.method,
+                request.url.path,
+                client,
+            )
+            return Response(status_code=400)  # no one is there to read it
         except Exception as exc:  # a handler bug answers 500 and the engine keeps serving
             log.exception("request %s failed", request.url.path)
             return error_response(SessError(f"internal error: {type(exc).__name__}: {exc}", status=500))
@@ -133,6 +143,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         invariance = engine.runtime.batch_invariance()
         if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
             from sess.engine.runtime.distributed import logprob_spread, sample_spread
+
             ranks = engine.runtime.ranks
             health["sampling_ranks"] = {
                 **sample_spread.report(ranks),
