@@ -155,7 +155,7 @@ def rms_norm(
     _check(
         lib.sess_rms_norm(
             *(x, x.stride(0), *((residual, residual.stride(0)) if residual is not None else (None, 0))),
-            *(weight, eps, rows, n, total, out, torch.get_num_threads()),
+            *(weight, eps, rows, n, total if residual is not None else None, out, torch.get_num_threads()),
         ),
         "rms norm",
     )
