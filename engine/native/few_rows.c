@@ -1,4 +1,5 @@
-/* The few-row matmul of sess's sampler (built by engine/native, declared in kernels.h, called from engine/sampling/few_rows.py).
+/* The few-row matmul of sess's sampler (built by engine/native, declared in kernels.h, called
+   from engine/sampling/few_rows.py).
 
    y[r][n] = sum over k of x[r][k] * w[n][k], reading w in oneDNN's prepacked layout for fp32
    linear weights: tiles of `tile` output features, each tile's weights k-major,

@@ -1,7 +1,7 @@
 /* A decode step's work besides its matmuls, and a prefill's attention, for sess's sampler
-   (engine/native builds it, kernels.h declares it; engine/sampling/fused_ops.py calls it): attention over the KV cache, RMS
-   norms (with the residual add before them) and the MLP's silu(gate) * up, each one call a layer
-   over all rows; and token choice's draw with its logprob.
+   (engine/native builds it, kernels.h declares it; engine/sampling/fused_ops.py calls it):
+   attention over the KV cache, RMS norms (with the residual add before them) and the MLP's
+   silu(gate) * up, each one call a layer over all rows; and token choice's draw with its logprob.
 
    Attention, one decode step, one layer: each row's new key and value go into the KV cache at
    the row's position (the key rotated there), and each query head attends over its row's columns

@@ -104,7 +104,7 @@ def built() -> bool:
 @functools.cache
 def declarations() -> dict[str, list[tuple[str, str]]]:
     """Each kernel kernels.h declares -> its arguments as (name, C type: ``float *``, ``int64_t``),
-    every pointer's layout given by :data:`TENSORS` (a mismatch raises here, at import)."""
+    every pointer's layout given by :data:`TENSORS` (a mismatch raises here, when the kernels load)."""
     text = re.sub(r"/\*.*?\*/", "", HEADERS[0].read_text(), flags=re.S)
     found = {}
     for name, args in re.findall(r"\bint\s+(sess_\w+)\s*\(([^)]*)\)\s*;", text):
