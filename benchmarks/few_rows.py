@@ -1,4 +1,4 @@
-"""Few-row matmuls: the sampler's kernel (``engine/sampling/few_rows.c``) vs oneDNN's prepacked call.
+"""Few-row matmuls: the sampler's kernel (``engine/native/few_rows.c``) vs oneDNN's prepacked call.
 
 One pass over every projection and the lm_head of a model of smollm2-135m's shapes (random fp32
 weights, prepacked as the sampler packs them; 121 matmuls, 538 MB), in model order so each weight

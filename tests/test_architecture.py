@@ -23,11 +23,13 @@ PACKAGES = ("cli", "conf", "engine", "harness", "loops", "rl", "sandbox", "tasks
 # never one before it. The client side: the CLI drives the run harness, which runs the loops on the
 # tasks; the loops and tasks are built from the RL machinery, which speaks to an engine through the
 # SDK only. The engine side: the server serves the runtime, which samples with the sampling layer;
-# both speak the SDK's types. The CLI also starts and manages the engine; tasks grade in the sandbox.
+# both speak the SDK's types, and both build and load their C through the native room below them
+# (which imports nothing of sess). The CLI also starts and manages the engine; tasks grade in the sandbox.
 CHAINS = (
     ("cli", "harness", "loops", "tasks", "rl", "engine.sdk"),
     ("tasks", "sandbox"),
     ("cli", "engine.server", "engine.runtime", "engine.sampling", "engine.sdk"),
+    ("engine.runtime", "engine.sampling", "engine.native"),
 )
 LAYERS = sorted({layer for chain in CHAINS for layer in chain} | {"conf"})
 
@@ -83,7 +85,7 @@ def _layer(module: str) -> str:
     if parts[1] == "engine":  # sess.engine itself re-exports the SDK
         return (
             "engine." + parts[2]
-            if len(parts) > 2 and parts[2] in ("sdk", "server", "runtime", "sampling")
+            if len(parts) > 2 and parts[2] in ("sdk", "server", "runtime", "sampling", "native")
             else "engine.sdk"
         )
     return parts[1]
@@ -105,6 +107,7 @@ def test_every_package_is_a_layer():
         "server",
         "runtime",
         "sampling",
+        "native",
     }
     assert {_layer(m) for m in _graph()} == set(LAYERS)
 
@@ -428,6 +431,7 @@ TEST_FOLDERS = {
     "sdk",
     "runtime",
     "sampling",
+    "native",
     "server",
     "tinker",
     "cli",

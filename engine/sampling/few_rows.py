@@ -10,19 +10,20 @@ tile width of the packed layout are not assumed: :func:`order` finds them per sh
 bits with oneDNN (calibration, as :mod:`.row_invariant` does for row counts), and a shape where
 none matches keeps oneDNN. So a row's result is the same bits as before, alone or in any batch.
 
-The kernel is C, built with the sampler's other kernels on first use for this CPU (:mod:`.native`).
-Where it cannot be built or loaded, the rows go through oneDNN as before: the same numbers, slower
-at one row. :func:`status` says which, for the engine's status.
+The kernel is C, built with the sampler's other kernels once per machine for its CPU
+(:mod:`sess.engine.native.kernels`). Where it cannot be built or loaded, the rows go through
+oneDNN as before: the same numbers, slower at one row. :func:`status` says which, for the engine's status.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from sess.engine.sampling import native
+from sess.engine.native import kernels as native
 from sess.engine.sampling.onednn import CHUNK, linear, pack_weight
 
 FEW = 2  # calls of at most this many rows go through the kernel (more: oneDNN is faster)
@@ -102,7 +103,7 @@ class FewRows:
     address: int
     out_features: int
     order: Order
-    call: ctypes._CFuncPtr
+    call: Callable[..., int]  # the typed sess_few_rows (sess.engine.native.kernels)
 
     @classmethod
     def of(cls, packed: torch.Tensor, out_features: int, in_features: int) -> FewRows | None:
@@ -121,15 +122,8 @@ class FewRows:
         flat = x.reshape(rows, x.shape[-1]).contiguous()
         out = flat.new_empty(rows, self.order.width)
         failed = self.call(
-            flat.data_ptr(),
-            rows,
-            flat.shape[1],
-            self.address,
-            self.order.width,
-            self.order.tile,
-            self.order.block,
-            out.data_ptr(),
-            torch.get_num_threads(),
+            *(flat, rows, flat.shape[1], self.address),
+            *(self.order.width, self.order.tile, self.order.block, out, torch.get_num_threads()),
         )
         if failed:
             raise RuntimeError(f"few-row kernel: tile width {self.order.tile} not built")

@@ -23,7 +23,7 @@ result does not depend on its batch, as with the torch ops, nor on the CPU's vec
 kernels built for AVX-512, AVX2 and SSE4 give the same bits); the results differ from the torch
 ops' only in rounding. An engine uses one or the other for its whole life (the decoder decides on
 first use), so its requests replay to the bit either way. Used for fp32 on CPU where
-:mod:`.native` built the kernels; attention where the shape is one the kernel covers (head dim a
+:mod:`sess.engine.native.kernels` built the kernels; attention where the shape is one the kernel covers (head dim a
 multiple of 16 up to 256, at most 16 query heads a key/value head).
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from sess.engine.sampling import native
+from sess.engine.native import kernels as native
 from sess.engine.sampling.row_invariant import BLOCK
 
 LANES, WIDEST, MOST_GROUPS = 16, 256, 16  # fused_ops.c's limits for attention
@@ -93,14 +93,9 @@ def attend(
             raise ValueError(f"decode attention kernel: cache places for {tuple(places.shape)} rows, not {rows}")
     _check(
         lib.sess_decode_attention(
-            *(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)),
-            *(cos.data_ptr(), sin.data_ptr(), q_cos.data_ptr(), q_sin.data_ptr()),
-            *(keys.data_ptr(), values.data_ptr(), positions.data_ptr()),
-            *((sources.data_ptr(), lengths.data_ptr()) if shared is not None else (None, None)),
-            *(places.data_ptr() if places is not None else None, held),
-            keys.shape[0] * BLOCK,
-            *(rows, heads, kv_heads, dim),
-            *(out.data_ptr(), torch.get_num_threads()),
+            *(query, query.stride(0), key, key.stride(0), value, value.stride(0), cos, sin, q_cos, q_sin),
+            *(keys, values, positions, *((sources, lengths) if shared is not None else (None, None))),
+            *(places, held, keys.shape[0] * BLOCK, rows, heads, kv_heads, dim, out, torch.get_num_threads()),
         ),
         "decode attention",
     )
@@ -131,10 +126,8 @@ def prefill_attend(
     out = query.new_empty(tokens, heads, dim)
     _check(
         lib.sess_prefill_attention(
-            *(query.data_ptr(), query.stride(0), q_cos.data_ptr(), q_sin.data_ptr()),
-            *(keys.data_ptr(), values.data_ptr()),
-            *(positions.data_ptr(), splits.data_ptr(), lows.data_ptr(), highs.data_ptr()),
-            *(tokens, heads, keys.shape[1], dim, out.data_ptr(), torch.get_num_threads()),
+            *(query, query.stride(0), q_cos, q_sin, keys, values, positions, splits, lows, highs),
+            *(tokens, heads, keys.shape[1], dim, out, torch.get_num_threads()),
         ),
         "prefill attention",
     )
@@ -161,9 +154,8 @@ def rms_norm(
         residual = _last_dense(residual)
     _check(
         lib.sess_rms_norm(
-            *(x.data_ptr(), x.stride(0)),
-            *((residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)),
-            *(weight.data_ptr(), eps, rows, n, total.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+            *(x, x.stride(0), *((residual, residual.stride(0)) if residual is not None else (None, 0))),
+            *(weight, eps, rows, n, total if residual is not None else None, out, torch.get_num_threads()),
         ),
         "rms norm",
     )
@@ -179,7 +171,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     out = _into(out, gate, (rows, n))
     _check(
         lib.sess_silu_mul(
-            gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, n, out.data_ptr(), torch.get_num_threads()
+            gate, gate.stride(0), up, up.stride(0), rows, n, out, torch.get_num_threads()
         ),
         "silu",
     )
@@ -201,8 +193,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tu
     chosen = torch.empty(rows, dtype=torch.float32)
     _check(
         lib.sess_draw(
-            *(logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(), u.data_ptr()),
-            *(tiles.data_ptr(), tokens.data_ptr(), chosen.data_ptr(), torch.get_num_threads()),
+            *(logits, logits.stride(0), rows, vocab, temperature, u, tiles, tokens, chosen, torch.get_num_threads()),
         ),
         "token draw",
     )
@@ -220,7 +211,7 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.float32)
     _check(
         lib.sess_logprobs(
-            logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), out.data_ptr(), torch.get_num_threads()
+            logits, logits.stride(0), rows, vocab, tokens, out, torch.get_num_threads()
         ),
         "logprob",
     )

@@ -2,12 +2,12 @@
 where the kernel cannot be built or does not match, the rows go through oneDNN with the same bits."""
 
 import functools
-import tempfile
 
 import pytest
 import torch
 
-from sess.engine.sampling import few_rows, native, onednn
+from sess.engine.native import kernels as native
+from sess.engine.sampling import few_rows, onednn
 from sess.engine.sampling.onednn import CHUNK
 from sess.engine.sampling.row_invariant import PackedMatmul, RowInvariantLinears
 
@@ -59,14 +59,16 @@ def test_the_lean_decoders_linears_use_it_without_bias_and_keep_their_bits():
     assert torch.equal(biased, linears(full, biased_weight, bias)[:2])
 
 
-def test_without_a_compiler_the_build_says_why_and_the_rows_go_through_onednn(monkeypatch):
+def test_without_a_compiler_the_build_says_why_and_the_rows_go_through_onednn(monkeypatch, tmp_path):
+    monkeypatch.setenv("SESS_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing built there yet
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     lib, why = native.library.__wrapped__()
     assert lib is None and why.startswith("not built: false failed")
-    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")  # nowhere to build
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SESS_KERNEL_CACHE", str(tmp_path / "file" / "cache"))  # nowhere to build
     monkeypatch.setenv("CC", "cc")
     lib, why = native.library.__wrapped__()
-    assert lib is None and why.startswith("not built: ") and "/nonexistent/tmp" in why
+    assert lib is None and why.startswith("not built: ") and str(tmp_path / "file") in why
     monkeypatch.setenv("CC", "/nonexistent/cc")
     lib, why = native.library.__wrapped__()
     assert lib is None and "no C compiler" in why

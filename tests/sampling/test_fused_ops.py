@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sess.engine.sampling import fused_ops, native
+from sess.engine.native import kernels as native
+from sess.engine.sampling import fused_ops
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.llama_decoder import _rotate
 from sess.engine.sampling.prefill_layout import Layout
@@ -482,15 +483,13 @@ def test_logprobs_refuse_a_token_outside_the_vocabulary_and_leave_a_nan_row_nan(
     assert drawn[1].isnan() and not drawn[[0, 2]].isnan().any()
 
 
-def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
+def test_builds_for_older_cpus_give_the_same_bits(monkeypatch):
     """Every operation in fused_ops.c is IEEE arithmetic in an order the source fixes (no fused
     multiply-adds, no library exp), so the kernels built for an AVX2 or an SSE4 CPU give exactly
     what the build for this one gives: a run's attention, norms, activation, draws and logprobs are the same
     bits on every x86-64 host (its matmuls are calibrated per host)."""
-    import ctypes
     import platform
     import shutil
-    import subprocess
 
     _built()
     compiler = shutil.which("cc")
@@ -513,9 +512,8 @@ def test_builds_for_older_cpus_give_the_same_bits(tmp_path, monkeypatch):
 
     reference = outputs()
     for arch in ("x86-64-v3", "x86-64-v2"):
-        built = tmp_path / f"{arch}.so"
-        subprocess.run(native.build_command(compiler, built, arch), check=True, capture_output=True)
-        lib = native.declared(ctypes.CDLL(str(built)))
+        lib, how = native.load(arch)
+        assert lib is not None, how
         monkeypatch.setattr(native, "library", functools.cache(lambda lib=lib, arch=arch: (lib, arch)))
         for got, expected in zip(outputs(), reference):
             assert torch.equal(got, expected), arch

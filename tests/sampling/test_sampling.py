@@ -268,7 +268,7 @@ def test_a_request_gets_identical_logprobs_whatever_shares_its_batch(runtime, sv
     lean llama decoder the engine uses here (merging requests) and the model's modules (other
     architectures, one request at a time). GRPO-sized batches (8 prompts x 8 samples) too, prefilled at
     once or arriving over steps."""
-    from sess.engine.sampling import native
+    from sess.engine.native import kernels as native
     from sess.engine.sampling.llama_decoder import LlamaDecoder
     from sess.engine.sampling.module_decoder import ModuleDecoder
 
@@ -338,7 +338,8 @@ def test_a_prefix_that_prompts_share_is_prefilled_once_and_their_samples_are_as_
     prefilled together with that prefix computed once: the prefill's attention runs on the prefix
     and each prompt's own tokens, not on every prompt whole, and each request samples what it
     samples alone (the prefix's rows are the same bits, :class:`Layout`)."""
-    from sess.engine.sampling import fused_ops, native
+    from sess.engine.native import kernels as native
+    from sess.engine.sampling import fused_ops
 
     if native.library()[0] is None:
         pytest.skip("the C kernels are not built here: the prefill computes every prompt whole")

@@ -1,7 +1,7 @@
 /* A decode step's work besides its matmuls, and a prefill's attention, for sess's sampler
-   (native.py builds and loads this file; fused_ops.py calls it): attention over the KV cache, RMS
-   norms (with the residual add before them) and the MLP's silu(gate) * up, each one call a layer
-   over all rows; and token choice's draw with its logprob.
+   (engine/native builds it, kernels.h declares it; engine/sampling/fused_ops.py calls it):
+   attention over the KV cache, RMS norms (with the residual add before them) and the MLP's
+   silu(gate) * up, each one call a layer over all rows; and token choice's draw with its logprob.
 
    Attention, one decode step, one layer: each row's new key and value go into the KV cache at
    the row's position (the key rotated there), and each query head attends over its row's columns
@@ -28,6 +28,8 @@
    Norms and the activation work row by row too: a norm sums a row's squares in LANES partial sums
    then pairwise, as a score; the activation is elementwise. So every row's result depends on that
    row alone. */
+
+#include "kernels.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -283,11 +285,11 @@ static void attend_head(const float *query, const float *q_cos, const float *q_s
    shape not built here, -2 where memory ran out, -3 for a position outside the cache, -4 for a
    source outside the rows or a shared prefix past a row's or its source's position, -5 for a
    place outside the cache's rows or two rows in one place. */
-int sess_decode_attention(const float *q, long q_stride, const float *k, long k_stride, const float *v,
-                          long v_stride, const float *cos, const float *sin, const float *q_cos,
+int sess_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                          int64_t v_stride, const float *cos, const float *sin, const float *q_cos,
                           const float *q_sin, float *keys, float *values, const int64_t *positions,
-                          const int64_t *sources, const int64_t *shared, const int64_t *places, long held,
-                          long columns, int rows, int heads, int kv_heads, int dim, float *out, int threads)
+                          const int64_t *sources, const int64_t *shared, const int64_t *places, int64_t held,
+                          int64_t columns, int rows, int heads, int kv_heads, int dim, float *out, int threads)
 {
     if (dim % LANES || dim > WIDEST || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MOST_GROUPS)
         return -1;
@@ -360,7 +362,7 @@ int sess_decode_attention(const float *q, long q_stride, const float *k, long k_
    only on its query and its prompt's entries, so a prompt's tokens come out the same prefilled
    alone, beside other prompts or on a prefix shared with them. Returns 0, -1 for a shape not built
    here, -2 where memory ran out, -3 for columns outside the tokens. */
-int sess_prefill_attention(const float *q, long q_stride, const float *q_cos, const float *q_sin,
+int sess_prefill_attention(const float *q, int64_t q_stride, const float *q_cos, const float *q_sin,
                            const float *keys, const float *values, const int64_t *positions,
                            const int64_t *splits, const int64_t *lows, const int64_t *highs, int tokens, int heads,
                            int kv_heads, int dim, float *out, int threads)
@@ -419,7 +421,7 @@ static inline float sum_squares(const float *x, int n)
 /* per row of x [rows][n] (row stride x_stride): with `residual` (stride r_stride), first
    sum = x + residual, written to `sum` [rows][n]; then out [rows][n] = that * rstd * weight,
    rstd = 1 / sqrt(mean of its squares + eps). Returns 0. */
-int sess_rms_norm(const float *x, long x_stride, const float *residual, long r_stride, const float *weight,
+int sess_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride, const float *weight,
                   float eps, int rows, int n, float *sum, float *out, int threads)
 {
 #pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * n >= 32768)
@@ -448,7 +450,7 @@ static inline v16 silu_mul16(v16 g, v16 u)
 }
 
 /* out [rows][n] = silu(gate) * up; a row's last n % 16 entries go through the same lanes, padded */
-int sess_silu_mul(const float *gate, long g_stride, const float *up, long u_stride, int rows, int n, float *out,
+int sess_silu_mul(const float *gate, int64_t g_stride, const float *up, int64_t u_stride, int rows, int n, float *out,
                   int threads)
 {
 #pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * n >= 32768)
@@ -536,7 +538,7 @@ static inline float logprob_of(float x, float most, double total)
 
 /* The logprob of tokens[r] under softmax(logits[r]) for each row (logprob_of: the row's own
    values alone decide it). Returns 0, or -6 for a token outside the vocabulary. */
-int sess_logprobs(const float *logits, long stride, int rows, int vocab, const int64_t *tokens, float *logprobs,
+int sess_logprobs(const float *logits, int64_t stride, int rows, int vocab, const int64_t *tokens, float *logprobs,
                   int threads)
 {
     for (int r = 0; r < rows; r++)
@@ -565,7 +567,7 @@ int sess_logprobs(const float *logits, long stride, int rows, int vocab, const i
    gives it (at temperature 1 from the same tile sums, which are then those it takes). Rows: logits
    [rows][vocab] (row stride `stride`), temperature > 0 and u in [0, 1) per row; tiles a scratch of
    rows * ceil(vocab / SPAN) doubles. Returns 0. */
-int sess_draw(const float *logits, long stride, int rows, int vocab, const float *temperature, const double *u,
+int sess_draw(const float *logits, int64_t stride, int rows, int vocab, const float *temperature, const double *u,
               double *tiles, int64_t *tokens, float *logprobs, int threads)
 {
     const int count = (vocab + SPAN - 1) / SPAN;

@@ -1,4 +1,5 @@
-/* The few-row matmul of sess's sampler (few_rows.py builds and loads this file).
+/* The few-row matmul of sess's sampler (built by engine/native, declared in kernels.h, called
+   from engine/sampling/few_rows.py).
 
    y[r][n] = sum over k of x[r][k] * w[n][k], reading w in oneDNN's prepacked layout for fp32
    linear weights: tiles of `tile` output features, each tile's weights k-major,
@@ -7,6 +8,8 @@
    That is the order oneDNN's packed kernel sums a row in at the shapes where few_rows.py finds it
    equal to the bit, and it depends on nothing but the row, so a row gets the same result alone
    as among 64 others. Rows are independent; tiles are shared out between threads. */
+
+#include "kernels.h"
 
 #include <math.h>
 #include <stddef.h>
