@@ -57,7 +57,7 @@ def test_the_kernel_writes_the_cache_as_the_torch_ops_and_attends_to_rounding(he
     elementwise ops), values copied, and attention equals the torch ops' in float64 to float32
     rounding, at positions on both sides of a block's edge. (The reference is float64: the float32
     torch ops' first call in a process came out up to 5.8e-5 off in 6 processes of 80, their
-    weights' exp up to 1.5e-4 off, and the same call exact after it; benchmarks/LOG.md.)"""
+    weights' exp up to 1.5e-4 off, and the same call exact after it.)"""
     _built()
     positions = [0, 5, 63, 64, 100, 127]
     keys, values, pos, q, k, v, rotation = _step(len(positions), heads, kv_heads, dim, positions, blocks=2)
