@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sess.engine.runtime.models.catalog import list_models
 from sess.engine.runtime.ops.sampling_ops import resolve_target
+from sess.engine.runtime.session_names import client_view, engine_name, engine_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Target
 from sess.engine.sdk.types import SamplingParams, SessionStatus
@@ -55,8 +56,8 @@ def _number(body: dict, name: str, default: float, kind=(int, float)) -> Any:
 def _target(engine, owner: str, model: Any) -> dict:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model: expected a session name, a sess:// checkpoint path or a base model name")
-    if model.startswith("sess://"):
-        return {"model_path": model}
+    if model.startswith("sess://"):  # the caller's own checkpoint, or a published one
+        return {"model_path": engine_path(engine.runtime, owner, model)}
     if engine.runtime.find_session(owner, model) is not None:
         return {"session": model}
     if model in list_models():
@@ -132,9 +133,14 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
             if s["status"] == SessionStatus.Running.value
         ]
         data += [
-            {"id": c["path"], "object": "model", "created": int(c["created"]), "owned_by": owner}
+            {
+                "id": client_view(owner, c["path"]),
+                "object": "model",
+                "created": int(c["created"]),
+                "owned_by": owner,
+            }
             for s in sessions
-            for c in engine.registry.checkpoints(s["name"])
+            for c in engine.registry.checkpoints(engine_name(engine.runtime, owner, s["name"]))
             if c["kind"] in ("weights", "merged")
         ]
         return {"object": "list", "data": data}
