@@ -15,13 +15,14 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from sess.engine.runtime.checkpoints.manifest import foreign_files, owner_digest
+from sess.engine.sdk import requests as rq
 
 if TYPE_CHECKING:
     from sess.engine.runtime.runtime import Runtime
     from sess.engine.runtime.session import Session
 
-# the ops whose ``name`` argument is a session's (elsewhere it names a checkpoint or a new session)
-SESSION_NAME_OPS = {"stop_session", "delete_session", "session_info", "get_usage"}
+# the requests whose ``name`` is an existing session's (elsewhere it names a checkpoint or a new session)
+NAMES_A_SESSION = (rq.SessionName, rq.DeleteSession, rq.GetUsage)
 
 
 def owner_tag(owner: str) -> str:
@@ -64,21 +65,21 @@ def engine_path(runtime: Runtime, owner: str, path: Any) -> Any:
     return f"sess://{mapped}{sep}{rest}"
 
 
-def engine_args(runtime: Runtime, owner: str, op: str, args: Any) -> Any:
-    """``args`` of op ``op`` with every session name and ``sess://`` path resolved within ``owner``'s
-    sessions."""
+def engine_args(runtime: Runtime, owner: str, request: type | None, args: Any) -> Any:
+    """``args`` of a request of type ``request`` with every session name and ``sess://`` path
+    resolved within ``owner``'s sessions."""
     if not isinstance(args, dict):
         return args
     args = dict(args)
     if "session" in args:
         args["session"] = engine_name(runtime, owner, args["session"])
-    if op in SESSION_NAME_OPS and "name" in args:
+    if request in NAMES_A_SESSION and "name" in args:
         args["name"] = engine_name(runtime, owner, args["name"])
     for key in ("path", "model_path"):
         if key in args:
             args[key] = engine_path(runtime, owner, args[key])
     if isinstance(args.get("target"), dict):
-        args["target"] = engine_args(runtime, owner, "", args["target"])
+        args["target"] = engine_args(runtime, owner, rq.Target, args["target"])
     return args
 
 

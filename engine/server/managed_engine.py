@@ -41,6 +41,12 @@ from sess.engine.server.sqlite_registry import Registry
 log = logging.getLogger("sess.engine")
 
 
+def request_type(op: object) -> type | None:
+    """The request type of op ``op``, None for a name that is no op (refused when it is read)."""
+    spec = OPS.get(op) if isinstance(op, str) else None
+    return spec.request if spec is not None else None
+
+
 def client_error(owner: str, error: SessError) -> SessError:
     """``error`` with ``owner``'s session ids named as its client names them."""
     message = session_names.client_message(owner, str(error))
@@ -118,7 +124,7 @@ class ManagedEngine(Executor):
         """Queue an op (see Executor.submit). Past the key's budget a costly op is refused (402) and
         its sequence number used up, so the session's later ops run; ``hold_seq`` leaves the number
         free instead, for a client that re-sends the same op until the budget is raised (tinker)."""
-        args = session_names.engine_args(self.runtime, owner, name, args)
+        args = session_names.engine_args(self.runtime, owner, request_type(name), args)
         session = session_names.engine_name(self.runtime, owner, session)
         # Another key's session must look absent, not busy: check before sequence ordering answers.
         if isinstance(session, str) and self.runtime.find_session(owner, session) is None:
@@ -172,7 +178,7 @@ class ManagedEngine(Executor):
         return client_op(owner, await super().wait_async(owner, op_id, timeout))
 
     def _call(self, owner: str, name: str, args=None):
-        args = session_names.engine_args(self.runtime, owner, name, args)
+        args = session_names.engine_args(self.runtime, owner, request_type(name), args)
         result = super().call(owner, name, args)
         if name == "list_checkpoints":
             result = self.lifecycle.describe(owner, result)
