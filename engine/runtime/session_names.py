@@ -32,6 +32,8 @@ def owner_tag(owner: str) -> str:
 
 def find(sessions: dict[str, Session], owner: str, name: str) -> Session | None:
     """``owner``'s session named ``name`` by its client (or by its engine id), or None."""
+    if not isinstance(name, str):
+        return None
     for candidate in (name, name + owner_tag(owner)):
         session = sessions.get(candidate)
         if session is not None and session.owner == owner:
