@@ -49,7 +49,8 @@ def up(
         help="Memory a training op may hold for activations and output-layer logits, e.g. 1G "
         "(default: 384M on cpu, half the free device memory on cuda); the logits, in chunks, take a "
         "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
-        "activation checkpointing, and one too long even then is refused. On cpu the sampler keeps "
+        "activation checkpointing (without a budget given, within a quarter of the memory available), "
+        "and one too long even then is refused. On cpu the sampler keeps "
         "prepacked copies of the base weights (faster decode steps, as many bytes as the weights) "
         "only where they fit in it; without it, where they take at most a quarter of the free memory.",
     ),

@@ -12,6 +12,7 @@ from sess.cli.app import app, report, unwrap_help
 # isort: off
 from sess.cli import engine_cmds  # noqa: F401
 from sess.cli import keys_cmds  # noqa: F401
+from sess.cli import models_cmds  # noqa: F401
 from sess.cli import session_cmds  # noqa: F401
 from sess.cli import checkpoint_cmds  # noqa: F401
 from sess.cli import run_cmds  # noqa: F401

@@ -52,7 +52,12 @@ def run(
         help="With --dry-run: sample N of the run's prompts on the live model (no training) to give the "
         "expected tokens and cost beside the bound; says first what it will load and cost.",
     ),
-    resume: Path = typer.Option(None, "--resume", help="Continue RUN_DIR from its last saved state."),
+    resume: Path = typer.Option(
+        None,
+        "--resume",
+        help="Continue RUN_DIR from its newest whole state: its own last save, or the state the engine "
+        "saved of its session on shutdown when that is newer.",
+    ),
     session: str = typer.Option(None, "--session", help="Session name (reused when it is live)."),
     _help: bool = typer.Option(
         False,
@@ -67,8 +72,9 @@ def run(
 
     Writes runs/<time>-<loop>-<model>/ (resolved config, metrics, checkpoints, usage); `sess runs`
     lists them and `sess runs show RUN` charts one. The local engine it uses (started if none runs)
-    keeps running afterwards unless engine.keep=false; the run ends by saying which. Ctrl-C finishes
-    the current step, saves it and stops the session (again: at once); --resume RUN_DIR continues."""
+    keeps running afterwards unless engine.keep=false; the run ends by saying which. Ctrl-C or SIGTERM
+    finishes the current step, saves it and stops the session (again: at once); --resume RUN_DIR
+    continues."""
     from sess.harness import config, runner
 
     overrides = list(overrides or [])

@@ -1,10 +1,10 @@
-"""What a run does on Ctrl-C (:mod:`.runner` routes SIGINT here while its loop trains).
+"""What a run does on Ctrl-C or SIGTERM (:mod:`.runner` routes both here while its loop trains).
 
 Mid-step, the run finishes that step (a state saved mid-step would not say which updates it holds),
-then saves it, records usage and stops the session, within :data:`WIND_DOWN_S`. A second Ctrl-C
-stops the session without finishing the step, a third quits at once. :class:`Interrupted` then says
-the step a ``sess run --resume`` starts from.
-"""
+then saves it, records usage and stops the session, within :data:`WIND_DOWN_S`. A second signal
+stops the session without finishing the step (the engine saves its state, which a resume uses when
+it falls on a recorded step: :mod:`.resumes`), a third quits at once. :class:`Interrupted` then
+says the step a ``sess run --resume`` starts from."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import threading
 
 from .records import RunRecord
 from .recovery import run_usage
+from .resumes import STEPS_FILE
 
 WIND_DOWN_S = 60.0  # after Ctrl-C, the most that saving the state and stopping the session may take
 
@@ -25,19 +26,21 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def ctrl_c_finishes_the_step(hooks):
-    """Route SIGINT to ``hooks.on_ctrl_c`` while the loop trains. Only where Python's own handler is
-    in place: another thread cannot, and a process told to ignore SIGINT keeps ignoring it."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
+    """Route SIGINT, and SIGTERM (what a supervisor or ``kill`` sends), to ``hooks.on_ctrl_c`` while
+    the loop trains. Only where Python's own handler is in place: another thread cannot, and a
+    process told to ignore or handle a signal otherwise keeps doing so."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.signal(signal.SIGINT, hooks.on_ctrl_c)
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    routed = [signum for signum, default in defaults.items() if signal.getsignal(signum) is default]
+    for signum in routed:
+        signal.signal(signum, hooks.on_ctrl_c)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in routed:
+            signal.signal(signum, defaults[signum])
 
 
 def wind_down(svc, tc, hooks, record: RunRecord, *, keep_session: bool) -> list[str]:
@@ -75,8 +78,14 @@ def wind_down(svc, tc, hooks, record: RunRecord, *, keep_session: bool) -> list[
 
 
 def resume_hint(record: RunRecord, undone: list[str]) -> str:
-    state = record.last_state()
-    if state is None:
+    state, command = record.last_state(), f"sess run --resume {shlex.quote(str(record.path))}"
+    recorded = [r["step"] for r in record.rows(STEPS_FILE)]
+    if state is None and recorded:  # the engine saved the session's state when it stopped it
+        line = (
+            f"interrupted after step {max(recorded)}, none saved by the run; {command} continues from "
+            "the state the engine saved when it stopped the session, or from the start"
+        )
+    elif state is None:
         line = "interrupted before its first step was saved; nothing to resume (run the command again)"
     else:
         line = f"interrupted at step {state['step']}; resume with: sess run --resume {shlex.quote(str(record.path))}"

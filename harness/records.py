@@ -2,8 +2,9 @@
 
 ``config.yaml`` (resolved), ``overrides.yaml``, ``meta.json`` (versions, git commit, seed, engine,
 session, command line, status), ``metrics.jsonl`` (one row per train step or eval, keyed by ``step`` =
-steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step), ``usage.json`` and ``forecast.json``
-(the bound and expected figure the run started with, :mod:`.spend`).
+steps completed), ``checkpoints.jsonl`` (state and sampler saves with their step), ``session_steps.jsonl`` (the
+session's optimizer-step count at each step's end, :mod:`.resumes`), ``usage.json`` and
+``forecast.json`` (the bound and expected figure the run started with, :mod:`.spend`).
 The local logger appends to ``metrics.jsonl`` and drives a rich progress line; ``logger=wandb`` also
 sends config and metrics to Weights & Biases (online or offline); ``logger=mlflow`` also logs params
 (the flattened config), per-step metrics and the resolved config (``config.yaml`` artifact) to MLflow:
@@ -34,6 +35,7 @@ RECORD_FILES = (
     "meta.json",
     "metrics.jsonl",
     "checkpoints.jsonl",
+    "session_steps.jsonl",
     "usage.json",
     "forecast.json",
 )
@@ -130,7 +132,7 @@ class RunRecord:
         record = cls(path)
         _write_text(path / "config.yaml", config_yaml)
         _write_text(path / "overrides.yaml", yaml.safe_dump(list(overrides), default_flow_style=False))
-        for name in ("metrics.jsonl", "checkpoints.jsonl"):
+        for name in ("metrics.jsonl", "checkpoints.jsonl", "session_steps.jsonl"):
             (path / name).touch()
         _write_json(path / "usage.json", {})
         record.write_meta(
@@ -167,13 +169,18 @@ class RunRecord:
     def checkpoints(self) -> list[dict]:
         return read_jsonl(self.path / "checkpoints.jsonl")
 
+    def rows(self, name: str) -> list[dict]:
+        return read_jsonl(self.path / name)
+
     def last_state(self) -> dict | None:
         states = [c for c in self.checkpoints() if c.get("kind") == "state"]
         return states[-1] if states else None
 
     def truncate_after(self, step: int) -> None:
         """Drop rows past ``step`` (work a killed run did after its last save; a resume redoes it)."""
-        for name in ("metrics.jsonl", "checkpoints.jsonl"):
+        for name in ("metrics.jsonl", "checkpoints.jsonl", "session_steps.jsonl"):
+            if not (self.path / name).is_file():
+                continue
             rows = [r for r in read_jsonl(self.path / name) if r.get("step", 0) <= step]
             _write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in rows))
 

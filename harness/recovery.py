@@ -4,10 +4,12 @@ After a run that had opened its session fails, :func:`engine_down` asks whether 
 away: it does not answer, or it answers as a new process that found the run's session Interrupted.
 If not, the failure was the run's own and stands. If so, the runner (:mod:`.runner`) brings it back
 (:func:`bring_back`: a local engine is started again on the same home; a remote one is waited for,
-with backoff, for up to ``engine.wait_s``) and resumes the run from its last saved state, exactly as
-``sess run --resume RUN_DIR`` would, at most ``engine.restarts`` times, saying so in one line each
-time. The steps done after that state are computed again on a new session (the seeds make them the
-same bits); the run record lists them (``meta.json`` ``resumes[].recomputed``) and its usage adds up
+with backoff, for up to ``engine.wait_s``) and resumes the run, exactly as ``sess run --resume
+RUN_DIR`` would, at most ``engine.restarts`` times, saying so in one line each time. It continues
+from the newest whole state on a step the run recorded (:mod:`.resumes`): the state the engine
+saved of the session on its way down (SIGTERM, SIGINT) when there is one, else the run's last own
+save. Steps done after that state are computed again on a new session (the seeds make them the same
+bits); the run record lists them (``meta.json`` ``resumes[].recomputed``) and its usage adds up
 every session the run used, so each op the engines ran is counted once. With recovery off
 (``engine.restarts=0``) or spent, :class:`EngineLost` names the command that continues.
 """
@@ -28,6 +30,7 @@ from sess.engine import ServiceClient, Usage
 from sess.engine.sdk.local_engine import engine_info, ensure_local_engine
 
 from .records import RunRecord
+from .resumes import Resume
 
 WAIT_FIRST_S, WAIT_MAX_S = 1.0, 15.0  # a remote engine's backoff between health checks
 
@@ -103,48 +106,22 @@ def bring_back(cfg: DictConfig, url: str | None, say: Callable[[str], None] = pr
         print(file=sys.stderr)
 
 
-def resume_point(record: RunRecord, reason: str) -> tuple[int, str | None]:
-    """Where a resume of ``record`` starts: its last saved state (or, with none, the beginning),
-    with the work done past it dropped from the record and listed in ``meta.json``'s ``resumes``
-    (``recomputed``: the steps that will run again)."""
-    state = record.last_state()
-    step = state["step"] if state is not None else 0
-    recorded = {r["step"] for r in record.metrics() if r.get("kind") == "train"}
-    record.truncate_after(step)
-    if state is None:  # nothing saved: from the start, as the same seed gives it
-        record.truncate_after(-1)
-    meta = record.meta
-    resumes = [
-        *meta.get("resumes", []),
-        {
-            "step": step,
-            "path": state["path"] if state else None,
-            "reason": reason,
-            "recomputed": sorted(s for s in recorded if s > step),
-        },
-    ]
-    record.write_meta(
-        {**{k: v for k, v in meta.items() if k != "error"}, "status": "running", "resumes": resumes}
-    )
-    return step, state["path"] if state else None
-
-
 def run_recovering(
     cfg: DictConfig,
     record: RunRecord,
-    execute: Callable[[int, str | None], None],
-    start_step: int,
-    resume_from: str | None,
+    execute: Callable[[Resume | None], None],
+    resume: Resume | None,
     passes: tuple[type[BaseException], ...] = (),
 ) -> None:
-    """``execute(start_step, resume_from)``; when it fails because its engine went away after it had
-    opened its session, bring the engine back and execute again from the last saved state, at most
-    ``engine.restarts`` times. Exceptions of ``passes`` are never taken for a lost engine."""
+    """``execute(resume)`` (None: a fresh start); when it fails because its engine went away after it
+    had opened its session, bring the engine back and execute again as a resume
+    (:mod:`.resumes`: from the newest whole state on a recorded step), at most ``engine.restarts``
+    times. Exceptions of ``passes`` are never taken for a lost engine."""
     url = engine_url(cfg)
     for restart in range(int(cfg.engine.restarts) + 1):
         opened = len(record.meta.get("sessions", []))
         try:
-            execute(start_step, resume_from)
+            execute(resume)
             return
         except passes:
             raise
@@ -162,12 +139,9 @@ def run_recovering(
                 bring_back(cfg, url, say=_say)
             except EngineLost as lost:
                 raise EngineLost(f"{lost}; {continue_hint(record.path)}") from exc
-            start_step, resume_from = resume_point(record, why)
             back = "started it again" if url is None and "not running" in why else "it is back"
-            _say(
-                f"{why} (at step {done}): {back} and resuming from step {start_step} "
-                f"(recovery {restart + 1} of {cfg.engine.restarts})"
-            )
+            said = f"{why} (at step {done}): {back} and resuming from step {{}} (recovery {restart + 1} of {cfg.engine.restarts})"
+            resume = Resume(why, announce=said.format)
 
 
 def engine_url(cfg: DictConfig) -> str | None:

@@ -39,7 +39,7 @@ from sess.rl.rollouts import derive_seed
 from sess.tasks import sources
 
 from . import config as config_mod
-from . import recovery
+from . import recovery, resumes
 from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
@@ -121,6 +121,7 @@ class RunHooks:
         if self.spend is not None:
             row.update(self.spend.step_done(done, row))
         self.logger.log(row)
+        resumes.note_step(self.record, self.tc, done)
         self.progress.update(done, row)
         cfg = self.cfg
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.loop.steps:
@@ -134,8 +135,8 @@ class RunHooks:
         self.mid_step = True
 
     def on_ctrl_c(self, signum, frame) -> None:
-        """SIGINT while the loop trains: finish the step first; a second one (or one between steps)
-        is Python's own KeyboardInterrupt."""
+        """SIGINT or SIGTERM while the loop trains: finish the step first; a second one (or one
+        between steps) is a KeyboardInterrupt."""
         if not self.mid_step or self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
@@ -210,7 +211,7 @@ def start(
     data = _load_data(cfg)  # before the run directory: a data error leaves nothing behind
     run_dir = new_run_dir(cfg.runs_dir, cfg.loop.name, cfg.model.name)
     record = RunRecord.create(run_dir, config_mod.to_yaml(cfg), overrides, _meta(cfg))
-    _run(cfg, data, record, 0, None, on_step=on_step, show_progress=show_progress)
+    _run(cfg, data, record, None, on_step=on_step, show_progress=show_progress)
     return run_dir
 
 
@@ -232,22 +233,21 @@ def resume(
         )
     cfg = config_mod.load(record.path / "config.yaml")
     data = _load_data(cfg)
-    if record.last_state() is None:
+    if record.last_state() is None and not record.rows(resumes.STEPS_FILE):
         raise ValueError(
             f"--resume: {run_dir} has no saved state to resume from (checkpoints.jsonl is empty)"
         )
-    step, path = recovery.resume_point(record, "sess run --resume")
-    _run(cfg, data, record, step, path, on_step=on_step, show_progress=show_progress)
+    _run(cfg, data, record, resumes.Resume("sess run --resume"), on_step=on_step, show_progress=show_progress)
     return record.path
 
 
-def _run(cfg, data: Data, record: RunRecord, start_step: int, resume_from: str | None, **options) -> None:
+def _run(cfg, data: Data, record: RunRecord, resume: resumes.Resume | None, **options) -> None:
     """:func:`_execute`, brought back after its engine goes away (:func:`.recovery.run_recovering`)."""
 
-    def execute(step: int, path: str | None) -> None:
-        _execute(cfg, data, record, start_step=step, resume_from=path, **options)
+    def execute(resume: resumes.Resume | None) -> None:
+        _execute(cfg, data, record, resume=resume, **options)
 
-    recovery.run_recovering(cfg, record, execute, start_step, resume_from, passes=(RunInterrupted,))
+    recovery.run_recovering(cfg, record, execute, resume, passes=(RunInterrupted,))
 
 
 def _meta(cfg: DictConfig) -> dict:
@@ -297,18 +297,23 @@ def _load_data(cfg: DictConfig) -> Data:
     return data
 
 
-def _execute(cfg, data: Data, record: RunRecord, *, start_step, resume_from, on_step, show_progress):
+def _execute(cfg, data: Data, record: RunRecord, *, resume, on_step, show_progress):
     svc = tc = logger = hooks = None
-    status, error = "failed", None
+    status, error, start_step = "failed", None, 0
     try:
         loop = LOOPS[cfg.loop.name]
         loop_cfg = loop.config(**OmegaConf.to_container(cfg.loop, resolve=True))  # the loop's own dataclass
-        logger = Logger(record, cfg.logger, OmegaConf.to_container(cfg, resolve=True))
         svc = service_client(cfg.engine)
+        if resume is not None:  # from the newest whole state (None: from the start)
+            tc, start_step = resumes.open_resumed(
+                svc, record, resume, lambda path: _open_session(svc, cfg, record, path)
+            )
+        logger = Logger(record, cfg.logger, OmegaConf.to_container(cfg, resolve=True))
         with Progress(cfg, start_step, enabled=show_progress) as progress:
             # the first time, the engine fetches and converts the model here (about a minute for smollm2)
             with progress.status(f"starting a session on {cfg.model.base_model}"):
-                tc = _open_session(svc, cfg, record, resume_from)
+                if tc is None:
+                    tc = _open_session(svc, cfg, record, None)
             sessions = [*(n for n in record.meta.get("sessions", []) if n != tc.name), tc.name]
             record.update_meta(
                 session=tc.name, sessions=sessions, engine={"kind": cfg.engine.kind, "url": svc.url}

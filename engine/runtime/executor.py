@@ -29,7 +29,7 @@ from sess.engine.runtime.ops.operation import Operation, internal_error
 from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.sequence_order import SequenceOrder
-from sess.engine.runtime.usage import session_of, usage_of
+from sess.engine.runtime.usage import Unrecorded, session_of, usage_of
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.types import Usage
 
@@ -40,7 +40,8 @@ KEEP_RESULTS = 20_000
 
 class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
-    through :meth:`admit` (before one runs) and :meth:`finished` (after)."""
+    through :meth:`admit` (before one runs) and :meth:`finished` (after, before the op is answered:
+    a :class:`~sess.engine.sdk.errors.SessError` it raises becomes the op's answer)."""
 
     def __init__(
         self,
@@ -73,9 +74,11 @@ class Executor:
         session: str | None = None,
         seq: int | None = None,
         client_token: str | None = None,
+        progress: Any = None,
     ) -> str:
         """Queue an op and return its id at once; its result comes from :meth:`wait`, and so does an
-        error in its arguments (found here, before it is queued)."""
+        error in its arguments (found here, before it is queued). ``progress``: a sample op's
+        listener of its tokens as they are drawn (:class:`SampleJob`'s ``progress``)."""
         spec = OPS.get(name) if isinstance(name, str) else None
         if spec is None or spec.kind is Kind.CONTROL:
             raise InvalidRequest(f"name: unknown operation {str(name)[:64]!r}")
@@ -88,7 +91,7 @@ class Executor:
         with self._cv:
             if client_token is not None and (owner, client_token) in self._tokens:
                 return self._tokens[(owner, client_token)]
-        op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq)
+        op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq, progress=progress)
         try:
             op.request = spec.request.from_wire(args)
         except InvalidRequest as exc:  # answered at once, and still takes its place in the order
@@ -357,7 +360,7 @@ class Executor:
             self._finish(op, result=result, error=error)
 
         op.request = self.runtime.prepare(op.name, op.owner, op.request)
-        OPS[op.name].handler(self.runtime, op.owner, op.request, done)
+        OPS[op.name].handler(self.runtime, op.owner, op.request, done, progress=op.progress)
 
     def _forget_order(self, session: str) -> None:
         """A deleted session's ordering ends with it; ops still parked for it are refused."""
@@ -368,24 +371,33 @@ class Executor:
 
     def _finish(self, op: Operation, result: Any = None, error: SessError | None = None) -> None:
         # counted and recorded before its answer is out: a client that reads the answer and then
-        # loses the engine (kill -9) finds the op in the registry, counted once
+        # loses the engine (kill -9) finds the op in the registry, counted once; an op that could
+        # not be recorded is answered with that error instead (see :mod:`.usage`)
         op.result, op.error = result, error
         self._observe(op, wake=False)
-        op.finish(result, error)
+        op.finish(op.result, op.error)
         self._wake(op)
 
     def _observe(self, op: Operation, wake: bool = True) -> None:
         if op.name and OPS[op.name].kind is Kind.BATCHED and op.usage is not None:
             with self._cv:  # a sample's share of the decode steps it was part of
                 self._ready.charge(op.owner, op.usage.wall_time_s)
+        session = None
         if op.name and OPS[op.name].accounted and op.usage is not None:
             name = session_of(op.session, op.request, op.result)
             session = self.runtime.find_session(op.owner, name) if name else None
             if session is not None:
+                before = session.usage
                 session.add_usage(op.usage)
         if op.name:
             try:
                 self.finished(op)
+            except SessError as exc:  # not recorded: the answer is the error, not the result
+                log.error("op %s %s of key %s: %s", op.name, op.id, op.owner[:12], exc)
+                if isinstance(exc, Unrecorded) and session is not None:
+                    session.usage = before  # not billed, so not counted either
+                if not op.done.is_set() and op.error is None:  # a failed op keeps its own error
+                    op.result, op.error = None, exc
             except Exception:  # an observer must never take the executor down
                 log.exception("observing op %s failed", op.name)
         if wake:

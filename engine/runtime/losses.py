@@ -13,10 +13,14 @@ Every loss reduces by token sum; ``weights`` / ``advantages`` act as the mask, a
   ``s.detach() * exp(lp - lp.detach())`` (the sequence's value, the token's own gradient). M is
   where ``sequence_ratio_mask`` is non-zero, or where the advantage is (a datum without the mask).
   lo/hi default 1 - 3e-4 / 1 + 4e-4, the GSPO paper's clip ranges (Zheng et al., 2025).
+- ``stable_reinforce``     -(min(ratio, cap).detach() * lp * A).sum() + kl_coeff * (ratio - 1 - log_ratio)[M].sum()
+  truncated-importance-weighted REINFORCE plus Schulman's k3 estimate of KL(sampler || learner)
+  over the masked tokens M (A != 0); cap default 2, kl_coeff default 0. sess's own formula: Tinker
+  does not publish its StableReinforce's (docs/tinker.md).
 
 ``cross_entropy`` also takes (N, K) ``target_tokens`` and ``weights``; the training op runs such a
 datum as K datums of one column each (:mod:`sess.engine.runtime.ops.training_ops`), so the sum above is over every target.
-``stable_reinforce`` and ``custom``, which the tinker SDK names, are refused with the reason in
+``custom``, which the tinker SDK names, is refused with the reason in
 :data:`sess.engine.sdk.loss_registry.REFUSED`.
 
 Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.loss_registry`;
@@ -102,7 +106,32 @@ def dro(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]
     return -(t.lp * t.advantages - 0.5 * config["beta"] * t.log_ratio**2).sum(), t.ratio
 
 
-def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple[torch.Tensor, torch.Tensor]]) -> Loss:
+def stable_reinforce(t: Terms, config: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``-(min(w, cap).detach() * lp * A).sum() + kl_coeff * (w - 1 - log w)[M].sum()``, ``w`` the
+    ratio: REINFORCE (Williams, 1992) with per-token importance weights truncated at ``cap``, as in
+    truncated importance sampling (Ionides, 2008, "Truncated importance sampling") and IMPALA's
+    V-trace (Espeholt et al., 2018, arXiv:1802.01561), with the weight a constant so every token keeps
+    its gradient as in CISPO (MiniMax, 2025, arXiv:2506.13585); the penalty is Schulman's k3 estimator
+    of KL(sampler || learner) on the sampled tokens ("Approximating KL Divergence", 2020), unbiased
+    and never negative. Metrics: the weights' mean and max, the share truncated, the KL estimate."""
+    mask = t.advantages != 0
+    cap = config["weight_cap"]
+    weight = torch.clamp(t.ratio, max=cap).detach()
+    kl = torch.where(mask, t.ratio - 1 - t.log_ratio, torch.zeros_like(t.ratio))
+    loss = -(weight * t.lp * t.advantages).sum() + config["kl_coeff"] * kl.sum()
+    with torch.no_grad():
+        n = max(int(mask.sum()), 1)
+        ratio = t.ratio[mask]
+        metrics = {
+            "is_weight:mean": float(ratio.sum() / n),
+            "is_weight:max": float(ratio.max()) if ratio.numel() else 0.0,
+            "is_weight_truncated:mean": float((ratio > cap).sum() / n),
+            "kl_sampler_learner_k3:mean": float(kl.sum() / n),
+        }
+    return loss, t.ratio, metrics
+
+
+def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple]) -> Loss:
     """A policy-gradient loss over the batch, with the ratio and sampler-drift metrics of its tokens."""
 
     def compute(config, logprobs, inputs):
@@ -112,13 +141,16 @@ def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple[torch.Tenso
         )
         mask = advantages != 0
         log_ratio = lp - sampling_lp
-        value, ratio = loss(Terms(lp, advantages, log_ratio, torch.exp(log_ratio), logprobs, inputs), config)
+        value, ratio, *extra = loss(
+            Terms(lp, advantages, log_ratio, torch.exp(log_ratio), logprobs, inputs), config
+        )
         with torch.no_grad():
             n = max(int(mask.sum()), 1)
             metrics = {
                 "loss:sum": value.item(),
                 "ratio:mean": float(ratio[mask].sum() / n),
                 "kl_sample_train:mean": float(-log_ratio[mask].sum() / n),
+                **(extra[0] if extra else {}),
             }
         return value, metrics
 
@@ -128,7 +160,9 @@ def _policy_gradient(loss: Callable[[Terms, dict[str, float]], tuple[torch.Tenso
 
 # each registry row's formula is the function of its name here; a policy-gradient loss also reports
 # its ratio and the sampler's drift
-_FORMULAS = {f.__name__: f for f in (cross_entropy, importance_sampling, ppo, gspo, cispo, dro)}
+_FORMULAS = {
+    f.__name__: f for f in (cross_entropy, importance_sampling, ppo, gspo, cispo, dro, stable_reinforce)
+}
 LOSSES: dict[str, Loss] = {
     name: _policy_gradient(_FORMULAS[name]) if row.policy_gradient else _FORMULAS[name]
     for name, row in loss_registry.LOSSES.items()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from sess.engine.runtime import session_names
 from sess.engine.runtime.memory.malloc_tuning import sampling_heap, trim
-from sess.engine.runtime.memory.training_budget import default_budget, default_copy_budget
+from sess.engine.runtime.memory.training_budget import default_budget, default_ceiling, default_copy_budget
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.session import Session
@@ -44,10 +44,12 @@ class Runtime:
         self._memory_budget = memory_budget  # the budget given (--memory-budget); None: the default
         self._default_budget: int | None = None  # training_budget.default_budget, sized at first use
         self._copy_budget: int | None = None  # without a budget given: sized once, at first use
+        self._default_ceiling: int | None = None  # training_budget.default_ceiling, sized at first use
         self.hosts: dict[str, ModelHost] = {}
         self.sessions: dict[str, Session] = {}
-        # sess:// paths every key may read (checkpoints/checkpoint_lifecycle.py)
-        self.published: set[str] = set()
+        self.published: set[str] = (
+            set()
+        )  # sess:// paths every key may read (checkpoints/checkpoint_lifecycle.py)
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
         self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
@@ -104,6 +106,17 @@ class Runtime:
     @memory_budget.setter
     def memory_budget(self, value: int | None) -> None:
         self._memory_budget = value  # None: back to the default
+
+    @property
+    def memory_ceiling(self) -> int:
+        """The most a training op may hold for one datum too long for :attr:`memory_budget`'s
+        micro-batches: the budget given, else a share of the memory available when first asked
+        (:func:`.training_budget.default_ceiling`)."""
+        if self.budget_given:
+            return self.memory_budget
+        if self._default_ceiling is None:
+            self._default_ceiling = max(self.memory_budget, default_ceiling(self.device))
+        return self._default_ceiling
 
     @property
     def budget_given(self) -> bool:

@@ -7,6 +7,10 @@ handler time, and for a sample request its share of every prefill and decode ste
 (a step's time split by the rows each request had in it), never the time it spent waiting. Tokens:
 ``training_tokens`` for forward / forward_backward, ``prefill_tokens`` for prompts (sample,
 compute_logprobs), ``sampled_tokens`` for what sampling produced.
+
+The ledger is written before the answer: an op whose row cannot be written (a full disk under the
+engine home) is answered with :class:`Unrecorded` instead of its result, and its usage is taken back
+from its session, so no client is served work that is not billed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.types import Usage
+
+
+class Unrecorded(SessError):
+    """The op ran but its usage could not be recorded: its result is withheld, and it is not billed.
+    507 Insufficient Storage: the engine's fault (its disk), not the request's."""
+
+    status = 507
 
 
 def usage_of(request: rq.Request | None, result: Any, seconds: float) -> Usage:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,10 @@ class SampleJob:
     # ({"session"}, {"model_path"} or {"base_model"}; runtime/distributed/sample_spread.py); None: here
     target: dict | None = None
     prompt_result: tuple | None = None
+    # a listener of the request's tokens as they are drawn (a server streaming them), or None: its
+    # ``token(sample, token_id, logprob)`` runs on the executor thread after each draw, and its
+    # ``cancelled`` flag, once set, ends the request's rows with the tokens drawn so far
+    progress: Any = None
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
     seconds: float = 0.0  # its share of the prefills and decode steps it took part in
@@ -96,6 +101,7 @@ class DecodeBatch:
         self.sample_index: list[int] = []  # per row: which sample of its job
         self.adapters: list[str | None] = []  # per row
         self.string_rows: list[int] = []  # rows whose request has stop strings
+        self.progress_rows: list[int] = []  # rows whose request has a progress listener
         for name in ROW_TENSORS:
             setattr(self, name, None)
 
@@ -234,6 +240,8 @@ class DecodeBatch:
         for job in jobs:
             if job.stopper.stop_strings:
                 self.string_rows += list(range(start, start + job.num_samples))
+            if job.progress is not None:
+                self.progress_rows += list(range(start, start + job.num_samples))
             self.jobs += [job] * job.num_samples
             self.sample_index += list(range(job.num_samples))
             self.adapters += [job.adapter] * job.num_samples
@@ -262,7 +270,9 @@ class DecodeBatch:
             return
         started = time.perf_counter()
         logits = self.decoder.step(self.cache, self.adapters, self.last, self.positions)
-        token, logprobs = choose(logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps))
+        token, logprobs = choose(
+            logits, self.temperature, self.top_k, self.top_p, uniforms(self.keys, self.steps)
+        )
         self.generated = torch.cat([self.generated, token[:, None]], dim=1)
         self.generated_lp = torch.cat([self.generated_lp, logprobs[:, None]], dim=1)
         self.positions += 1
@@ -285,6 +295,14 @@ class DecodeBatch:
                 stopped[row] = self.jobs[row].stopper.hit_string(tokens)
         done = torch.zeros_like(stopped)
         done[rows] = stopped[rows] | (self.steps[rows] >= self.max_tokens[rows])
+        for row in self.progress_rows:
+            if rows.start <= row < rows.stop:
+                progress = self.jobs[row].progress
+                progress.token(
+                    self.sample_index[row], int(last[row - rows.start]), float(self.generated_lp[row, -1])
+                )
+                if progress.cancelled:  # its client went away: the tokens drawn so far are its answer
+                    done[row] = True
         if not bool(done.any()):
             return
         for row in done.nonzero().flatten().tolist():
@@ -309,6 +327,7 @@ class DecodeBatch:
         self.cache.keep(index, width=int(self.positions.max()) + 1)
         position = {old: new for new, old in enumerate(rows)}
         self.string_rows = [position[r] for r in self.string_rows if r in position]
+        self.progress_rows = [position[r] for r in self.progress_rows if r in position]
         self.jobs = [self.jobs[r] for r in rows]
         self.sample_index = [self.sample_index[r] for r in rows]
         self.adapters = [self.adapters[r] for r in rows]

@@ -22,6 +22,7 @@ class Call:
 
 CALLS: dict[str, Call] = {
     "list_base_models": Call(reads_only=True),
+    "model_windows": Call(reads_only=True),
     "create_session": Call(keeps_alive=True),
     "create_session_from_state": Call(keeps_alive=True),
     "stop_session": Call(ends_session=True),

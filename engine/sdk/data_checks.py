@@ -54,6 +54,17 @@ def _check_config(name: str, config: dict[str, float]) -> None:
                 f"loss_fn_config: {name} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold "
                 f"(bounds of the probability ratio, 1 on-policy), got {low:g} and {high:g}"
             )
+    if config.get("kl_coeff", 0.0) < 0:
+        raise InvalidRequest(
+            f"loss_fn_config.kl_coeff: expected a value of 0 or more (the weight of {name}'s KL penalty "
+            f"toward the sampler), got {config['kl_coeff']:g}"
+        )
+    if config.get("weight_cap", 1.0) < 1:
+        # on-policy every weight is 1: a cap under it would truncate every token
+        raise InvalidRequest(
+            f"loss_fn_config.weight_cap: expected 1 or more (where {name} truncates the importance "
+            f"weight, 1 on-policy), got {config['weight_cap']:g}"
+        )
     if config.get("beta", 0.0) < 0:
         raise InvalidRequest(
             f"loss_fn_config.beta: expected a value of 0 or more (the weight of {name}'s penalty on "

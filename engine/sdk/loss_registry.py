@@ -38,14 +38,11 @@ LOSSES: dict[str, Loss] = {
     "gspo": Loss(
         _POLICY_INPUTS, {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}, per_token=False
     ),
+    # sess's own formula (Tinker's is not public); logprobs: the recorded sampler's, where spans name them
+    "stable_reinforce": Loss(_POLICY_INPUTS, {"kl_coeff": 0.0, "weight_cap": 2.0}),
 }
 
 REFUSED: dict[str, str] = {
-    "stable_reinforce": (
-        "the tinker 0.38 SDK names this loss and its kl_coeff option but defines neither its formula nor "
-        "the stability information it reads (record_stability_info), so this engine cannot compute it as "
-        "Tinker does; use ppo, cispo or gspo"
-    ),
     "custom": "server-side custom losses are not supported; compute the loss on the client (forward_backward_custom)",
 }
 

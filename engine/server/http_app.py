@@ -5,7 +5,7 @@ typed request before queueing it, and its one thread owns torch. The wire is sma
 /api/call`` (control ops), ``POST /api/submit`` (queue an op, get its id), ``POST /api/wait``
 (long-poll an op's result), ``POST /api/heartbeat``, checkpoint file downloads, ``GET /api/usage``,
 checkpoint TTLs, publishing, copies, traces, storage and the audit log (:mod:`.lifecycle_routes`),
-the OpenAI-compatible ``/v1`` routes (:mod:`.openai_routes`) and the Tinker protocol under
+the OpenAI-compatible ``/v1`` routes (:mod:`.openai`) and the Tinker protocol under
 ``/api/v1`` (:mod:`.tinker`), all over the one engine. Bodies are JSON (arrays inside
 are base64, see :mod:`sess.engine.sdk.types`); errors are ``{"error": {"message", "status"}}`` with
 a 4xx for anything a client sent and a 5xx only for the engine's own failures.
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from sess.engine.runtime.memory.malloc_tuning import peak_resident_bytes, resident_bytes
 from sess.engine.runtime.ops.table import OPS, Kind
@@ -95,6 +96,15 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
             return await call_next(request)
         except SessError as exc:
             return error_response(exc)
+        except ClientDisconnect:  # one line, no traceback: a client that leaves is not an engine fault
+            client = request.client.host if request.client else "?"
+            log.warning(
+                "%s %s from %s: the client left before its body was read",
+                request.method,
+                request.url.path,
+                client,
+            )
+            return Response(status_code=400)  # no one is there to read it
         except Exception as exc:  # a handler bug answers 500 and the engine keeps serving
             log.exception("request %s failed", request.url.path)
             return error_response(SessError(f"internal error: {type(exc).__name__}: {exc}", status=500))
@@ -223,7 +233,7 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
     from sess.engine.server.lifecycle_routes import add_lifecycle_routes
 
     add_lifecycle_routes(app, engine.lifecycle, owner_of, read_json, json_response, max_body_bytes)
-    from sess.engine.server.openai_routes import add_openai_routes
+    from sess.engine.server.openai.routes import add_openai_routes
 
     add_openai_routes(app, engine, owner_of, read_json)
     from sess.engine.server.tinker.routes import add_tinker_routes

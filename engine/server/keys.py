@@ -10,24 +10,31 @@ given. A running engine rereads ``keys.json`` whenever it changes, so a revoked 
 its next request and a changed budget holds from the next submit. A key may carry a ``budget``
 (an amount in the engine's price-table currency, kept as a decimal string) or a ``token_budget``
 (tokens, for an engine without prices), checked by :mod:`.billing`. Every key added, revoked or
-given a budget is an entry in the registry's audit log. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
+given a budget is an entry in the registry's audit log. Every change is a read-modify-write under an
+exclusive ``fcntl`` lock on ``keys.json.lock`` (across processes: concurrent ``sess engine keys add``
+keep every key), written to a temp file, fsynced and renamed into place. A file from before hashing (plaintext ``key`` fields) is rewritten with hashes
 the first time it is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from sess.engine.sdk.home import LOCAL_KEY_FILE, atomic_write_bytes, sess_home
 from sess.engine.sdk.prices import parse_amount
 
 KEYS_FILE = "keys.json"
+LOCK_FILE = "keys.json.lock"  # held while keys.json is read, changed and written back
 LOCAL_OWNER = "local"
 PREFIX = "tml-"  # what the tinker SDK requires of a key (tinker/lib/_auth_token_provider.py)
 
@@ -81,6 +88,24 @@ class KeyStore:
         self.path = self.home / KEYS_FILE
         self._version: tuple | None = None
         self._keys: dict[str, dict] = {}
+        self._thread_lock = threading.RLock()
+        self._held = False
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the home's key lock (reentrant within this store) and reread keys.json under it."""
+        with self._thread_lock:
+            if self._held:
+                yield
+                return
+            self.home.mkdir(parents=True, exist_ok=True)
+            with open(self.home / LOCK_FILE, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                self._held, self._version = True, None  # another process may have written
+                try:
+                    yield
+                finally:
+                    self._held = False
 
     def load(self) -> dict[str, dict]:
         """id -> entry (``id``, ``owner``, ``created``, ``max_sessions``, ``salt``, ``sha256``)."""
@@ -93,20 +118,27 @@ class KeyStore:
         if version != self._version:
             entries = json.loads(self.path.read_text()).get("keys", [])
             if any("key" in e for e in entries):
-                entries = self._migrate(entries)
+                with self._locked():
+                    return self._migrate()
             self._keys, self._version = {e["id"]: e for e in entries}, version
         return self._keys
 
-    def _migrate(self, entries: list[dict]) -> list[dict]:
+    def _migrate(self) -> dict[str, dict]:
         """Replace plaintext keys (a file from before hashing) with salted hashes, in place on disk."""
+        stat = self.path.stat()
+        entries = json.loads(self.path.read_text()).get("keys", [])
         migrated = []
         for entry in entries:
             if "key" in entry:
                 key = entry.pop("key")
                 entry = _hashed(key, id=_key_id(key) or secrets.token_hex(4), **entry)
             migrated.append(entry)
-        self._save(migrated)
-        return migrated
+        if migrated != entries:
+            self._save(migrated)
+            stat = self.path.stat()
+        self._keys = {e["id"]: e for e in migrated}
+        self._version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        return self._keys
 
     def _save(self, entries) -> None:
         _write_private(self.path, json.dumps({"version": 2, "keys": list(entries)}, indent=1).encode())
@@ -127,7 +159,6 @@ class KeyStore:
                 f"max_sessions: expected at least 1 live session for the key, got {max_sessions}"
             )
         budgets = budget_fields(budget, token_budget)
-        keys = dict(self.load())
         key_id, key = new_key()
         entry = _hashed(
             key,
@@ -138,8 +169,10 @@ class KeyStore:
             local=local,
             **budgets,
         )
-        keys[key_id] = entry
-        self._save(keys.values())
+        with self._locked():
+            keys = dict(self.load())
+            keys[key_id] = entry
+            self._save(keys.values())
         self._audit("key_created", entry)
         return {**entry, "key": key}
 
@@ -150,23 +183,25 @@ class KeyStore:
     def set_budget(self, key_or_id: str, budget=None, token_budget: int | None = None) -> dict | None:
         """Give a key a new budget (both None: none); the updated entry, or None if no such key."""
         fields = budget_fields(budget, token_budget)
-        entry = self.find(key_or_id)
-        if entry is None:
-            return None
-        keys = dict(self.load())
-        keys[entry["id"]] = {**entry, **fields}
-        self._save(keys.values())
+        with self._locked():
+            entry = self.find(key_or_id)
+            if entry is None:
+                return None
+            keys = dict(self.load())
+            keys[entry["id"]] = {**entry, **fields}
+            self._save(keys.values())
         self._audit("key_budget_set", keys[entry["id"]])
         return keys[entry["id"]]
 
     def revoke(self, key_or_id: str) -> dict | None:
         """Remove a key, named by its id or by the key itself; the removed entry, or None."""
-        keys = dict(self.load())
-        entry = self.find(key_or_id)
-        if entry is None:
-            return None
-        del keys[entry["id"]]
-        self._save(keys.values())
+        with self._locked():
+            keys = dict(self.load())
+            entry = self.find(key_or_id)
+            if entry is None:
+                return None
+            del keys[entry["id"]]
+            self._save(keys.values())
         self._audit("key_revoked", entry)
         return entry
 

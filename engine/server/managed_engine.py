@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from sess.engine.runtime.ops import checkpoint_ops, session_ops
 from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
-from sess.engine.runtime.usage import session_of
+from sess.engine.runtime.usage import Unrecorded, session_of
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
@@ -120,6 +121,7 @@ class ManagedEngine(Executor):
         seq=None,
         client_token=None,
         hold_seq: bool = False,
+        progress=None,
     ) -> str:
         """Queue an op (see Executor.submit). Past the key's budget a costly op is refused (402) and
         its sequence number used up, so the session's later ops run; ``hold_seq`` leaves the number
@@ -149,7 +151,9 @@ class ManagedEngine(Executor):
                 except SessError:
                     pass  # already used (a resubmission): nothing waits for it
             raise refusal
-        op_id = super().submit(owner, name, args, session=session, seq=seq, client_token=client_token)
+        op_id = super().submit(
+            owner, name, args, session=session, seq=seq, client_token=client_token, progress=progress
+        )
         self.billing.accepted(owner, self._owned(owner, op_id))
         if isinstance(session, str) and session in self.heartbeats:
             self.heartbeats[session] = time.time()  # its client is alive, however long the op queues
@@ -219,10 +223,42 @@ class ManagedEngine(Executor):
 
     def _record(self, op: Operation) -> None:
         """The op in the registry, with the usage its session was just given (one source for both,
-        so a session's total is the sum of its per-operation rows)."""
+        so a session's total is the sum of its per-operation rows). The ledger row goes first: if it
+        cannot be written the op is answered :class:`Unrecorded` (and the rest is not written); a
+        later registry write that fails answers a 507 too, the op billed."""
         name = session_of(op.session, op.request, op.result)
         session = self.runtime.find_session(op.owner, name) if name else None
         spec = OPS[op.name]
+        forgets = spec.forgets_session and op.error is None
+        usage = (op.usage or Usage(operations=1)).to_wire()
+        error = str(op.error) if op.error is not None else None
+        target = getattr(op.request, "target", None)
+        billed_to = None if forgets else session
+        model = billed_to.base_model if billed_to is not None else getattr(target, "base_model", None)
+        cost = self.billing.cost(model, op.name, usage)
+        queue_s = max(0.0, time.monotonic() - op.created - float(usage.get("wall_time_s") or 0.0))
+        try:
+            self.registry.record_operation(
+                op.id, op.owner, op.name, name if billed_to else None, error, usage, cost, queue_s
+            )
+        except sqlite3.Error as exc:
+            raise Unrecorded(
+                f"ledger: the engine could not record this {op.name} in its registry "
+                f"({self.registry.path}: {exc}), so its result is withheld and it is not billed; the "
+                "engine's operator must free disk space in the engine home, then send the op again"
+            ) from exc
+        try:
+            self._record_state(op, name, session, spec)
+        except sqlite3.Error as exc:
+            raise SessError(
+                f"registry: this {op.name} ran and is billed, but the engine could not record the "
+                f"session's state in its registry ({self.registry.path}: {exc}); the engine's "
+                "operator must free disk space in the engine home",
+                status=507,
+            ) from exc
+
+    def _record_state(self, op: Operation, name: str | None, session: Session | None, spec) -> None:
+        """What ``op`` changed besides the ledger: sessions, checkpoints, the audit log."""
         if spec.forgets_session and op.error is None:
             self.registry.forget_session(name)
             self.registry.add_audit(op.owner, "session_deleted", session=name)
@@ -235,34 +271,50 @@ class ManagedEngine(Executor):
             self.registry.remove_checkpoint(op.result["path"])
         if session is not None and not session.live:
             self._forget_gone_checkpoints(name)
-        if session is not None:
-            before = self.registry.session(name) if op.name == "create_session_from_state" else None
-            if before is not None and op.error is None:  # a stopped session continued under its name
-                self.registry.add_resume(before, op.request.path, session.step)
-                self.registry.add_audit(op.owner, "session_resumed", session=name, path=op.request.path)
-            elif spec.starts_session and op.error is None:
-                self.registry.add_audit(
-                    op.owner, "session_created", session=name, base_model=session.base_model
-                )
-            self.registry.save_session(session.summary(), session.owner)
-            if op.saved:
-                self.registry.add_checkpoint(op.saved, name, op.owner, "state")
-            if op.error is None and spec.adds_checkpoint:
-                ref = parse_path(op.result["path"])
-                self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
-                self.runtime.published.discard(ref.uri)  # saved again under its name: private again
-                self.lifecycle.saved(op)
-                for released in op.result.get("released", []):
-                    self.registry.remove_checkpoint(released)
-        usage = (op.usage or Usage(operations=1)).to_wire()
-        error = str(op.error) if op.error is not None else None
-        target = getattr(op.request, "target", None)
-        model = session.base_model if session is not None else getattr(target, "base_model", None)
-        cost = self.billing.cost(model, op.name, usage)
-        queue_s = max(0.0, time.monotonic() - op.created - float(usage.get("wall_time_s") or 0.0))
-        self.registry.record_operation(
-            op.id, op.owner, op.name, name if session else None, error, usage, cost, queue_s
-        )
+        if session is None:
+            return
+        before = self.registry.session(name) if op.name == "create_session_from_state" else None
+        if before is not None and op.error is None:  # a stopped session continued under its name
+            self.registry.add_resume(before, op.request.path, session.step)
+            self.registry.add_audit(op.owner, "session_resumed", session=name, path=op.request.path)
+        elif spec.starts_session and op.error is None:
+            self.registry.add_audit(op.owner, "session_created", session=name, base_model=session.base_model)
+        self.registry.save_session(session.summary(), session.owner)
+        if op.saved:
+            self.registry.add_checkpoint(op.saved, name, op.owner, "state")
+        if op.error is None and spec.adds_checkpoint:
+            ref = parse_path(op.result["path"])
+            self.registry.add_checkpoint(ref.uri, ref.session, op.owner, ref.kind)
+            self.runtime.published.discard(ref.uri)  # saved again under its name: private again
+            self.lifecycle.saved(op)
+            for released in op.result.get("released", []):
+                self.registry.remove_checkpoint(released)
+
+    # room at the live-session limit --------------------------------------------------------------
+    def at_limit(self, owner: str) -> bool:
+        live = [s for s in self.runtime.sessions.values() if s.owner == owner and s.live]
+        return len(live) >= self._limit_for(owner)
+
+    def silent_for(self, owner: str, among: set[str]) -> list[tuple[float, str]]:
+        """(seconds silent, name) of ``owner``'s live sessions in ``among`` whose client heart-beats,
+        longest first."""
+        now = time.time()
+        found = [
+            (now - self._last_seen(s), s.name)
+            for s in list(self.runtime.sessions.values())
+            if s.owner == owner and s.live and s.name in self.heartbeats and s.name in among
+        ]
+        return sorted(found, reverse=True)
+
+    def release_silent(self, owner: str, silent_s: float, among: set[str]) -> list[str]:
+        """Stop (state saved, as the heartbeat lapse would) ``owner``'s sessions in ``among`` whose
+        heart-beating client has been silent over ``silent_s``: it missed its beats, so it has exited."""
+        names = [name for silent, name in self.silent_for(owner, among) if silent > silent_s]
+
+        def stop(runtime: Runtime) -> list[str]:
+            return [name for name in names if self._stop_idle(runtime, name, silent_s)]
+
+        return self.run(stop, owner=owner) if names else []
 
     def _forget_gone_checkpoints(self, session: str) -> None:
         """Registry rows of ``session``'s checkpoints whose files are gone (a stopped session's
@@ -318,13 +370,13 @@ class ManagedEngine(Executor):
     def _last_seen(self, session: Session) -> float:
         return max(session.last_active, session.created, self.heartbeats.get(session.name, 0.0))
 
-    def _stop_idle(self, runtime: Runtime, name: str) -> None:
+    def _stop_idle(self, runtime: Runtime, name: str, timeout: float | None = None) -> bool:
         session = runtime.sessions.get(name)
         if session is None or not session.live:
-            return
-        timeout = self._timeout(session)
+            return False
+        timeout = self._timeout(session) if timeout is None else timeout
         if time.time() - self._last_seen(session) <= timeout:
-            return  # an op or a heartbeat arrived while this stop waited in the queue
+            return False  # an op or a heartbeat arrived while this stop waited in the queue
         owner = session.owner
         silent = "its client stopped heart-beating" if name in self.heartbeats else "it was idle"
         self._save_state(runtime, session, "idle")
@@ -335,6 +387,7 @@ class ManagedEngine(Executor):
         self._forget_gone_checkpoints(name)
         self.heartbeats.pop(name, None)  # resumed, it starts on the idle timeout again
         log.warning("session %s: %s for over %.0f s: state saved, session stopped", name, silent, timeout)
+        return True
 
     def _save_state(self, runtime: Runtime, session: Session, reason: str) -> None:
         """``session``'s state before it stops (:func:`sess.engine.runtime.ops.checkpoint_ops.save_unsaved_state`), in

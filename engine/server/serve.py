@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -18,10 +17,19 @@ import time
 from pathlib import Path
 
 from sess.engine.sdk.home import atomic_write_bytes, sess_home
-from sess.engine.server import registry_guard, registry_repair
+from sess.engine.server import engine_log, registry_guard, registry_repair
 from sess.engine.server.registry_guard import RegistryUnreadable
 from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback, load_price_table
-from sess.engine.server.settings import ENGINE_FILE, IDLE_TIMEOUT_S, MAX_BODY_BYTES, MAX_QUEUED, MAX_SESSIONS
+from sess.engine.server.settings import (
+    ENGINE_FILE,
+    IDLE_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    MAX_HEAD_BYTES,
+    MAX_QUEUED,
+    MAX_SESSIONS,
+)
 
 START_LOCK_FD_ENV = "SESS_ENGINE_START_LOCK_FD"
 
@@ -66,6 +74,7 @@ def serve(
     from sess.engine.runtime.models.catalog import Dtypes
     from sess.engine.runtime.runtime import Runtime
     from sess.engine.server.billing import Billing
+    from sess.engine.server.connections import BoundedH11Protocol
     from sess.engine.server.http_app import create_app
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.managed_engine import ManagedEngine
@@ -189,8 +198,12 @@ def serve(
     app = create_app(engine, keys, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(
         app,
+        http=BoundedH11Protocol,  # uvicorn's h11 protocol with read timeouts and a per-client cap
         log_level="warning",
-        timeout_keep_alive=120,
+        log_config=None,  # uvicorn's loggers go through the engine's (rotating) log
+        timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        limit_concurrency=MAX_CONNECTIONS,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=3,
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             serve_ranks.follow_rank(args.home, ranks, args.dtype, args.memory_budget)
             sys.exit(0)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine_log.configure(sess_home(args.home))
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after a graceful shutdown
     try:
         serve(

@@ -278,7 +278,8 @@ class Registry:
                     )
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLite may have rolled back already (a full disk)
+                    self._db.execute("ROLLBACK")
                 raise
 
     def usage_by_operation(self, owner: str, session: str | None = None) -> dict[str, dict]:

@@ -11,7 +11,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from sess.engine import AdamParams, NotFound, SamplingParams
+from sess.engine import AdamParams, InvalidRequest, NotFound, SamplingParams
 from sess.engine.runtime.models.catalog import load_model
 
 from helpers import SENTENCES, ce_datum, forward_logprobs, train_steps
@@ -114,6 +114,31 @@ def test_state_checkpoint_files_are_safetensors_and_json(svc, tmp_path):
     assert meta["step"] == 1 and meta["base_model"] == "tiny-llama"
     moments = load_file(str(tmp_path / "s" / "optimizer.safetensors"))
     assert any(k.endswith(".exp_avg_sq") for k in moments)
+
+
+@pytest.mark.parametrize("damage", ["optimizer.safetensors", "state.json", "cut short"])
+def test_a_state_checkpoint_not_whole_is_refused_naming_what_is_wrong(svc, sess_home, damage):
+    with svc.create_lora_training_client("tiny-llama", rank=4, seed=1) as tc:
+        _train(tc, steps=1)
+        path = tc.save_state().result().path
+    session, kind, name = path.removeprefix("sess://").split("/")
+    directory = sess_home / "checkpoints" / session / kind / name
+    if damage == "cut short":
+        data = (directory / "optimizer.safetensors").read_bytes()
+        (directory / "optimizer.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        (directory / damage).unlink()
+    before = {s.name for s in svc.list_sessions()}
+    with pytest.raises(InvalidRequest) as refused:
+        svc.create_training_client_from_state_with_optimizer(path)
+    assert refused.value.status == 400
+    said = str(refused.value)
+    assert (
+        f"state checkpoint {name} is "
+        + ("damaged" if damage == "cut short" else f"not whole: {damage} missing")
+        in said
+    )
+    assert {s.name for s in svc.list_sessions()} == before  # no half-made session left behind
 
 
 def test_checkpoint_listing_and_no_partial_directories(svc, sess_home):

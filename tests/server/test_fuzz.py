@@ -92,6 +92,7 @@ def _bodies(session: str, tokens: list[int], checkpoint: str, op_id: str) -> lis
     target = {"session": session}
     calls = {
         "list_base_models": {},
+        "model_windows": {},
         "create_session": {"base_model": "tiny-llama", "name": None, "rank": 4, "alpha": 8.0, "seed": 1},
         "create_session_from_state": {"path": checkpoint, "name": None, "with_optimizer": True},
         "list_sessions": {"name_contains": "fuzz", "status_equals": "Running", "max_results": 5},

@@ -59,9 +59,9 @@ def test_a_field_is_in_one_table_and_every_refusal_has_a_reason():
 
 
 def test_a_refused_field_set_is_a_400_naming_it_with_the_reason():
-    fields.check_refused("SampleRequest", {"record_stability_info": False, "prompt": {}})
-    with pytest.raises(InvalidRequest, match="record_stability_info: .*does not define"):
-        fields.check_refused("SampleRequest", {"record_stability_info": True})
+    fields.check_refused("SaveWeightsExternalRequest", {"age_encryption_recipients": None})
+    with pytest.raises(InvalidRequest, match="age_encryption_recipients: .*export unencrypted"):
+        fields.check_refused("SaveWeightsExternalRequest", {"age_encryption_recipients": ["age1x"]})
     with pytest.raises(InvalidRequest, match="new_option: not a field of SampleRequest"):
         fields.check_known("SampleRequest", {"prompt": {}, "new_option": 1})
 

@@ -1,7 +1,8 @@
 """Issue-level Tinker features over the Tinker routes: distillation targets ((N, K) cross_entropy),
 the sampling options (stop=[], topk_sample_logprobs, prompt_logprobs_last_n, target_prompt_logprobs
-dense and sparse, prompt_alt_tokens_k) and what is refused (K = 0, mismatched shapes, provenance
-spans, record_stability_info, image-pointer chunks, the dimuon optimizer, unknown fields), each a
+dense and sparse, prompt_alt_tokens_k) and what is refused (K = 0, mismatched shapes, malformed
+provenance spans, a non-bool record_stability_info, image-pointer chunks, the dimuon optimizer,
+unknown fields), each a
 400 naming the field after which the model keeps working. Raw HTTP here (cheap); the same through
 the unmodified tinker 0.38 SDK in its own venv is slow-marked."""
 
@@ -202,7 +203,7 @@ def test_refused_sample_and_optimizer_fields_are_400s_naming_them(a):
     seq = 0
     pointer = {"chunks": [{"type": "image_asset_pointer", "format": "png", "location": "a.png"}]}
     for body, words in [
-        ({**base, "record_stability_info": True}, "record_stability_info: not supported"),
+        ({**base, "record_stability_info": "yes"}, "record_stability_info: expected bool"),
         ({**base, "surprise": 1}, "surprise: not a field of SampleRequest"),
         ({**base, "prompt": pointer}, "image_asset_pointer chunk: this engine runs text models"),
         ({**base, "prompt_logprobs_last_n": 5, "prompt_logprobs": True}, "prompt_logprobs_last_n"),
@@ -251,8 +252,8 @@ def test_the_tinker_sdk_gets_the_same(http_engine, key, tok, tmp_path):
     assert abs(out["multi_fb_loss"] - out["multi_loss"]) < 1e-5 * max(1.0, abs(out["multi_loss"]))
     assert "K = 0" in out["k0_error"] and "target_tokens" in out["k0_error"]
     assert f"({n}, 3)" in out["mismatch_error"] and f"({n}, 2)" in out["mismatch_error"]
-    assert "stable_reinforce is not supported" in out["stable_reinforce_error"]
-    assert "model_input_spans" in out["spans_error"]
+    assert "missing 'logprobs' (required by stable_reinforce)" in out["stable_reinforce_error"]
+    assert "model_input_spans[0].sequence_id: 's' is not a sequence" in out["spans_error"]
     assert out["after_errors_loss"] > 0
     assert out["stop_none"] == {"tokens": [spec["eos"]], "reason": "stop"}
     assert len(out["stop_empty"]["tokens"]) == 6 and out["stop_empty"]["reason"] == "length"
@@ -270,7 +271,7 @@ def test_the_tinker_sdk_gets_the_same(http_engine, key, tok, tmp_path):
     assert values[1, 1] == 0.0 and ids[1, 1] == -1
     assert np.asarray(out["alt"]["tokens"]).shape == (len(full) - 1, 2)
     assert all(abs(got - want) < 1e-5 * max(1.0, abs(want)) for got, want in out["alt"]["checks"])
-    assert "record_stability_info" in out["stability_error"]
+    assert out["stability_sequences"] == 1
     assert out["after_sampling_errors"] == 1
     flight = out["inflight"]
     assert flight["snapshot_after"] == flight["snapshot_before"]  # five newer saves later, its own weights

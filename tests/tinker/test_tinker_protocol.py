@@ -69,9 +69,11 @@ def test_client_config_refuses_untested_sdk_versions_at_once(a, http_engine):
     assert TinkerHttp(http_engine["url"], "tml-wrong").post("/client/config", {}).status_code == 401
     assert a.ok("/client/dynamic_config", {"sdk_version": "0.38.0"}) == {"sample_cancel_enabled": False}
     assert a.http.get("/healthz").json() == {"status": "ok"}
-    assert "tiny-llama" in [
-        m["model_name"] for m in a.http.get("/get_server_capabilities").json()["supported_models"]
-    ]
+    supported = {
+        m["model_name"]: m for m in a.http.get("/get_server_capabilities").json()["supported_models"]
+    }
+    assert supported["tiny-llama"]["max_context_length"] == 4096  # tinker's SupportedModel field
+    assert supported["smollm2-135m"]["max_context_length"] == 8192
 
 
 def test_training_ops_in_protobuf_and_a_resent_post_runs_once(a, tokens, http_engine, keys):
@@ -160,9 +162,11 @@ def test_bad_input_gets_a_4xx_that_says_why_and_the_model_keeps_training(a, b, t
         (a.post("/forward_backward", content=b"\xff\x00garbage"), 400, "protobuf"),
         (a.forward_backward(fb_request(model, 2, [[1, 2, 10**6]])), 400, "outside the vocabulary"),
         (
-            a.forward_backward(fb_request(model, 3, tokens, "stable_reinforce")),
+            a.forward_backward(
+                fb_request(model, 3, tokens, "stable_reinforce", config={"clip_low_threshold": 0.5})
+            ),
             400,
-            "stable_reinforce is not supported by this engine: the tinker 0.38 SDK names this loss",
+            "clip_low_threshold",
         ),
         (a.post("/optim_step", {"model_id": model, "seq_id": "four"}), 400, "seq_id"),
         (

@@ -1,6 +1,8 @@
 """Tinker sessions whose client is gone, and what a recipe's clients are given: ten short tinker
-processes in a row on one key each get their session (an exited client's models are released after
-the heartbeat lapse, state saved, resumable, usage counted once); a sampler made with both
+clients in a row on one key each get their session with the engine's default settings (at the limit,
+the sessions whose clients missed their beats go first), and ten short tinker processes too (an
+exited client's models are released after the heartbeat lapse, state saved, resumable, usage
+counted once); a sampler made with both
 ``base_model`` and ``model_path`` samples the checkpoint when they agree and is refused naming both
 when they don't; Tinker's LoRA scale (alpha 32) and the tokenizer id ``get_tokenizer`` loads."""
 
@@ -15,6 +17,7 @@ from sess.engine import ServiceClient
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import ids
+from sess.engine.server.tinker.session_room import MAX_WAIT_S
 from sess.engine.server.tinker.state import Tinker
 
 from helpers import SENTENCES
@@ -84,6 +87,32 @@ def test_tokenizer_id_is_loadable_where_the_client_runs():
     assert tinker.tokenizer_id("m2", summary, facts) == "/home/me/smollm2-135m"
     tiny = {"directory": "/engine/models/tiny-llama", "tokenizer": None}
     assert tinker.tokenizer_id("m3", {"base_model": "tiny-llama"}, tiny) == "/engine/models/tiny-llama"
+
+
+def test_ten_recipes_back_to_back_with_the_default_settings(http_engine, sess_home):
+    """The engine's defaults (8 live sessions a key, a 60 s heartbeat lapse): ten recipe-like clients
+    in a row on one key, each making a model and a sampler, beating once and going silent as an
+    exited process does. The 9th and 10th get their models by releasing the two oldest, whose clients
+    missed their beats (silent over two 10 s beat periods), state saved; no later one is touched."""
+    key = KeyStore(sess_home).add("back-to-back")["key"]
+    started, models, waits = time.monotonic(), [], []
+    for _ in range(10):
+        client = TinkerHttp(http_engine["url"], key)
+        session = client.session()
+        begun = time.monotonic()
+        models.append(client.create_model(session))
+        waits.append(time.monotonic() - begun)
+        make = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny-llama"}
+        client.ok("/create_sampling_session", make)
+        client.ok("/session_heartbeat", {"session_id": session})
+        client.http.close()  # the process exits: no finish, no more beats
+    assert time.monotonic() - started < 60
+    assert max(waits[:8]) < 5 and max(waits[8:]) <= MAX_WAIT_S + 5, waits
+    names = [ids.sess_name(m) for m in models]
+    with ServiceClient(http_engine["url"], api_key=key) as svc:
+        status = {s.name: s.status.value for s in svc.list_sessions()}
+        assert [status[n] for n in names] == ["Stopped"] * 2 + ["Running"] * 8, status
+        assert any(c["kind"] == "state" for c in svc.list_checkpoints(names[0]))  # resumable
 
 
 @pytest.mark.slow

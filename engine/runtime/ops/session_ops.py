@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from pathlib import Path
 
 from sess.engine.runtime import session_names
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.checkpoints.manifest import foreign_files
-from sess.engine.runtime.models.catalog import CATALOG, list_models
+from sess.engine.runtime.models.catalog import CATALOG, context_window, list_models
+from sess.engine.runtime.models.model_policy import OPERATOR, model_name
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
@@ -25,19 +25,31 @@ from sess.engine.sdk.types import SessionStatus, Usage
 
 
 def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[str]:
-    return sorted(set(list_models()) | set(runtime.hosts))
+    """The served models; for the operator also what else it has in memory (its own directories)."""
+    loaded = set(runtime.hosts) if owner == OPERATOR else set()
+    return sorted(set(list_models(runtime.home)) | loaded)
+
+
+def model_windows(runtime: Runtime, owner: str, request: rq.NoArgs) -> dict[str, int | None]:
+    """Each model of :func:`list_base_models` with its context window in tokens: a loaded model's
+    from its config, else the catalog's (None where only loading the model would tell)."""
+    windows = {}
+    for name in list_base_models(runtime, owner, request):
+        host = runtime.hosts.get(name)
+        windows[name] = host.max_context if host is not None else context_window(name, runtime.home)
+    return windows
 
 
 def tokenizer_files(runtime: Runtime, owner: str, request: rq.TokenizerFiles) -> dict[str, str]:
-    path = runtime.host(request.base_model).path
+    path = runtime.host(model_name(runtime.home, owner, request.base_model)).path
     return {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).exists()}
 
 
 def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
-    """A base model as another front end (the Tinker routes) needs it: its catalog name for any
-    spelling of it, vocabulary size, context length, architecture, local directory (loaded if
-    need be) and the public hub id of its tokenizer (None when there is none)."""
-    name = canonical_model(runtime, request.base_model)
+    """A base model as another front end (the Tinker routes) needs it: its served name for any
+    spelling of it (:func:`.model_policy.model_name`), vocabulary size, context length, architecture,
+    local directory (loaded if need be) and the public hub id of its tokenizer (None when there is none)."""
+    name = model_name(runtime.home, owner, request.base_model)
     host = runtime.host(name)
     spec = CATALOG.get(name)
     return {
@@ -50,24 +62,8 @@ def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
     }
 
 
-def canonical_model(runtime: Runtime, name: str) -> str:
-    """A catalog model's name for its hub id, or for a path named after it that is not another model
-    directory here (a client's tokenizer directory, or the engine's own cache of the model)."""
-    if name in CATALOG:
-        return name
-    for spec in CATALOG.values():
-        if spec.source == "hf" and spec.repo == name:
-            return spec.name
-    path = Path(name)
-    if "/" in name and path.name in CATALOG:
-        own = runtime.home / "models" / path.name
-        if not (path / "config.json").is_file() or path.resolve() == own.resolve():
-            return path.name
-    return name
-
-
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
-    base_model = request.base_model
+    base_model = model_name(runtime.home, owner, request.base_model)
     given = check_name(request.name or default_name(base_model), "training_session_name")
     if runtime.find_session(owner, given) is not None:
         raise InvalidRequest(f"training_session_name: a session named {given!r} already exists", status=409)

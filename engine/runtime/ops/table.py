@@ -47,6 +47,7 @@ class Op:
 
 OPS: dict[str, Op] = {
     "list_base_models": Op(rq.NoArgs, session_ops.list_base_models, Kind.CONTROL, accounted=False),
+    "model_windows": Op(rq.NoArgs, session_ops.model_windows, Kind.CONTROL, accounted=False),
     "create_session": Op(
         rq.CreateSession, session_ops.create_session, Kind.CONTROL, starts_session=True, followed=True
     ),

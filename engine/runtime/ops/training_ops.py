@@ -30,6 +30,7 @@ from sess.engine.runtime.memory.training_budget import checkpointing, format_byt
 from sess.engine.runtime.output_layer import (
     activation_budget,
     backward_from,
+    chunk_bytes,
     decoder_and_head,
     logprobs,
     token_loss_grad,
@@ -66,11 +67,12 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     loss_fn, config = check_loss_fn(request.loss_fn, request.loss_fn_config)
     check_data(request.data, loss_fn, vocab_size=host.vocab_size)
     datums, columns = _one_target_each(request.data, MULTI_TARGET_INPUTS.get(loss_fn, ()))
-    longest = max(d.model_input.length for d in datums)
-    if longest > host.max_context:
-        raise InvalidRequest(
-            f"data: a datum of {longest} tokens exceeds the model's context of {host.max_context}"
-        )
+    for index, datum in enumerate(request.data):
+        if datum.model_input.length > host.max_context:
+            raise InvalidRequest(
+                f"data[{index}]: the datum is too long: {datum.model_input.length} tokens, over the "
+                f"model's context window of {host.max_context} tokens; split it"
+            )
     inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
@@ -94,11 +96,11 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         )
         if ranks and backward:  # every rank refuses alike (on the whole batch's longest datum) or none
             longest_datum = max(range(len(datums)), key=lambda i: datums[i].model_input.length)
-            _check_fits(datums, ([longest_datum], []), cost, budget)
+            _check_fits(datums, ([longest_datum], []), cost, budget, ceiling=runtime.memory_ceiling)
         checkpointed = [
             backward
             and bool(padded or groups)
-            and _check_fits(datums, (padded, groups), cost, budget, repeat)
+            and _check_fits(datums, (padded, groups), cost, budget, repeat, runtime.memory_ceiling)
             for padded, groups in batches
         ]
         # on glibc's heap, free pages go back between a micro-batch's phases where needed: see _Heap
@@ -265,13 +267,16 @@ def _root_gathered(ranks, host):
     return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
 
 
-def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0) -> bool:
+def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0, ceiling: int | None = None) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in the share of ``budget`` that
-    activations get; raises when it does not fit even then (before anything of the op has run)."""
+    activations get; raises when it does not fit even then, nor checkpointed within ``ceiling`` (the
+    engine's memory ceiling; None: ``budget``), before anything of the op has run."""
     room = activation_budget(budget)
     count = positions(datums, batch)
     if cost.fits(positions(datums, batch, repeat), room):
         return False
+    if ceiling is not None and ceiling > budget:  # the output layer's chunks stay the budget's size
+        budget, room = ceiling, ceiling - chunk_bytes(budget)
     if cost.fits_checkpointed(count, room):
         return True
     members = batch[0] or [i for idx, _ in batch[1] for i in idx]

@@ -20,15 +20,14 @@ ADAMW_ONLY = (
     "this engine runs AdamW (optimizer type adamw, adam_params); the dimuon optimizer is not supported"
 )
 TEXT_ONLY = "this engine runs text models: send encoded_text chunks (image, image-pointer and dmel chunks are not supported)"
-NO_STABILITY = (
-    "the tinker 0.38 SDK names StableReinforce's stability information but does not define what is "
-    "recorded or how the stable_reinforce loss reads it, so this engine neither records it nor computes "
-    "that loss; use ppo, cispo or gspo"
+STABILITY = (
+    "the sampling session's Tinker session keeps each sequence's prompt, tokens and sampling logprobs "
+    "under its sequence_id for a day (each use restarts it; in memory, bounded, gone with the session); "
+    "it does so with the flag off too, so that provenance spans can be checked for any loss"
 )
-NO_SPANS = (
-    "provenance spans tie a datum's tokens to sampled sequences for StableReinforce's stability "
-    "information, which the tinker 0.38 SDK does not define and this engine does not record; send "
-    "the datum without spans"
+SPANS = (
+    "checked: the runs tile the field, offsets in range, each sequence one the session sampled, with "
+    "the tokens claimed; stable_reinforce reads the recorded sampler logprobs"
 )
 NO_CUSTOM_LOSS = (
     "custom losses run on the client: forward_backward_custom works with the default client config"
@@ -127,6 +126,7 @@ HONOURED: dict[str, dict[str, str]] = {
         "topk_sample_logprobs": "the model's own logprobs (temperature 1), from a forward pass",
         "target_prompt_logprobs": "dense or sparse CSR; the answer has the request's layout",
         "prompt_alt_tokens_k": "draws at the request's temperature, seeded by its seed; logprobs at temperature 1",
+        "record_stability_info": STABILITY,
     },
     "SamplingParams": {
         **_all(AS_DOCUMENTED, "max_tokens", "seed", "temperature", "top_k", "top_p"),
@@ -134,7 +134,10 @@ HONOURED: dict[str, dict[str, str]] = {
     },
     "ModelInput": _all(AS_DOCUMENTED, "chunks"),
     "EncodedTextChunk": _all(AS_DOCUMENTED, "tokens", "type"),
-    "Datum": _all(AS_DOCUMENTED, "model_input", "loss_fn_inputs"),
+    "Datum": _all(AS_DOCUMENTED, "model_input", "loss_fn_inputs")
+    | _all(SPANS, "model_input_spans", "loss_fn_input_spans"),
+    "PromptProvenanceSpan": _all(SPANS, "sequence_id", "offset", "length"),
+    "SampledProvenanceSpan": _all(SPANS, "sequence_id", "offset", "length"),
     "TensorData": _all(AS_DOCUMENTED, "data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices"),
     "ForwardBackwardRequest": _all(AS_DOCUMENTED, "forward_backward_input", "model_id", "seq_id"),
     "ForwardRequest": _all(AS_DOCUMENTED, "forward_input", "model_id", "seq_id"),
@@ -181,10 +184,6 @@ HONOURED: dict[str, dict[str, str]] = {
 }
 
 REFUSED: dict[str, dict[str, str]] = {
-    "SampleRequest": {"record_stability_info": NO_STABILITY},
-    "Datum": _all(NO_SPANS, "model_input_spans", "loss_fn_input_spans"),
-    "PromptProvenanceSpan": _all(NO_SPANS, "sequence_id", "offset", "length"),
-    "SampledProvenanceSpan": _all(NO_SPANS, "sequence_id", "offset", "length"),
     "ImageChunk": _all(TEXT_ONLY, "data", "format", "expected_tokens", "type"),
     "ImageAssetPointerChunk": _all(TEXT_ONLY, "format", "location", "expected_tokens", "type"),
     "DmelChunk": _all(TEXT_ONLY, "dmel", "type"),

@@ -164,6 +164,7 @@ def add_core_routes(route, tinker: Tinker) -> None:
         session = tinker.session(owner, request.path_params["session_id"])
         if not session.finished:  # a finish is first-wins; its models stop, their checkpoints stay
             session.finished = True
+            tinker.records.pop(session.id, None)  # its recorded sequences go with it
             for name in sorted(session.models):
                 try:
                     await tinker.call(owner, "stop_session", {"name": name})
@@ -195,7 +196,9 @@ def add_core_routes(route, tinker: Tinker) -> None:
     @route("GET", "/get_server_capabilities")
     async def capabilities(request: Request) -> Response:
         owner = tinker.owner(request)
-        models = await tinker.call(owner, "list_base_models", {})
-        return json_response(
-            {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in models]}
-        )
+        windows = await tinker.call(owner, "model_windows", {})
+        models = [
+            {"model_name": m, "max_context_length": n, "trainable": True, "sampleable": True}
+            for m, n in windows.items()
+        ]
+        return json_response({"supported_models": models})

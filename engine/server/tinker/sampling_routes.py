@@ -8,11 +8,14 @@ prompt logprobs come from the same prefill (``compute_logprobs`` is a one-token 
 for prompt logprobs); the scores beyond the sampled tokens (top-k of sampled positions, chosen ids'
 and alternative draws at prompt positions) come from forward passes as the request finishes
 (:mod:`sess.engine.runtime.prompt_scores`). Every field of the request is honoured or refused
-(:mod:`.fields`). Sample requests are not ordered; a re-sent one (same sampling session and
+(:mod:`.fields`); each sequence a sampling session samples is recorded under its ``sequence_id``
+(:mod:`.sequence_records`), which ``record_stability_info`` asks for and provenance spans need. Sample requests are not ordered; a re-sent one (same sampling session and
 ``seq_id``) gets the same request id.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,6 +23,7 @@ from fastapi.responses import Response
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, wire
 from sess.engine.server.tinker.request_futures import Answer
+from sess.engine.server.tinker.sequence_records import SequenceRecords
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 
@@ -86,11 +90,21 @@ def add_routes(route, tinker: Tinker) -> None:
         )
         params = wire.sampling_params(body.get("sampling_params"))
         topk = field_of(body, "topk_prompt_logprobs", int, 0)
+        records = None
         if body.get("sampling_session_id") is not None:
             sampler = tinker.sampler(owner, body["sampling_session_id"])
             target, of = sampler.target, sampler.session
             key = (owner, "sample", sampler.id, field_of(body, "seq_id", int))
+            # every sequence is recorded, record_stability_info or not: the cookbook attaches
+            # provenance spans to every RL datum, whatever its loss, and they are checked against it
+            field_of(body, "record_stability_info", bool, False)
+            records = tinker.records_of(owner, sampler.id.split(":", 1)[0], create=True)
         else:  # the schema also allows naming the weights directly (the 0.38 SDK never does)
+            if field_of(body, "record_stability_info", bool, False):
+                raise InvalidRequest(
+                    "record_stability_info: records belong to a session; sample through a sampling "
+                    "session (sampling_session_id)"
+                )
             target, of = await target_of(
                 owner, field_of(body, "model_path", str, None), field_of(body, "base_model", str, None)
             )
@@ -119,7 +133,13 @@ def add_routes(route, tinker: Tinker) -> None:
                     f"prompt: token id {bad} is outside the vocabulary (0..{facts['vocab_size'] - 1})"
                 )
             op_id = await tinker.submit(owner, "sample", args)
-            request_id = tinker.op_future(owner, op_id, lambda result: _sample_output(result, sparse))
+            request_id = tinker.op_future(
+                owner,
+                op_id,
+                lambda result: _sample_output(
+                    result, sparse, records, request_id, prompt, lambda: tinker.bound_records(owner)
+                ),
+            )
             return {
                 "request_id": request_id,
                 "sample_sequence_ids": [f"{request_id}.{i}" for i in range(num_samples)],
@@ -128,5 +148,18 @@ def add_routes(route, tinker: Tinker) -> None:
         return json_response(await (tinker.once(key, make) if key else make()))
 
 
-def _sample_output(result: dict, sparse_targets: tuple[list, list] | None) -> Answer:
+def _sample_output(
+    result: dict,
+    sparse_targets: tuple[list, list] | None,
+    records: SequenceRecords | None,
+    request_id: str,
+    prompt: list[int],
+    bound: Callable[[], None] = lambda: None,
+) -> Answer:
+    """The ``SampleResponse``; each sequence recorded under its ``sequence_id`` (``<request_id>.<i>``,
+    the ids ``asample`` answered) first, when the request came through a sampling session."""
+    if records is not None:
+        for i, sequence in enumerate(result["sequences"]):
+            records.add(f"{request_id}.{i}", prompt, sequence["tokens"], sequence["logprobs"])
+        bound()
     return Answer(wire.sample_output(result, sparse_targets), "application/x-protobuf")

@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.billing import Busy, OverBudget
 from sess.engine.server.bodies import parse_json, read_body
@@ -30,6 +31,7 @@ from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import ids
 from sess.engine.server.tinker.request_futures import Answer, Futures
+from sess.engine.server.tinker.sequence_records import SequenceRecords, bound_key
 
 log = logging.getLogger("sess.engine")
 _MISSING = object()
@@ -120,6 +122,7 @@ class Tinker:
         self.sessions: dict[str, TinkerSession] = {}
         self.samplers: dict[str, Sampler] = {}
         self.model_names: dict[str, str] = {}  # sess session -> the base model as its client named it
+        self.records: dict[str, SequenceRecords] = {}  # Tinker session -> its recorded sequences
         self._facts: dict[str, dict] = {}
         self._model_facts: dict[tuple[str, str], dict] = {}
 
@@ -189,7 +192,9 @@ class Tinker:
         )
 
     async def facts(self, owner: str, base_model: str) -> dict:
-        """Canonical name, vocabulary, context and directory of a base model (loaded if need be)."""
+        """Canonical name, vocabulary, context and directory of a base model (loaded if need be);
+        a name ``owner`` may not use is refused before any cache (:func:`.model_policy.model_name`)."""
+        base_model = model_name(self.engine.runtime.home, owner, base_model)
         if base_model not in self._facts:
             facts = await self.call(owner, "model_info", {"base_model": base_model})
             self._facts[base_model] = self._facts[facts["base_model"]] = facts
@@ -261,6 +266,26 @@ class Tinker:
                 "(unknown, or the engine restarted; create a new sampling client)"
             )
         return sampler
+
+    def records_of(self, owner: str, session_id: str | None, create: bool = False) -> SequenceRecords | None:
+        """The recorded sequences of ``owner``'s Tinker session ``session_id`` (made if ``create``)."""
+        for other, kept in list(self.records.items()):  # an exited client's records go after their day
+            kept.expire()
+            if not len(kept) and other != session_id:
+                del self.records[other]
+        session = self.sessions.get(session_id) if session_id else None
+        if session is None or session.owner != owner or session.finished:
+            return None
+        if create and session_id not in self.records:
+            self.records[session_id] = SequenceRecords()
+        return self.records.get(session_id)
+
+    def bound_records(self, owner: str) -> None:
+        """Keep ``owner``'s recorded sequences, over all its sessions, within the key's bound."""
+        mine = [
+            r for sid, r in self.records.items() if sid in self.sessions and self.sessions[sid].owner == owner
+        ]
+        bound_key(mine)
 
     def add_sampler(self, sampler: Sampler) -> None:
         self.samplers[sampler.id] = sampler

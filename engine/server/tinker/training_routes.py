@@ -14,13 +14,14 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.runtime.ops.session_ops import canonical_model
+from sess.engine.runtime.models.model_policy import model_name
 from sess.engine.sdk import requests as rq
 from sess.engine.sdk.checkpoint_paths import check_name
 from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
 from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.server.tinker import fields, ids, wire
+from sess.engine.server.tinker import fields, ids, provenance, wire
 from sess.engine.server.tinker.request_futures import Answer
+from sess.engine.server.tinker.session_room import make_room
 from sess.engine.server.tinker.state import Sampler, Tinker, field_of, json_response
 
 LOSSES = ", ".join(REQUIRED_INPUTS)
@@ -58,6 +59,7 @@ def add_routes(route, tinker: Tinker) -> None:
             work = await create(owner, name)
 
             async def run() -> Answer:
+                await make_room(tinker, owner)  # an exited client's session goes first
                 answer = await work
                 session.models.add(name)
                 if session.project_id or session.display_name:  # list_training_runs filters by project
@@ -105,6 +107,7 @@ def add_routes(route, tinker: Tinker) -> None:
             }
             args.update(name=name, base_model=base_model, user_metadata=metadata, alpha=TINKER_LORA_ALPHA)
             rq.CreateSession.from_wire(args)  # a bad rank or flag is a 400 now, not a failed future
+            model_name(tinker.engine.runtime.home, owner, base_model)  # so is a model not served
 
             async def run() -> Answer:
                 facts = await tinker.facts(owner, base_model)  # loads the model the first time
@@ -201,6 +204,8 @@ def add_routes(route, tinker: Tinker) -> None:
                 raise InvalidRequest(
                     f"loss_fn: {batch.loss_fn[:40]!r} is not supported by this engine; supported: {LOSSES}"
                 )
+            records = tinker.records_of(owner, ids.session_of_model(message.model_id))
+            provenance.apply(batch.data, batch.spans, records, batch.loss_fn)
             facts = await tinker.model_facts(owner, name)
             check_data(batch.data, batch.loss_fn, vocab_size=facts["vocab_size"])
             args = {
@@ -323,8 +328,8 @@ async def _same_base_model(tinker: Tinker, owner: str, body: dict, path: str) ->
     if wanted is None:
         return
     saved = (await tinker.call(owner, "checkpoint_info", {"path": path}))["base_model"]
-    # the catalog name of any spelling (hub id, a path named after it), without loading a model
-    if canonical_model(tinker.engine.runtime, wanted) != saved:
+    # the served name of any spelling (hub id, a path named after it), without loading a model
+    if model_name(tinker.engine.runtime.home, owner, wanted) != saved:
         raise InvalidRequest(
             f"base_model: {wanted[:120]!r} differs from the checkpoint's base model {saved!r}; "
             "a checkpoint loads onto the base model it was trained on (leave base_model out)"

@@ -4,7 +4,7 @@ parameters in; ``ForwardBackwardOutput`` and ``SampleResponse`` protobuf out.
 Token ids travel as little-endian int32 bytes, loss inputs as ``Tensor`` messages (dense bytes or
 sparse CSR) and outputs as ``BatchedTensor`` (one flat buffer plus byte offsets per datum), as
 the SDK's ``proto/request_conv.py`` and ``proto/response_conv.py`` write and read them. Anything
-sess cannot run (image and dmel chunks, provenance spans) is refused with an
+sess cannot run (image and dmel chunks) is refused with an
 :class:`~sess.engine.sdk.errors.InvalidRequest` that names the field and what to do instead.
 """
 
@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.types import Datum, ModelInput, TensorData
-from sess.engine.server.tinker import fields, schema
+from sess.engine.server.tinker import fields, provenance, schema
 
 _NUMPY = {
     schema.DTYPE["DTYPE_FLOAT32"]: "<f4",
@@ -40,6 +40,7 @@ class TrainingBatch:
     loss_fn_config: dict[str, float]
     forward_only: bool
     data: list[Datum]
+    spans: list[tuple[list[provenance.Span], list[provenance.Span]]]  # per datum: model input's, targets'
 
 
 def parse_training_request(body: bytes):
@@ -65,13 +66,17 @@ def read_training_batch(message) -> TrainingBatch:
     data = [_datum(d, i) for i, d in enumerate(message.data)]
     if not data:
         raise InvalidRequest("data: expected at least one Datum")
-    return TrainingBatch(message.loss_fn, config, message.forward_only, data)
+    spans = [
+        tuple(provenance.read_spans(getattr(d, name), f"data[{i}].{name}") for name in _SPANS)
+        for i, d in enumerate(message.data)
+    ]
+    return TrainingBatch(message.loss_fn, config, message.forward_only, data, spans)
+
+
+_SPANS = ("model_input_spans", "loss_fn_input_spans")
 
 
 def _datum(message, i: int) -> Datum:
-    for spans in ("model_input_spans", "loss_fn_input_spans"):
-        if len(getattr(message, spans)):
-            raise fields.refusal("Datum", spans, f"data[{i}].{spans}")
     tokens = []
     for j, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
