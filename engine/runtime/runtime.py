@@ -12,6 +12,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sess.engine.runtime import session_names
 from sess.engine.runtime.memory.malloc_tuning import sampling_heap, trim
 from sess.engine.runtime.memory.training_budget import default_budget, default_ceiling, default_copy_budget
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
@@ -146,8 +147,8 @@ class Runtime:
         return session
 
     def find_session(self, owner: str, name: str) -> Session | None:
-        session = self.sessions.get(name)
-        return session if session is not None and session.owner == owner else None
+        """``owner``'s session ``name``: as its client names it, or by its engine id (session_names.py)."""
+        return session_names.find(self.sessions, owner, name)
 
     def new_adapter_name(self) -> str:
         """A peft adapter name for a new session (session names may hold '.' or 'lora', so the

@@ -16,6 +16,8 @@ from sess.engine.sdk.types import InvalidRequest
 
 KINDS = ("weights", "merged", "state", "sampler")
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# the engine's id of a session whose name another key holds too: the name, ``@`` and 8 hex
+_OWNED_SUFFIX = re.compile(r"@[0-9a-f]{8}$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,6 @@ def parse_path(path: str, *, field: str = "path") -> CheckpointRef:
     parts = path[len("sess://") :].split("/")
     if len(parts) != 3 or any(p in ("", ".", "..") for p in parts) or parts[1] not in KINDS:
         raise InvalidRequest(f"{field}: {path!r} is not sess://<session>/<{'|'.join(KINDS)}>/<name>")
-    for part in (parts[0], parts[2]):
-        check_name(part, field)
+    check_name(_OWNED_SUFFIX.sub("", parts[0]), field)
+    check_name(parts[2], field)
     return CheckpointRef(*parts)

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from sess.engine.runtime.memory.malloc_tuning import peak_resident_bytes, resident_bytes
 from sess.engine.runtime.ops.table import OPS, Kind
+from sess.engine.runtime.session_names import client_view, engine_name
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.bodies import HttpError, read_json
 from sess.engine.server.keys import KeyStore
@@ -219,8 +220,9 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
         if by not in ("operation", "session", "key"):
             raise InvalidRequest(f"by: expected operation, session or key, got {by[:32]!r}")
         total = await run_in_threadpool(engine.call, owner, "get_usage", {"name": name})
-        report = await run_in_threadpool(engine.billing.report, owner, name, by, total)
-        return json_response(report)
+        session = engine_name(engine.runtime, owner, name)  # the caller's own session of that name
+        report = await run_in_threadpool(engine.billing.report, owner, session, by, total)
+        return json_response(client_view(owner, report))
 
     @app.get("/api/prices")
     async def prices(request: Request):

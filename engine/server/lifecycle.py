@@ -20,6 +20,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from sess.engine.runtime import session_names
 from sess.engine.runtime.checkpoints import checkpoint_lifecycle as lc
 from sess.engine.sdk.checkpoint_paths import parse_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound
@@ -82,16 +83,18 @@ class Lifecycle:
     def set_ttl(self, owner: str, path: str, ttl_seconds: Any) -> dict:
         """Expire ``path`` ``ttl_seconds`` from now, or never (None). Returns its row."""
         ttl = check_ttl(ttl_seconds)
+        path = session_names.engine_path(self.engine.runtime, owner, path)
         self._run(lambda runtime: lc.owned_dir(runtime, owner, path), owner)
         ref = parse_path(path)
         self._row(owner, ref.uri)
         expires_at = None if ttl is None else time.time() + ttl
         self.registry.update_checkpoint(ref.uri, expires_at=expires_at)
         self.registry.add_audit(owner, "checkpoint_ttl_set", path=ref.uri, ttl_seconds=ttl)
-        return self.registry.checkpoint(ref.uri)
+        return session_names.client_view(owner, self.registry.checkpoint(ref.uri))
 
     def publish(self, owner: str, path: str, public: bool) -> dict:
         """Make ``path`` readable by every key (``public``) or its owner's alone again."""
+        path = session_names.engine_path(self.engine.runtime, owner, path)
 
         def change(runtime) -> None:
             lc.owned_dir(runtime, owner, path)
@@ -104,11 +107,12 @@ class Lifecycle:
         self.registry.add_audit(
             owner, "checkpoint_published" if public else "checkpoint_unpublished", path=ref.uri
         )
-        return self.registry.checkpoint(ref.uri)
+        return session_names.client_view(owner, self.registry.checkpoint(ref.uri))
 
     def copy(self, owner: str, path: str, ttl_seconds: Any = None) -> dict:
         """A copy of a checkpoint ``owner`` can read, in a new stopped session of ``owner``'s."""
         ttl = check_ttl(ttl_seconds)
+        path = session_names.engine_path(self.engine.runtime, owner, path)
         copied = self._run(lambda runtime: lc.copy_checkpoint(runtime, owner, path), owner)
         summary, ref = copied["session"], parse_path(copied["path"])
         self.registry.save_session(summary, owner)
@@ -123,7 +127,7 @@ class Lifecycle:
             user_metadata=source.get("user_metadata"),
         )
         self.registry.add_audit(owner, "checkpoint_copied", path=ref.uri, source=parse_path(path).uri)
-        return self.registry.checkpoint(ref.uri)
+        return session_names.client_view(owner, self.registry.checkpoint(ref.uri))
 
     # what the engine records on its own --------------------------------------------------------
     def saved(self, op) -> None:
@@ -195,20 +199,23 @@ class Lifecycle:
             if row["owner"] not in tags:
                 tags[row["owner"]] = self.registry.run_tags(row["owner"])
             row["project_id"] = tags[row["owner"]].get(row["session"], {}).get("project_id")
-        return rows
+        return rows if self.sees_all(owner) else session_names.client_view(owner, rows)
 
     def audit(self, owner: str, start: float = 0.0, end: float = float("inf")) -> list[dict]:
-        return self.registry.audit(start, end, None if self.sees_all(owner) else owner)
+        if self.sees_all(owner):
+            return self.registry.audit(start, end, None)
+        return session_names.client_view(owner, self.registry.audit(start, end, owner))
 
     def trace(self, owner: str, sessions: list[str]) -> dict:
         """Chrome trace JSON of ``owner``'s ``sessions``' ops: one ``X`` slice per op (submit to
         end), one track per session."""
         events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "sess engine"}}]
         for tid, name in enumerate(sessions, start=1):
-            if self.engine.runtime.find_session(owner, name) is None:
+            session = self.engine.runtime.find_session(owner, name)
+            if session is None:
                 raise NotFound(f"session: {name!r} not found")
             events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}})
-            for op in self.registry.operations(name):
+            for op in self.registry.operations(session.name):
                 run_s, queue_s = float(op["wall_time_s"] or 0.0), float(op.get("queue_s") or 0.0)
                 start = float(op["finished"]) - run_s - queue_s
                 events.append(

@@ -14,6 +14,7 @@ sweeps expired checkpoints from the idle thread, and writes the audit log.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 import threading
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sess.engine.runtime import session_names
 from sess.engine.runtime.executor import Executor, Operation
 from sess.engine.runtime.memory.malloc_tuning import IDLE_TRIM_S, allocator, keep_freed_memory, trim
 from sess.engine.runtime.ops import checkpoint_ops, session_ops
@@ -38,6 +40,28 @@ from sess.engine.server.settings import HEARTBEAT_LAPSE_S, IDLE_TIMEOUT_S, MAX_S
 from sess.engine.server.sqlite_registry import Registry
 
 log = logging.getLogger("sess.engine")
+
+
+def request_type(op: object) -> type | None:
+    """The request type of op ``op``, None for a name that is no op (refused when it is read)."""
+    spec = OPS.get(op) if isinstance(op, str) else None
+    return spec.request if spec is not None else None
+
+
+def client_error(owner: str, error: SessError) -> SessError:
+    """``error`` with ``owner``'s session ids named as its client names them."""
+    message = session_names.client_message(owner, str(error))
+    if message != str(error):
+        error.args = (message,)
+    return error
+
+
+def client_op(owner: str, op: Operation | None) -> Operation | None:
+    """A finished op as ``owner`` sees it: its result and error name sessions as ``owner`` does."""
+    if op is None or not op.done.is_set():
+        return op
+    error = client_error(owner, op.error) if op.error is not None else None
+    return dataclasses.replace(op, result=session_names.client_view(owner, op.result), error=error)
 
 
 class ManagedEngine(Executor):
@@ -102,6 +126,8 @@ class ManagedEngine(Executor):
         """Queue an op (see Executor.submit). Past the key's budget a costly op is refused (402) and
         its sequence number used up, so the session's later ops run; ``hold_seq`` leaves the number
         free instead, for a client that re-sends the same op until the budget is raised (tinker)."""
+        args = session_names.engine_args(self.runtime, owner, request_type(name), args)
+        session = session_names.engine_name(self.runtime, owner, session)
         # Another key's session must look absent, not busy: check before sequence ordering answers.
         if isinstance(session, str) and self.runtime.find_session(owner, session) is None:
             raise NotFound(f"session {session!r} not found")
@@ -134,11 +160,34 @@ class ManagedEngine(Executor):
         return op_id
 
     def call(self, owner: str, name: str, args=None):
+        """Run a control op; its names and paths, and its answer's, are ``owner``'s own
+        (:mod:`sess.engine.runtime.session_names`)."""
+        try:
+            return session_names.client_view(owner, self._call(owner, name, args))
+        except SessError as exc:
+            raise client_error(owner, exc) from None
+
+    def run(self, fn, *, owner: str = "", wait: bool = True):
+        """Run the engine's own ``fn`` on the executor; an error for ``owner`` names sessions as
+        ``owner`` does."""
+        try:
+            return super().run(fn, owner=owner, wait=wait)
+        except SessError as exc:
+            raise (client_error(owner, exc) if owner else exc) from None
+
+    def wait(self, owner: str, op_id: str, timeout: float | None = None) -> Operation | None:
+        return client_op(owner, super().wait(owner, op_id, timeout))
+
+    async def wait_async(self, owner: str, op_id: str, timeout: float) -> Operation | None:
+        return client_op(owner, await super().wait_async(owner, op_id, timeout))
+
+    def _call(self, owner: str, name: str, args=None):
+        args = session_names.engine_args(self.runtime, owner, request_type(name), args)
         result = super().call(owner, name, args)
         if name == "list_checkpoints":
             result = self.lifecycle.describe(owner, result)
         if name == "get_usage" and isinstance(result, dict) and self.billing.prices is not None:
-            session = (args or {}).get("name")
+            session = (args or {}).get("name")  # already the engine's id of it
             rows = self.registry.usage_by_operation(owner, session)
             cost = sum(int(r.get("cost_pu") or 0) for r in rows.values())
             result = {**result, "cost": self.billing.money(cost), "currency": self.billing.prices.currency}
@@ -147,8 +196,9 @@ class ManagedEngine(Executor):
     def heartbeat(self, owner: str, sessions: list[str]) -> None:
         now = time.time()
         for name in sessions:
-            if self.runtime.find_session(owner, name) is not None:
-                self.heartbeats[name] = now
+            session = self.runtime.find_session(owner, name)
+            if session is not None:
+                self.heartbeats[session.name] = now
 
     # observing ops ---------------------------------------------------------------------------------
     def admit(self, op: Operation) -> None:

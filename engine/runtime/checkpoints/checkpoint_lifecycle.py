@@ -35,6 +35,8 @@ def readable_session(runtime: Runtime, owner: str, ref: CheckpointRef) -> Sessio
     """The session holding checkpoint ``ref``: ``owner``'s own, or any key's when ``ref`` is
     published; NotFound otherwise (another key's private checkpoint looks absent)."""
     session = runtime.find_session(owner, ref.session)
+    if session is not None and session.name != ref.session:  # a client's name, not the files' session
+        session = None
     if session is None and ref.uri in runtime.published:
         session = runtime.sessions.get(ref.session)
     if session is None:
@@ -46,7 +48,8 @@ def owned_dir(runtime: Runtime, owner: str, path: str, field: str = "path") -> P
     """The directory of checkpoint ``path`` for a change only its owner may make: NotFound for
     another key's private one, 403 for another key's published one (which every key can see)."""
     ref = parse_path(path, field=field)
-    if runtime.find_session(owner, ref.session) is None:
+    session = runtime.find_session(owner, ref.session)
+    if session is None or session.name != ref.session:  # paths name files by the engine's session id
         if ref.uri in runtime.published and ref.session in runtime.sessions:
             raise NotYours(f"{field}: {ref.uri} is published by another key; only its owner can change it")
         raise NotFound(f"{field}: checkpoint {ref.uri} not found")

@@ -10,6 +10,7 @@ import re
 import secrets
 import time
 
+from sess.engine.runtime import session_names
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.checkpoints.manifest import foreign_files
 from sess.engine.runtime.models.catalog import CATALOG, context_window, list_models
@@ -63,11 +64,14 @@ def model_info(runtime: Runtime, owner: str, request: rq.ModelInfo) -> dict:
 
 def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> dict:
     base_model = model_name(runtime.home, owner, request.base_model)
-    name = check_name(request.name or default_name(base_model), "training_session_name")
-    # files on disk under the name that no session holds (a lost registry): never handed to a new
-    # session, unless their manifests say they are the caller's
+    given = check_name(request.name or default_name(base_model), "training_session_name")
+    if runtime.find_session(owner, given) is not None:
+        raise InvalidRequest(f"training_session_name: a session named {given!r} already exists", status=409)
+    # a name another key holds, or whose files on disk no session holds (a lost registry) and whose
+    # manifests do not say are the caller's: the new session gets an id of its own (session_names.py)
+    name = session_names.new_id(runtime, owner, given)
     if name in runtime.sessions or foreign_files(runtime.home, name, owner):
-        raise InvalidRequest(f"training_session_name: a session named {name!r} already exists", status=409)
+        raise InvalidRequest(f"training_session_name: a session named {given!r} already exists", status=409)
     seed = secrets.randbits(31) if request.seed is None else request.seed
     lora = {
         "rank": request.rank,

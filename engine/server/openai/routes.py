@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sess.engine.runtime.models.catalog import list_models
 from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target
+from sess.engine.runtime.session_names import client_view, engine_name, engine_path
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.requests import Target
 from sess.engine.sdk.types import SessionStatus
@@ -35,8 +36,8 @@ CLIENT_NAMES = {"num_samples:": "n:", "sampling_params.": ""}
 def resolve_model(engine, owner: str, model: str) -> dict:
     """The sample op's target for an OpenAI ``model``: a sess:// checkpoint, a live session of this key,
     or a base model of the catalog."""
-    if model.startswith("sess://"):
-        return {"model_path": model}
+    if model.startswith("sess://"):  # the caller's own checkpoint (session_names.py), or a published one
+        return {"model_path": engine_path(engine.runtime, owner, model)}
     if engine.runtime.find_session(owner, model) is not None:
         return {"session": model}
     if model in list_models(engine.runtime.home):
@@ -148,9 +149,14 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
             if s["status"] == SessionStatus.Running.value
         ]
         data += [
-            {"id": c["path"], "object": "model", "created": int(c["created"]), "owned_by": owner}
+            {
+                "id": client_view(owner, c["path"]),
+                "object": "model",
+                "created": int(c["created"]),
+                "owned_by": owner,
+            }
             for s in sessions
-            for c in engine.registry.checkpoints(s["name"])
+            for c in engine.registry.checkpoints(engine_name(engine.runtime, owner, s["name"]))
             if c["kind"] in ("weights", "merged")
         ]
         return {"object": "list", "data": data}
