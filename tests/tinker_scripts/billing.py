@@ -29,7 +29,7 @@ for _ in range(spec["steps"]):
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 forwards = [tc.forward([datum], "cross_entropy") for _ in range(spec["burst"])]
 burst = [f.result().metrics["loss:sum"] for f in forwards]
-sampler = svc.create_sampling_client(base_model="tiny-llama")
+sampler = tc.save_weights_and_get_sampling_client()
 params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
 sampled = sampler.sample(types.ModelInput.from_ints(tokens), num_samples=2, sampling_params=params).result()
 hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
@@ -40,6 +40,7 @@ out = {
     "losses": losses,
     "burst": burst,
     "prompt_cache_hit_tokens": sampled.prompt_cache_hit_tokens,
+    "sampled_tokens": sum(len(s.tokens) for s in sampled.sequences),
     "events": [
         {
             "type": e.event_info.type,
