@@ -78,6 +78,7 @@ def test_a_pilot_says_what_it_loads_then_the_run_records_its_forecast(fresh_engi
     usage = json.loads((run_dir / "usage.json").read_text())
     actual = sum(usage[k] for k in ("prefill_tokens", "sampled_tokens", "training_tokens"))
     assert forecast["bound"]["tokens"] == bound >= actual
+    assert low <= actual <= high  # whatever share of its groups the run trained
     assert Decimal(forecast["bound"]["cost"].split()[0]) >= Decimal(usage["cost"])
     assert forecast["expected"]["tokens"] == expected[0] and "pilot of 1" in forecast["basis"]
     assert forecast["expected"]["prefill"] == usage["prefill_tokens"]  # prompts are counted exactly
