@@ -61,7 +61,7 @@ def up(
     ),
     prices: str = typer.Option(
         None,
-        help="YAML price table (currency:, models: with prefill/sampled/trained per million tokens; "
+        help="YAML price table (currency:, models: with prefill/sampled/trained, optionally cached_prefill, per million tokens; "
         "see conf/prices.example.yaml): usage then shows cost, and key budgets are in its currency.",
     ),
     max_queued: int = typer.Option(

@@ -255,7 +255,8 @@ def usage(
     of the rows).
 
     Columns: count, how many ops of that kind ran (failed ones too); prefill, prompt tokens read
-    (sample, compute_logprobs); sampled, tokens generated; training, tokens through forward and
+    (sample, compute_logprobs); cached, the part of those a prefix cache served (billed at the
+    cached_prefill price); sampled, tokens generated; training, tokens through forward and
     forward_backward; wall s, the engine's own seconds on those ops; cost, in the currency of the
     engine's price table (sess engine up --prices), shown only when it has one. A sample request's
     seconds are its share of each prefill and decode step it was part of, not the time it waited,
@@ -275,12 +276,12 @@ def usage(
         return
     rows = report.get("rows", report["operations"])
     priced = report.get("currency") is not None
-    keys = ("prefill_tokens", "sampled_tokens", "training_tokens")
+    keys = ("prefill_tokens", "cached_prefill_tokens", "sampled_tokens", "training_tokens")
     table = [
         (
             name,
             row["count"],
-            *(row[k] for k in keys),
+            *(row.get(k) or 0 for k in keys),
             f"{row['wall_time_s']:.2f}",
             *([row["cost"]] if priced else []),
         )
@@ -288,8 +289,8 @@ def usage(
     ]
     total = report["usage"]
     table.append(
-        ("total", total["operations"], *(total[k] for k in keys), f"{total['wall_time_s']:.2f}")
+        ("total", total["operations"], *(total.get(k) or 0 for k in keys), f"{total['wall_time_s']:.2f}")
         + ((total["cost"],) if priced else ())
     )
-    headers = (by, "count", "prefill", "sampled", "training", "wall s")
+    headers = (by, "count", "prefill", "cached", "sampled", "training", "wall s")
     print_table(headers + ((f"cost ({report['currency']})",) if priced else ()), table, bold_last=True)

@@ -5,14 +5,14 @@ comes from a pilot (:mod:`.pilot`), never from a guess:
 
 - replies: the mean length of the pilot's sampled replies (training groups, sampled evaluation) and of
   its greedy ones (evaluation), with the prompts of later turns the pilot's episodes had;
-- trained tokens: GRPO-like loops train on a group only when its rewards are not all equal, and that
-  share moves as the policy learns (:mod:`.share`). The pilot samples what step 1 samples, so it
-  measures step 1's share: of ``n`` pilot groups ``t`` had signal, and step 1 is expected to train
-  ``(t + 1) / (n + 2)`` of its groups (Laplace's rule, which a single pilot group cannot push to 0 or
-  1). What the later steps train depends on what the policy learns, which no pilot of the untrained
-  model measures: they are taken at 1/2, and the basis gives the figure's range over a later share
-  anywhere in 0..1. Each trained group costs its prompt and the pilot's mean trained tail per group
-  (replies and observations);
+- trained tokens: GRPO-like loops train on a group only when its rewards are not all equal. The
+  pilot samples what step 1 samples, so it measures that share for the policy the run starts from:
+  of ``n`` pilot groups ``t`` had signal, and every step is expected to train ``t / n`` of its
+  groups. No learning is assumed: whether a policy's groups polarize or mix more as it learns
+  depends on the task and the model, and a model that does not learn keeps the share it started
+  with. What the run can do bounds the figure's range: every step's share anywhere in 0..1 (none of
+  its groups trained, or all of them). Each trained group costs its prompt and the pilot's mean
+  trained tail per group (replies and observations);
 - code_rl's rollout workers sample ahead: at the end about ``min(rollout_workers, capacity)`` groups
   are sampled and never trained on (the workers' groups in flight); stale groups are taken as none.
 
@@ -31,15 +31,18 @@ from sess.rl.data import Data
 
 from .forecast import ENV_LOOPS, Forecast, evaluations, planned_steps, prompt_size
 from .pilot import Pilot, PilotGroup
-from .share import UNKNOWN
 
 
 @dataclass
 class Expected:
-    """An expected figure and what it rests on; ``figure`` None when it is not available."""
+    """An expected figure and what it rests on; ``figure`` None when it is not available. ``low`` and
+    ``high``: the tokens the run can use as the share of groups that train goes 0..1 (None: the
+    figure has no such range, e.g. SFT's, exact from the data)."""
 
     figure: Forecast | None
     basis: str
+    low: int | None = None
+    high: int | None = None
 
 
 def _mean(values: list[float], default: float = 0.0) -> float:
@@ -107,20 +110,19 @@ def expected(cfg, tok, data: Data, pilot: Pilot | None = None) -> Expected:
     fc.prefill = round(sum(prompts) + sampled_groups * group * later)
     fc.sampled = round(sampled_groups * group * reply)
     with_signal = [g for g in pilot.groups if g.trained]
-    first = (len(with_signal) + 1) / (len(pilot.groups) + 2)  # step 1's share, as the pilot measured it
+    share = len(with_signal) / len(pilot.groups)  # each step's share, as the pilot measured it
     # a trained group's datums: each episode's tokens but the last, i.e. G * (prompt - 1) + its tail
     tail = _mean([g.trained - g.episodes * (g.prompt - 1) for g in with_signal])
     if not with_signal:
         tail = group * _per_episode(pilot.groups, "tail")
-    per_group = [group * (p - 1) + tail for p in prompts[:trained_groups]]
-    step_1, after_step_1 = sum(per_group[:batch]), sum(per_group[batch:])
-    fc.trained = round(first * step_1 + UNKNOWN * after_step_1)
+    every_group = round(sum(group * (p - 1) + tail for p in prompts[:trained_groups]))
+    fc.trained = round(share * every_group)
     evaluated = _evaluations(fc, cfg, tok, data, pilot)
-    low = fc.tokens - round(UNKNOWN * after_step_1)
+    low = fc.tokens - fc.trained
     basis = (
         f"pilot of {len(pilot.groups)} prompt(s) x {pilot.group_size}: replies {reply:.1f} tokens, "
-        f"{len(with_signal)}/{len(pilot.groups)} groups with signal (step 1 trains {first:.2f} of its "
-        f"groups; the later steps' share follows what the policy learns and is taken at {UNKNOWN}: "
-        f"{low}-{low + round(after_step_1)} tokens as it goes 0..1); "
+        f"{len(with_signal)}/{len(pilot.groups)} groups with signal (every step taken to train "
+        f"{share:.2f} of its groups, as the pilot's policy did; no learning assumed: "
+        f"{low}-{low + every_group} tokens as the share goes 0..1); "
     )
-    return Expected(fc, basis + evaluated)
+    return Expected(fc, basis + evaluated, low, low + every_group)

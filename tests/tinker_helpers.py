@@ -165,6 +165,33 @@ def make_cookbook_venv(root: Path, extras: str = "math-rl") -> Path:
     return python
 
 
+COOKBOOK_061_DEPS = [  # tinker-cookbook 0.6.1's Requires-Dist, but tinker and tml-renderers (below)
+    "aiohttp>=3.9.0", "anyio>=4.0.0", "blobfile>=3.0.0", "chz>=0.4.0", "cloudpickle>=3.0.0",
+    "datasets>=2.14.0", "huggingface-hub>=0.20.0", "numpy>=1.24.0", "pillow>=10.0.0", "pydantic>=2.0.0",
+    "pyrage>=1.4.0", "rich>=13.0.0", "safetensors>=0.4.0", "termcolor>=2.0.0", "tiktoken>=0.12.0",
+    "tqdm>=4.60.0", "transformers!=5.3.0,!=5.4.*,!=5.5.0,!=5.5.1,!=5.5.2,!=5.5.3,!=5.6.*,>=4.57.6",
+    "math-verify>=0.5.0", "pylatexenc>=2.0", "sympy>=1.12.0",  # its math-rl extra
+]  # fmt: skip
+
+
+def make_cookbook061_venv(root: Path) -> Path:
+    """A venv with tinker-cookbook 0.6.1 (tinker 0.38.0), installed the one way it installs: it asks
+    for ``tml-renderers>=0.4.1``, which the registry does not serve (newest 0.2.1), so tinker and
+    tml-renderers 0.2.1 first, then the cookbook without its dependencies, then the rest of them
+    (and its math-rl extra). Its python."""
+    venv = root / "cookbook061-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
+    for packages in (
+        ["torch==2.13.0"],
+        [TINKER_SDK, "tml-renderers==0.2.1", *COOKBOOK_061_DEPS],
+        ["--no-deps", "tinker-cookbook==0.6.1"],
+    ):
+        subprocess.run(pip + packages, check=True, capture_output=True, text=True)
+    return python
+
+
 def run_client(
     python: Path, script: str, spec: dict, *, url: str, key: str, timeout: float = 300, env=None
 ) -> dict:

@@ -2,9 +2,11 @@
 
 A price table is YAML: ``currency:``, then under ``models:`` each base model (and ``default:`` for
 every model not named) with ``prefill``, ``sampled`` and ``trained``, each the price of one million
-tokens. Which op's tokens count as which: ``forward_backward`` trains its tokens; ``forward`` and
-``compute_logprobs`` prefill theirs; a ``sample`` prefills its prompt once (however many samples it
-asks for) and samples its new tokens. Other ops (optim_step, saves, loads) cost nothing.
+tokens, and optionally ``cached_prefill`` (prompt tokens served from a prefix cache; without it they
+cost the prefill price). Which op's tokens count as which: ``forward_backward`` trains its tokens;
+``forward`` and ``compute_logprobs`` prefill theirs; a ``sample`` prefills its prompt once (however
+many samples it asks for; the part a cache served is cached prefill) and samples its new tokens.
+Other ops (optim_step, saves, loads) cost nothing.
 
 Money is exact: a price has at most six decimals, so one token costs a whole number of *pico-units*
 (10^-12 of the currency), and every cost is an integer of them, summed once per op; it is shown as a
@@ -22,7 +24,8 @@ from typing import Any
 
 PICO = 10**12  # pico-units per unit of the currency
 PER_TOKENS = 10**6  # prices are per million tokens
-KINDS = ("prefill", "sampled", "trained")
+KINDS = ("prefill", "sampled", "trained")  # the prices every table entry gives
+BILLED_KINDS = ("prefill", "cached_prefill", "sampled", "trained")  # what a token can be billed as
 MAX_DECIMALS = 6
 
 
@@ -37,16 +40,21 @@ class Prices:
     prefill: int
     sampled: int
     trained: int
+    cached_prefill: int
 
 
 def billed_tokens(op: str, usage: dict) -> dict[str, int]:
-    """The tokens of one op (or one usage row of op ``op``) by what they are billed as."""
-    prefill, sampled, training = (
-        int(usage.get(k) or 0) for k in ("prefill_tokens", "sampled_tokens", "training_tokens")
+    """The tokens of one op (or one usage row of op ``op``) by what they are billed as; ``prefill``
+    the prompt tokens computed, ``cached_prefill`` those a prefix cache served (a part of
+    ``prefill_tokens``, counted once, in one kind or the other)."""
+    prefill, cached, sampled, training = (
+        int(usage.get(k) or 0)
+        for k in ("prefill_tokens", "cached_prefill_tokens", "sampled_tokens", "training_tokens")
     )
     if op == "forward":  # a forward pass without a backward one is billed as reading its tokens
         prefill, training = prefill + training, 0
-    return {"prefill": prefill, "sampled": sampled, "trained": training}
+    cached = min(cached, prefill)
+    return {"prefill": prefill - cached, "cached_prefill": cached, "sampled": sampled, "trained": training}
 
 
 def format_cost(pico: int | None) -> str | None:
@@ -88,11 +96,11 @@ class PriceTable:
     def cost(self, model: str | None, op: str, usage: dict) -> int:
         prices = self.prices_for(model)
         tokens = billed_tokens(op, usage)
-        return sum(tokens[kind] * getattr(prices, kind) for kind in KINDS)
+        return sum(tokens[kind] * getattr(prices, kind) for kind in BILLED_KINDS)
 
     def to_wire(self) -> dict:
         per_million = {
-            name: {k: str(Decimal(getattr(p, k)) / (PICO // PER_TOKENS)) for k in KINDS}
+            name: {k: str(Decimal(getattr(p, k)) / (PICO // PER_TOKENS)) for k in BILLED_KINDS}
             for name, p in self.models.items()
         }
         return {"currency": self.currency, "models": per_million}
@@ -139,13 +147,15 @@ def _table(data: Any, source: str, known_model: Callable[[str], str | None] | No
                 raise PriceError(f"{where}: {problem}")
         if not isinstance(entry, dict):
             raise PriceError(f"{where}: expected prefill, sampled and trained, got {entry!r}")
-        extra = set(entry) - set(KINDS)
+        extra = set(entry) - set(BILLED_KINDS)
         if extra:
-            raise PriceError(f"{where}.{sorted(extra)[0]}: unknown price (expected {', '.join(KINDS)})")
+            expected = ", ".join(BILLED_KINDS)
+            raise PriceError(f"{where}.{sorted(extra)[0]}: unknown price (expected {expected})")
         for kind in KINDS:
             if kind not in entry:
                 raise PriceError(f"{where}.{kind}: missing (price per million tokens)")
-        table[name] = Prices(**{k: _price(entry[k], f"{where}.{k}") for k in KINDS})
+        entry = {"cached_prefill": entry["prefill"]} | entry  # unpriced cached prefill costs prefill
+        table[name] = Prices(**{k: _price(entry[k], f"{where}.{k}") for k in BILLED_KINDS})
     return PriceTable(currency.strip(), table, source)
 
 

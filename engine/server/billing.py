@@ -41,6 +41,13 @@ class Busy(SessError):
         self.retry_after = retry_after
 
 
+def with_cached_prefill(row: dict) -> dict:
+    """A usage row with ``cached_prefill_tokens``, the part of its prefill a prefix cache served:
+    the ledger's count where it keeps one, else 0 (the engine's sampler keeps no prefix cache, so
+    every prompt token is computed and billed as prefill)."""
+    return row | {"cached_prefill_tokens": int(row.get("cached_prefill_tokens") or 0)}
+
+
 def spent_tokens(spend: dict) -> int:
     return sum(int(spend.get(k) or 0) for k in TOKEN_FIELDS)
 
@@ -135,7 +142,7 @@ class Billing:
     # reports ---------------------------------------------------------------------------------------
     def priced(self, row: dict) -> dict:
         row = {k: v for k, v in row.items() if k != "cost_pu"} | {"cost": self.money(row.get("cost_pu"))}
-        return row
+        return with_cached_prefill(row)
 
     def report(self, owner: str, session: str | None, by: str, total: dict) -> dict:
         """``sess usage``'s report: rows per operation, session or key, each with its cost, and the
@@ -157,7 +164,7 @@ class Billing:
             "session": session,
             "by": by,
             "currency": self.prices.currency if self.prices else None,
-            "usage": {**total, "cost": self.money(cost)},
+            "usage": with_cached_prefill({**total, "cost": self.money(cost)}),
             "rows": {k: self.priced(v) for k, v in rows.items()},
         }
         if by == "operation":

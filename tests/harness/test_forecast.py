@@ -18,7 +18,9 @@ from sess.engine import ServiceClient
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.sdk.prices import billed_tokens
 from sess.harness import config
-from sess.harness.forecast import evaluations, forecast
+from sess.harness.expected import expected
+from sess.harness.forecast import evaluations, forecast, prompt_size
+from sess.harness.pilot import Pilot, PilotGroup
 from sess.harness.records import read_jsonl
 
 cli = CliRunner()
@@ -58,6 +60,34 @@ def test_the_limits_the_bound_rests_on_are_checked(loop, field, bad):
     cfg = config.compose(["model=tiny-llama", f"loop={loop}", f"loop.{field}={bad}"])
     with pytest.raises(ValueError, match=f"loop.{field}: expected an integer"):
         forecast(cfg, tok=None)
+
+
+def test_the_expected_figure_takes_the_share_the_pilot_measured_and_its_range_spans_0_to_1():
+    """No learning is assumed: every step trains the share of groups the pilot's had signal, and the
+    range runs from no group trained to every group of every step trained (share up to 1)."""
+    from transformers import AutoTokenizer
+
+    from sess.engine.runtime.models.catalog import prepare
+    from sess.tasks import sources
+
+    cfg = config.compose(["model=tiny-llama", "loop=grpo", "loop.group_size=4", *TINY[1:4], "loop.steps=6"])
+    tok = AutoTokenizer.from_pretrained(prepare("tiny-llama"))
+    data = sources.load(cfg.data, int(cfg.seed), cfg.grader)
+    prompt = prompt_size(tok, data.envs.train(0))[0]
+    mixed = PilotGroup(prompt=prompt, episodes=4, sampled=28, tail=28, trained=4 * (prompt - 1) + 28)
+    equal = PilotGroup(prompt=prompt, episodes=4, sampled=28, tail=28, trained=0)
+    every = expected(cfg, tok, data, Pilot(1, 4, [mixed]))
+    half = expected(cfg, tok, data, Pilot(2, 4, [mixed, equal]))
+    none = expected(cfg, tok, data, Pilot(1, 4, [equal]))
+    # a pilot whose every group had signal: all 12 groups of the 6 steps expected to train
+    every_group = sum(4 * (prompt_size(tok, data.envs.train(k))[0] - 1) + 28 for k in range(12))
+    assert every.figure.trained == every_group and every.figure.tokens == every.high
+    assert none.figure.trained == 0 and none.figure.tokens == none.low
+    assert abs(half.figure.trained - every_group / 2) <= 1
+    # the range is what the run can do, whatever the pilot measured: share 0 to share 1 at every step
+    assert every.low == half.low == none.low and every.high == half.high == none.high
+    assert none.high - none.low == every_group
+    assert "no learning assumed" in half.basis and f"{half.low}-{half.high} tokens" in half.basis
 
 
 def test_evaluations_follow_the_runner():

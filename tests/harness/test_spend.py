@@ -29,7 +29,7 @@ PRICES = "currency: USD\nmodels:\n  default: {prefill: 0.7, sampled: 1.9, traine
 TINY = ["model=tiny-llama", "data.eval_size=4", "loop.max_tokens=8", "loop.batch_size=2", "loop.steps=3"]
 EXPECTED = re.compile(r"expect: (\d+) tokens \(prefill (\d+), sampled (\d+), trained (\d+)\)")
 BOUND = re.compile(r"tokens: at most (\d+) ")
-RANGE = re.compile(r"taken at 0.5: (\d+)-(\d+) tokens as it goes 0..1")
+RANGE = re.compile(r"no learning assumed: (\d+)-(\d+) tokens as the share goes 0..1")
 
 
 @pytest.fixture()
@@ -66,7 +66,8 @@ def test_a_pilot_says_what_it_loads_then_the_run_records_its_forecast(fresh_engi
     bound = int(BOUND.search(dry.output).group(1))
     assert 0 < expected[0] <= bound and expected[0] == sum(expected[1:])
     assert "pilot of 1 prompt(s) x 4" in dry.output and "cost at most" in dry.output
-    # the later steps' share of groups that train is not measured: the basis gives the range it spans
+    # the share of groups that train is the pilot's, for every step: the basis gives the range the run
+    # spans as it goes 0..1
     low, high = (int(n) for n in RANGE.search(dry.output).groups())
     assert low <= expected[0] <= high <= bound
 
@@ -77,6 +78,7 @@ def test_a_pilot_says_what_it_loads_then_the_run_records_its_forecast(fresh_engi
     usage = json.loads((run_dir / "usage.json").read_text())
     actual = sum(usage[k] for k in ("prefill_tokens", "sampled_tokens", "training_tokens"))
     assert forecast["bound"]["tokens"] == bound >= actual
+    assert low <= actual <= high  # whatever share of its groups the run trained
     assert Decimal(forecast["bound"]["cost"].split()[0]) >= Decimal(usage["cost"])
     assert forecast["expected"]["tokens"] == expected[0] and "pilot of 1" in forecast["basis"]
     assert forecast["expected"]["prefill"] == usage["prefill_tokens"]  # prompts are counted exactly

@@ -14,7 +14,7 @@ from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
 from sess.engine.sdk.errors import SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
-from sess.engine.sdk.prices import PriceError, format_cost, load_prices
+from sess.engine.sdk.prices import PriceError, PriceTable, billed_tokens, format_cost, load_prices
 from sess.engine.server.serve_checks import check_options, load_price_table
 
 from helpers import SENTENCES, ce_datum
@@ -96,6 +96,28 @@ def test_costs_are_exact_per_op_kind(tmp_path):
     )
 
 
+def test_cached_prefill_has_its_own_price_and_defaults_to_the_prefill_one(tmp_path):
+    table = load_prices(
+        write(
+            tmp_path,
+            "currency: USD\nmodels:\n  default: {prefill: 0.5, sampled: 1, trained: 1}\n"
+            "  tiny-llama: {prefill: 2, cached_prefill: 0.25, sampled: 1, trained: 1}\n",
+        )
+    )
+    usage = {"prefill_tokens": 10, "cached_prefill_tokens": 4}
+    # 4 of the 10 prompt tokens came from a cache: 6 at the prefill price, 4 at the cached one
+    assert billed_tokens("sample", usage) == {"prefill": 6, "cached_prefill": 4, "sampled": 0, "trained": 0}
+    assert table.cost("tiny-llama", "sample", usage) == 6 * 2_000_000 + 4 * 250_000
+    assert table.cost("other", "sample", usage) == 10 * 500_000  # unpriced: cached costs prefill
+    assert billed_tokens("sample", {"prefill_tokens": 3})["cached_prefill"] == 0
+    wire = table.to_wire()["models"]
+    assert wire["tiny-llama"]["cached_prefill"] == "0.25" and wire["default"]["cached_prefill"] == "0.5"
+    assert PriceTable.from_wire(table.to_wire()).models == table.models
+    with pytest.raises(PriceError, match=r"models\.default\.cached_prefill"):
+        load_prices(write(tmp_path, "currency: USD\nmodels:\n  default: {prefill: 1, cached_prefill: -1, "
+                                    "sampled: 1, trained: 1}\n"))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def priced_engine(tmp_path_factory):
     """An engine with a price table and a small queue limit, in a home of its own."""
@@ -149,8 +171,10 @@ def test_usage_cost_per_op_kind_sums_to_the_total(priced_engine):
     assert Decimal(by_session["rows"]["priced"]["cost"]) == rows
     by_key = json.loads(_cli(env, "usage", "--json", "--by", "key"))
     assert sum(Decimal(r["cost"]) for r in by_key["rows"].values()) == Decimal(by_key["usage"]["cost"])
+    assert report["operations"]["sample"]["cached_prefill_tokens"] == 0  # no prefix cache: none served
+    assert report["usage"]["cached_prefill_tokens"] == 0
     table = _cli({**env, "COLUMNS": "200"}, "usage", "priced")
-    assert "cost (EUR)" in table and report["usage"]["cost"] in table
+    assert "cost (EUR)" in table and report["usage"]["cost"] in table and "cached" in table
     tc.stop()
     svc.close()
 

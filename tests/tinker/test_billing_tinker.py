@@ -3,7 +3,8 @@ its own), and back-pressure through the sess SDK: an engine with USD prices and 
 ops per key. The tinker client trains into its budget (402: the SDK logs the engine's message and
 pauses) and goes on after `sess engine keys budget` raises it; a burst of forward passes past the
 queue limit (429 + Retry-After) is re-sent by the SDK and each op runs once; its billing-usage
-report carries the same tokens and cost as `sess usage`."""
+report (``AdminClient.get_billing_usage``) carries the same tokens and cost as `sess usage`, with
+cached prefill apart (0 tokens: the engine keeps no prefix cache, and says so)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from helpers import SENTENCES, ce_datum
 from tinker_helpers import make_tinker_venv
 
 runner = CliRunner()
-PRICES = "currency: USD\nmodels:\n  default: {prefill: 1.5, sampled: 2.5, trained: 3.5}\n"
+PRICES = (
+    "currency: USD\nmodels:\n  default: {prefill: 1.5, cached_prefill: 0.25, sampled: 2.5, trained: 3.5}\n"
+)
 QUEUE_LIMIT = 2
 
 
@@ -108,11 +111,21 @@ def test_tinker_sdk_pauses_at_the_budget_resumes_when_raised_and_waits_out_a_ful
     report = _usage(url, entry["key"])
     ops = report["operations"]
     assert ops["forward_backward"]["count"] == 6 and ops["forward"]["count"] == 8  # each op once
-    # the billing-usage route: the same tokens and cost as sess usage
+    # the billing-usage route: the same tokens and cost as sess usage, hourly, with the table's rates
     events = out["events"]
     trained = sum(e["tokens"] for e in events if e["type"] == "training")
-    prefill = sum(e["tokens"] for e in events if e["type"] == "sampling_prefill")
+    prefill = [e for e in events if e["type"] == "sampling_prefill"]
+    sampled = sum(e["tokens"] for e in events if e["type"] == "sampling_sample")
     assert trained == ops["forward_backward"]["training_tokens"]
-    assert prefill == ops["forward"]["training_tokens"]
+    assert sum(e["tokens"] for e in prefill) == (
+        ops["forward"]["training_tokens"] + ops["sample"]["prefill_tokens"]
+    )
+    assert {e["cached"] for e in prefill} == {False}  # no prefix cache: every prompt token computed
+    assert out["prompt_cache_hit_tokens"] == 0 and ops["sample"]["cached_prefill_tokens"] == 0
+    assert ops["sample"]["prefill_tokens"] == len(tokens)  # the prompt, once for its 2 samples
+    assert sampled == ops["sample"]["sampled_tokens"] == out["sampled_tokens"] > 0
+    rates = {e["type"]: e["rate"] for e in events}
+    assert rates == {"training": 3.5, "sampling_prefill": 1.5, "sampling_sample": 2.5}
+    assert all(e["bucket_start"].endswith(":00:00+00:00") for e in events)
     cost = sum(Decimal(str(e["cost"])) for e in events)
     assert abs(cost - Decimal(report["usage"]["cost"])) < Decimal("1e-12")

@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from cookbook_runs import SMALL_RL, run_recipe, tiny_options
 
 from sess.engine import ServiceClient
 from sess.engine.server.keys import KeyStore
@@ -39,24 +39,7 @@ from tinker_helpers import make_cookbook_venv, run_client
 
 pytestmark = pytest.mark.slow
 
-# what a failed API call leaves in a recipe's output: the SDK's non-retryable errors and retries of
-# failed requests (not its long-poll "try_again"), an HTTP error status, a traceback. Not the rubric
-# recipe's "Failed to extract score from grader response": the judge (tiny-llama) answered, with
-# text that holds no score (rubric/data.py:86), and the recipe scores it 0.
-FAILED_CALL = re.compile(
-    r"Request failed|non-retryable|Error code: [45]\d\d|HTTP/1\.1\" [45]\d\d|Traceback|heartbeat failed"
-    r"|Failed to (?!extract score)|Exception logged|due to billing|APIStatusError|APIConnectionError"
-    r"|BadRequestError",
-)
 TIMES: dict[str, float] = {}  # recipe -> seconds per step, printed at the end of the module
-SMALL_RL = [
-    "group_size=2",
-    "groups_per_batch=2",
-    "max_tokens=8",
-    "lora_rank=8",
-    "eval_every=0",
-    "save_every=0",
-]
 RECIPES = [
     # (id, module, options, steps)
     (
@@ -137,43 +120,6 @@ def engine(http_engine, sess_home):
     svc.close()
 
 
-def run_recipe(
-    cookbook, workdir, engine, module: str, log: Path, *options: str, env=None, timeout=1800
-) -> dict:
-    """Run ``python -m tinker_cookbook.recipes.MODULE`` in the stand-ins' directory; assert it exits 0,
-    writes metrics and makes no failed API call. Its metrics rows, output and seconds."""
-    url, key, _, _ = engine
-    environment = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "SESS_"))},
-        "TINKER_BASE_URL": url,
-        "TINKER_API_KEY": key,
-        "TINKER_TELEMETRY": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(workdir / ".datasets-cache"),
-        **(env or {}),
-    }
-    command = [str(cookbook), "-m", f"tinker_cookbook.recipes.{module}", *options]
-    command += [f"log_path={log}", "behavior_if_log_dir_exists=delete"]
-    started = time.monotonic()
-    done = subprocess.run(
-        command, cwd=workdir, capture_output=True, text=True, env=environment, timeout=timeout
-    )
-    seconds = time.monotonic() - started
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-8000:]
-    failed = sorted({m.group(0) for m in FAILED_CALL.finditer(output)})
-    assert not failed, (failed, output[-8000:])
-    metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert metrics, f"{module} wrote no metrics"
-    return {"metrics": metrics, "output": output, "seconds": seconds}
-
-
-def _tiny(engine) -> list[str]:
-    return [f"model_name={engine[2]['tiny-llama']}", "renderer_name=role_colon"]
-
-
 @pytest.fixture(scope="module")
 def sandbox():
     """The code recipe's grader: sess's sandbox on SandboxFusion's route (the recipe's SANDBOX_URL)."""
@@ -184,7 +130,7 @@ def sandbox():
 @pytest.mark.parametrize("name,module,options,steps", RECIPES, ids=[r[0] for r in RECIPES])
 def test_recipe_runs_to_its_end(cookbook, workdir, engine, tmp_path, name, module, options, steps):
     options = [
-        *_tiny(engine),
+        *tiny_options(engine),
         *(o.format(tiny=engine[2]["tiny-llama"]) for o in options),
         f"max_steps={steps}",
     ]
@@ -195,7 +141,11 @@ def test_recipe_runs_to_its_end(cookbook, workdir, engine, tmp_path, name, modul
 
 def test_chat_sl_with_rolling_saves_then_from_its_checkpoint(cookbook, workdir, engine, tmp_path):
     data = next((cookbook.parent.parent / "lib").glob("python*/site-packages")) / "tinker_cookbook"
-    options = [*_tiny(engine), f"dataset={data / 'example_data' / 'conversations.jsonl'}", "batch_size=4"]
+    options = [
+        *tiny_options(engine),
+        f"dataset={data / 'example_data' / 'conversations.jsonl'}",
+        "batch_size=4",
+    ]
     options += ["max_length=256", "lora_rank=8", "learning_rate=1e-3", "save_every=0", "eval_every=0"]
     options += ["infrequent_eval_every=0"]
     first = run_recipe(
@@ -237,7 +187,7 @@ def test_on_policy_distillation_from_a_teacher_checkpoint(cookbook, workdir, eng
     path = ids.to_tinker_path(teacher.save_weights_for_sampler("teacher").result().path)
     teacher.stop()
     options = [
-        *_tiny(engine),
+        *tiny_options(engine),
         f"teacher_model={models['tiny-llama']}",
         f"teacher_checkpoint={path}",
         "dataset=deepmath",
@@ -306,7 +256,7 @@ def test_sdft_off_policy_distillation_with_top_k_targets(cookbook, workdir, engi
     with the golden answer) returns its top-K prompt logprobs over the student's completion, and the
     student trains on them as (N, K) ``cross_entropy`` targets; ``reverse=True`` trains the reverse
     KL over the same top-K set through ``forward_backward_custom``."""
-    options = [*_tiny(engine), "dataset=sciknoweval", "groups_per_batch=2", "group_size=1"]
+    options = [*tiny_options(engine), "dataset=sciknoweval", "groups_per_batch=2", "group_size=1"]
     options += ["max_tokens=8", "lora_rank=8", "eval_every=0", "save_every=0"]
     forward = run_recipe(cookbook, workdir, engine, "sdft.train", tmp_path / "sdft", *options, "max_steps=2")
     assert [m["step"] for m in forward["metrics"]] == [0, 1]

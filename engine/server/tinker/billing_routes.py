@@ -3,7 +3,8 @@
 
 It answers from the same registry rows as ``sess usage``: one event per UTC hour, session and kind
 of token (``training`` for forward_backward, ``sampling_prefill`` for prompts and for forward and
-compute_logprobs, ``sampling_sample`` for sampled tokens), with the price table's rate and cost
+compute_logprobs, with ``cached`` true for the prompt tokens a prefix cache served and false for
+the rest, ``sampling_sample`` for sampled tokens), with the price table's rate and cost
 when its currency is USD (the only currency the schema has: another currency leaves them null,
 never converted). Query: ``starting_on`` and ``ending_before``, hour-aligned UTC, at most 14 days
 apart, as the SDK sends them; anything else is a 400 naming the parameter.
@@ -21,7 +22,12 @@ from sess.engine.sdk.prices import PER_TOKENS, PICO, billed_tokens
 from sess.engine.server.tinker.state import Tinker, json_response
 
 MAX_WINDOW = timedelta(days=14)
-EVENT_KINDS = (("trained", "training"), ("prefill", "sampling_prefill"), ("sampled", "sampling_sample"))
+EVENT_KINDS = (
+    ("trained", "training"),
+    ("prefill", "sampling_prefill"),
+    ("cached_prefill", "sampling_prefill"),
+    ("sampled", "sampling_sample"),
+)
 
 
 def _instant(request: Request, name: str) -> datetime:
@@ -61,8 +67,8 @@ def billing_events(tinker: Tinker, owner: str, start: datetime, end: datetime) -
             rate = pico_per_token * PER_TOKENS / PICO
             cost = pico_per_token * count / PICO
         info = {"type": dict(EVENT_KINDS)[kind], "token_count": count}
-        if kind == "prefill":
-            info["cached"] = False
+        if kind in ("prefill", "cached_prefill"):
+            info["cached"] = kind == "cached_prefill"
         events.append(
             {
                 "bucket_start": datetime.fromtimestamp(hour, timezone.utc).isoformat(),

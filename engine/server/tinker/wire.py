@@ -234,7 +234,7 @@ def training_output(result: dict) -> bytes:
 def sample_output(result: dict, sparse_targets: tuple[list, list] | None = None) -> bytes:
     """sess's ``sample`` result (wire dict) as a ``SampleResponse``; ``sparse_targets`` the (crow,
     col) indices of a sparse ``target_prompt_logprobs`` request, whose layout the answer keeps."""
-    out = schema.SampleResponse()
+    out = schema.SampleResponse(prompt_cache_hit_tokens=int(result.get("prompt_cache_hit_tokens") or 0))
     for sequence in result["sequences"]:
         added = out.sequences.add(
             stop_reason=schema.STOP_REASON[sequence["stop_reason"]],
