@@ -306,10 +306,11 @@ class ManagedEngine(Executor):
         ]
         return sorted(found, reverse=True)
 
-    def release_silent(self, owner: str, silent_s: float, among: set[str]) -> list[str]:
-        """Stop (state saved, as the heartbeat lapse would) ``owner``'s sessions in ``among`` whose
-        heart-beating client has been silent over ``silent_s``: it missed its beats, so it has exited."""
-        names = [name for silent, name in self.silent_for(owner, among) if silent > silent_s]
+    def release_silent(self, owner: str, silent_s: float, among: set[str], most: int = 1) -> list[str]:
+        """Stop (state saved, as the heartbeat lapse would) at most ``most`` of ``owner``'s sessions in
+        ``among`` whose heart-beating client has been silent over ``silent_s`` (it missed its beats, so
+        it has exited), the longest silent first; the others are left to the lapse."""
+        names = [name for silent, name in self.silent_for(owner, among) if silent > silent_s][:most]
 
         def stop(runtime: Runtime) -> list[str]:
             return [name for name in names if self._stop_idle(runtime, name, silent_s)]

@@ -5,12 +5,13 @@ until the engine notices its client is gone. The tinker SDK heart-beats every
 :data:`SDK_BEAT_S` seconds (``SESSION_HEARTBEAT_PERIOD_SEC`` in its ``internal_client_holder``); a
 model whose client has sent neither a beat nor an op for over two beat periods
 (:data:`MISSED_BEATS_S`) has missed its beats, and its process has exited or lost the engine. When a
-key at its limit asks for a new model, such Tinker models are stopped first (a sess SDK session,
-which beats on a period of its own, waits for the lapse), state saved exactly as the
-engine's heartbeat lapse would (:meth:`ManagedEngine.release_silent`), and resumable. When none has
-missed its beats yet but one heart-beating session is silent, the request waits for it, at most
-:data:`MAX_WAIT_S` seconds (the log says so); a session whose client still beats is never released,
-and the engine refuses the model with its usual limit message, saying that it waited.
+key at its limit asks for a new model, the longest silent of such Tinker models is stopped first
+(a sess SDK session, which beats on a period of its own, waits for the lapse), state saved exactly
+as the engine's heartbeat lapse would (:meth:`ManagedEngine.release_silent`), and resumable; the
+others are left to the lapse. When none has missed its beats yet but one heart-beating session is
+silent, the request waits for it, at most :data:`MAX_WAIT_S` seconds (the log says so); a session
+whose client still beats is never released, and the engine refuses the model with its usual limit
+message, saying that it waited.
 """
 
 from __future__ import annotations
