@@ -240,7 +240,7 @@ def test_a_loss_that_overflows_reads_back_as_inf_over_strict_json(svc, tc):
 
 
 def test_unknown_model_and_checkpoint_paths(svc, sess_home, tc):
-    with pytest.raises(NotFound, match="base_model: not a model this engine serves"):
+    with pytest.raises(NotFound, match="base_model: 'no-such-model' is not a model this engine serves"):
         svc.create_lora_training_client("no-such-model")
     with pytest.raises(InvalidRequest, match="rank"):
         svc.create_lora_training_client("tiny-llama", rank=0)

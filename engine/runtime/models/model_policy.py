@@ -27,10 +27,12 @@ from sess.engine.sdk.home import sess_home
 OPERATOR = "local"  # the owner of the home's own key (sess.engine.server.keys.LOCAL_OWNER)
 
 
-def refusal(home: str | os.PathLike | None, field: str = "base_model") -> NotFound:
-    """The one answer to a model name that is not served, whatever the name and whatever exists."""
+def refusal(home: str | os.PathLike | None, field: str = "base_model", named: str | None = None) -> NotFound:
+    """The one answer to a model name that is not served, whatever the name and whatever exists
+    (``named``: the name as sent, quoted back to the operator, whose own command it was)."""
+    what = f"{named[:200]!r} is " if named is not None else ""
     return NotFound(
-        f"{field}: not a model this engine serves; name one of {', '.join(list_models(home))} "
+        f"{field}: {what}not a model this engine serves; name one of {', '.join(list_models(home))} "
         "(a path, URL or hub id is not a model name here: the engine's operator registers more with "
         "`sess engine models add NAME DIR|HUB_ID`)"
     )
@@ -54,7 +56,7 @@ def model_name(home: str | os.PathLike | None, owner: str, name: object, field: 
     last = name.rstrip("/").rsplit("/", 1)[-1]
     if "/" in name and "://" not in name and last in served:
         return last
-    raise refusal(home, field)
+    raise refusal(home, field, name if owner == OPERATOR else None)
 
 
 def _operator_model(home: str | os.PathLike | None, name: str) -> bool:
