@@ -56,6 +56,7 @@ class SampleJob:
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
     seconds: float = 0.0  # its share of the prefills and decode steps it took part in
+    cached_tokens: int = 0  # its prompt's first tokens found cached (:mod:`.prefix_cache`)
 
     def finish_row(self, sample: int, tokens: list[int], logprobs: list[float], reason: str) -> None:
         self.results[sample] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
