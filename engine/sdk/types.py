@@ -320,7 +320,9 @@ class LoadStateResponse(SaveStateResponse):
 
 @dataclass
 class Usage:
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    # prompt tokens whose KV entries the sampler found cached (not in prefill_tokens)
+    cached_prefill_tokens: int = 0
     sampled_tokens: int = 0
     training_tokens: int = 0
     wall_time_s: float = 0.0
