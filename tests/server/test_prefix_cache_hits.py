@@ -1,6 +1,6 @@
 """The prompt tokens the sampler found in its prefix cache, on every protocol's sample response:
 the sess SDK's ``prompt_cache_hit_tokens``, Tinker's ``SampleResponse.prompt_cache_hit_tokens`` and
-OpenAI's ``usage.prompt_tokens_details.cached_tokens``; the usage counts them apart from prefill."""
+OpenAI's ``usage.prompt_tokens_details.cached_tokens``; the usage counts them as a part of prefill."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_the_sdk_reports_a_repeated_prompts_hits_and_usage_counts_them_apart(svc
     assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
     assert [s.logprobs for s in again.sequences] == [s.logprobs for s in first.sequences]
     assert after.cached_prefill_tokens - before.cached_prefill_tokens == len(prompt) - 1
-    assert after.prefill_tokens - before.prefill_tokens == 1  # only the last token computed
+    assert after.prefill_tokens - before.prefill_tokens == len(prompt)  # the cached ones a part of them
     tc.stop()
 
 

@@ -91,9 +91,9 @@ def start_sample(
             )
             response.topk_prompt_logprobs = keep_last_n(top, last_n)
         sampled = sum(len(s.tokens) for s in sequences)
-        # the one place a sample's cached prompt tokens are counted: apart from the ones computed
+        # the one place a sample's cached prompt tokens are counted: a part of its prompt's tokens
         usage = Usage(
-            prefill_tokens=len(prompt) - job.cached_tokens,
+            prefill_tokens=len(prompt),
             cached_prefill_tokens=job.cached_tokens,
             sampled_tokens=sampled,
             wall_time_s=job.seconds,
