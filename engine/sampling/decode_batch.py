@@ -56,7 +56,9 @@ class SampleJob:
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
     seconds: float = 0.0  # its share of the prefills and decode steps it took part in
-    cached_tokens: int = 0  # its prompt's first tokens found cached (:mod:`.prefix_cache`)
+    # its prompt's first tokens the prefill did not compute: found in the :mod:`.prefix_cache`, or
+    # computed once for it and an earlier prompt of the same prefill (:mod:`.prefill_layout`)
+    cached_tokens: int = 0
 
     def finish_row(self, sample: int, tokens: list[int], logprobs: list[float], reason: str) -> None:
         self.results[sample] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)

@@ -41,7 +41,9 @@ class Layout:
         ``found``: per job, ``(length, first)``: its first ``length`` tokens' entries are cached,
         at ``first`` of the cached entries laid before the computed tokens' (length 0: none); its
         columns there and its own after index those entries and the computed ones together. A job
-        with a cached prefix computes the rest of its prompt on its own."""
+        with a cached prefix computes the rest of its prompt on its own. Sets each job's
+        ``cached_tokens``: its prompt's first tokens it does not compute (found cached, or computed
+        for an earlier prompt of the prefill)."""
         found = found or [(0, 0)] * len(jobs)
         cached = sum(length for length, _ in found)
         prefixes = {}  # adapter -> the length its prompts share (each keeps at least its last token)
@@ -57,6 +59,7 @@ class Layout:
         layout, placed = cls(cached=cached, shared=cached > 0), {}  # adapter -> where its prefix's tokens are
         for job, (length, first) in zip(jobs, found):
             shared = length or prefixes.get(job.adapter, 0)
+            job.cached_tokens = shared if length or job.adapter in placed else 0
             if shared and not length and job.adapter not in placed:
                 placed[job.adapter] = here = cached + len(layout.tokens)
                 layout._add(job.prompt[:shared], job.adapter, range(shared), 0, 0, here)

@@ -136,7 +136,7 @@ def budget_of(copies: Callable[[], int] | None) -> Callable[[], int]:
 
 
 def lookup(cache: PrefixCache, weights: list[tuple] | None, jobs: list) -> tuple[list | None, list | None]:
-    """Each job's cached prefix (``job.cached_tokens`` set) as :meth:`.prefill_layout.Layout.of`
+    """Each job's cached prefix as :meth:`.prefill_layout.Layout.of`
     takes it, and the found entries laid end to end, ``(keys, values)`` per layer (None: none
     found). A job keeps at least its last token to compute (its logits), and one that wants its
     prompt's logprobs computes all of it."""
@@ -145,8 +145,7 @@ def lookup(cache: PrefixCache, weights: list[tuple] | None, jobs: list) -> tuple
     found, hits, first = [], [], 0
     for job, key in zip(jobs, weights):
         hit = None if job.prompt_logprobs else cache.find(key, job.prompt, len(job.prompt) - 1)
-        job.cached_tokens = hit.length if hit else 0
-        found.append((job.cached_tokens, first))
+        found.append((hit.length if hit else 0, first))
         if hit:
             hits.append(hit)
             first += hit.length
