@@ -2,27 +2,25 @@
 
 A decode step through transformers' and peft's modules spends about half its time in module
 machinery (masks, hooks, a LoRA call a projection); this decoder runs the same arithmetic directly
-on the same weights, and attention over the batch's :class:`~.block_cache.BlockCache`. Each group
-of rows goes through its adapter's plan (:mod:`.lora_plans`): merged (an fp32 base on CPU, the
-default there: one matmul a bundle of projections, q/k/v, o, gate/up, down) or the base
-projections for every row (:class:`~.row_invariant.RowInvariantLinears`) plus each group's LoRA
-terms. A prefill lays the new prompts end to end (no padding), runs each prompt's attention on its
-own, and writes each prompt's keys and values into the rows of its samples. For fp32 on CPU a
-step's attention, norms and activation are C calls (:mod:`.fused_ops`), each row's sums in an
-order of its own; a prefill's attention is the same code, a prefix that prompts of one adapter
-share is computed once for them all (:class:`Layout`), and one of an earlier prompt of the same
-weights is read from the :mod:`.prefix_cache`.
+on the same weights, and attention over the batch's :class:`~.block_cache.BlockCache`. Each group of
+rows goes through its adapter's plan (:mod:`.lora_plans`): merged (an fp32 base on CPU, the default
+there: one matmul a bundle of projections, q/k/v, o, gate/up, down) or the base projections for
+every row (:class:`~.row_invariant.RowInvariantLinears`) plus each group's LoRA terms. A prefill
+lays the new prompts end to end (no padding), runs each prompt's attention on its own, and writes
+each prompt's keys and values into the rows of its samples. For fp32 on CPU a step's attention,
+norms and activation are C calls (:mod:`.fused_ops`), each row's sums in an order of its own; a
+prefill's attention is the same code, a prefix that prompts of one adapter share is computed once
+for them all (:class:`Layout`), and one of an earlier prompt of the same weights is read from the
+:mod:`.prefix_cache`.
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
 row, and which form an adapter's plan takes is decided per engine, not per batch. So the batch is
 invariant, and the sampled logprobs equal ``forward``'s to rounding (the parity tests).
 
-It computes exactly the models :func:`unsupported` accepts: the architecture, activation, biases,
-rotary embedding type, attention windows and module classes are checked, and anything else (rope
-scaling, attention bias, sliding windows, other architectures) decodes through the model's own
-modules instead (:mod:`.module_decoder`), so no model silently takes a path that computes something
-else. The decoder reads the model's modules but never changes them.
+It computes exactly the models :func:`unsupported` accepts; anything else (rope scaling, attention
+bias, sliding windows, other architectures) decodes through the model's own modules instead
+(:mod:`.module_decoder`). The decoder reads the model's modules but never changes them.
 """
 
 from __future__ import annotations
@@ -148,10 +146,14 @@ class LlamaDecoder:
         self.prefix.forget(keep=lambda weights: weights[0] in keep)
 
     def forget(self, adapter: str) -> None:
-        """Drop ``adapter``'s plan (its merged copies are as large as the weights it adapts): the
-        engine removed the adapter."""
+        """Drop ``adapter``'s plan (merged copies as large as its weights): the engine removed it."""
         self._plans.pop(adapter, None)
         self.prefix.forget(keep=lambda weights: weights[0] != adapter)
+
+    def finished(self, cache: BlockCache, row: int, job, tokens: list[int]) -> None:
+        """Keep a finished row's entries, its weights those of its prefill still (:mod:`.prefix_cache`)."""
+        if job.prefix_key is not None and job.prefix_key == self._weights(self.model_of(), [job])[0]:
+            prefix_cache.store_row(self.prefix, job.prefix_key, cache, row, job, tokens)
 
     # prefill ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -207,7 +209,7 @@ class LlamaDecoder:
         if layout.shared:  # each prompt's entries laid end to end, its shared prefix's first
             order = torch.tensor(layout.order, device=device)
             keys, values = ([t.index_select(0, order) for t in entries] for entries in (keys, values))
-        prefix_cache.store(self.prefix, weights, jobs, keys, values)
+        prefix_cache.store(self.prefix, jobs, keys, values)
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         # the steps read it through the kernel, by place
@@ -217,11 +219,9 @@ class LlamaDecoder:
         return Prefill(cache, logits)
 
     def _weights(self, model, jobs: list) -> list[tuple]:
-        """Per job, what its prompt's entries depend on beside its tokens: its adapter's weights'
-        versions (its plan's, made now if need be), or the base model's; the thread count, packing."""
+        """Per job, what its entries depend on: its adapter's weights' versions, or the base model's."""
         made = {a: (self._plan(model, a), self._plans[a].made)[1] for a in {j.adapter for j in jobs} if a}
-        weight = model.model.embed_tokens.weight
-        base = (id(weight), weight._version, torch.get_num_threads(), self.packs())
+        base = (id(w := model.model.embed_tokens.weight), w._version, torch.get_num_threads(), self.packs())
         return [(job.adapter or "", made.get(job.adapter), *base) for job in jobs]
 
     def _output(self, model, h: torch.Tensor, plans: list) -> torch.Tensor:

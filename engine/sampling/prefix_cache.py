@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sess.engine.sampling.row_invariant import BLOCK
+
 
 def enabled() -> bool:
     """Whether the sampler keeps prompts' entries across requests (``SESS_PREFIX_CACHE``, default on)."""
@@ -144,6 +146,7 @@ def lookup(cache: PrefixCache, weights: list[tuple] | None, jobs: list) -> tuple
         return None, None
     found, hits, first = [], [], 0
     for job, key in zip(jobs, weights):
+        job.prefix_key = key  # its completion's entries are kept under it (:func:`store_row`)
         hit = None if job.prompt_logprobs else cache.find(key, job.prompt, len(job.prompt) - 1)
         found.append((hit.length if hit else 0, first))
         if hit:
@@ -157,15 +160,15 @@ def lookup(cache: PrefixCache, weights: list[tuple] | None, jobs: list) -> tuple
     ]
 
 
-def store(cache: PrefixCache, weights: list[tuple] | None, jobs: list, keys: list, values: list) -> None:
+def store(cache: PrefixCache, jobs: list, keys: list, values: list) -> None:
     """Keep each job's prompt entries from a prefill's per-layer ``keys``, ``values`` [tokens, kv
-    heads, dim] of the prompts laid end to end (``weights`` None: no cache)."""
-    if weights is None:
-        return
+    heads, dim] of the prompts laid end to end, under the weights :func:`lookup` found for it
+    (``job.prefix_key``; None: the cache was not used)."""
     start = 0
-    for job, key in zip(jobs, weights):
+    for job in jobs:
         span = slice(start, start + len(job.prompt))
-        cache.put(key, job.prompt, [k[span] for k in keys], [v[span] for v in values])
+        if job.prefix_key is not None:
+            cache.put(job.prefix_key, job.prompt, [k[span] for k in keys], [v[span] for v in values])
         start = span.stop
 
 
@@ -192,3 +195,31 @@ def joined(cached: list | None, layer: int, keys: torch.Tensor, values: torch.Te
     if cached is None:
         return keys, values
     return torch.cat([cached[layer][0], keys]), torch.cat([cached[layer][1], values])
+
+
+def store_row(cache: PrefixCache, key: tuple, rows, row: int, job, tokens: list[int]) -> None:
+    """Keep the entries of batch row ``row`` of the decode cache ``rows`` (a
+    :class:`~.block_cache.BlockCache` read by place), which finished with ``tokens``: those of its
+    prompt and of its tokens but the last (never fed back), under ``key``, its prefill's weights,
+    which the caller checked it still has (a live session may have stepped while it decoded). Only
+    for a request of one sample (a multi-turn environment's turn: its next prompt begins with this
+    one and its completion); the decode step computes each token's entries as a prefill of them
+    would, to the bit."""
+    length = len(job.prompt) + len(tokens) - 1
+    if job.num_samples != 1 or not rows.by_place:
+        return
+    sources, lengths = rows.sharing()
+    place = (lambda r: int(rows.places[r])) if rows.places is not None else (lambda r: r)
+    own, source, shared = place(row), place(int(sources[row])), min(int(lengths[row]), length)
+    blocks = -(-length // BLOCK)
+
+    def columns(t: torch.Tensor, at: int) -> torch.Tensor:
+        """Cache row ``at``'s columns [blocks * BLOCK, kv heads, dim] of ``t`` [blocks, rows, ...]."""
+        entries = t[:blocks, at].transpose(0, 1)  # [kv heads, blocks, BLOCK, dim]
+        return entries.reshape(entries.shape[0], blocks * BLOCK, entries.shape[-1]).transpose(0, 1)
+
+    def of(t: torch.Tensor) -> torch.Tensor:
+        mine = columns(t, own)[:length]
+        return mine if source == own else torch.cat([columns(t, source)[:shared], mine[shared:]])
+
+    cache.put(key, list(job.prompt) + tokens[:-1], [of(t) for t in rows.keys], [of(t) for t in rows.values])

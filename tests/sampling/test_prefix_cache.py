@@ -76,10 +76,11 @@ def test_cached_prefixes_give_the_bits_of_a_full_prefill(runtime, svc, monkeypat
     assert both([(prompt, 3, adapter, 0)]) == [0]
     # the same prompt again (a group's next request): all but its last token found
     assert both([(prompt, 3, adapter, 1)]) == [len(prompt) - 1]
-    # the next turn: the earlier prompt and a completion, then more
+    # the next turn: the earlier prompt and a completion, then more; a request of one sample keeps
+    # its prompt's and its tokens' entries (but the last token's, never fed back)
     completion = run_jobs(decoder, tok, [(prompt, 1, adapter, 2)])[0][0][0][0]
     turn = prompt + completion + tok.encode(" Right. And 5 + 6?")
-    assert both([(turn, 2, adapter, 3)]) == [len(prompt)]
+    assert both([(turn, 2, adapter, 3)]) == [len(prompt) + len(completion) - 1]
     # the base model's entries are its own: the same tokens under no adapter find nothing
     other = tok.encode("Question: what is 9 + 1? Answer:")
     # (the last prompt's prefix computed once for it and the one before: not computed for it)
