@@ -80,20 +80,18 @@ class PrefixCache:
         already is only touched; entries that are a prefix of it go (it serves them all), and so do
         those of other weights under the same name (``weights[0]``: an adapter's before a step)."""
         tokens = tuple(prompt)
-        for key, entry in list(self.entries.items()):
-            if key[0] != weights:
-                if key[0][0] == weights[0]:
-                    self._drop(key)
-                continue
-            if entry.tokens[: len(tokens)] == tokens:
+        for key, entry in self.entries.items():
+            if key[0] == weights and entry.tokens[: len(tokens)] == tokens:
                 self.entries.move_to_end(key)
                 return
-            if tokens[: len(entry.tokens)] == entry.tokens:
-                self._drop(key)
         size = sum(t.numel() * t.element_size() for t in keys + values)
         budget = self.budget()
-        if size > budget:
+        if size > budget:  # never kept: the entries it would replace stay
             return
+        for key, entry in list(self.entries.items()):
+            stale = key[0] != weights and key[0][0] == weights[0]
+            if stale or (key[0] == weights and tokens[: len(entry.tokens)] == entry.tokens):
+                self._drop(key)
         while self.entries and self.bytes + size > budget:
             self._drop(next(iter(self.entries)))
         entry = Entry(tokens, [k.clone() for k in keys], [v.clone() for v in values], size)

@@ -118,9 +118,14 @@ def test_entries_stay_within_the_budget_least_recently_used_first():
     cache.put(("w",), [1, 2], *entries(2))
     assert cache.bytes == before
     cache.put(("w",), list(range(100, 120)), *entries(20))  # larger than the whole budget: not kept
-    assert cache.bytes == before
+    cache.put(("w",), [1, 2, 3, 4] + list(range(20)), *entries(24))  # nor what it would replace lost
+    assert cache.bytes == before and cache.find(("w",), [1, 2, 3, 4, 5], 9).length == 4
+    # the same name's other weights (an adapter before an optimizer step) go when new ones come
+    cache.put(("w", "after a step"), [9], *entries(1))
+    assert [weights for (weights, _) in cache.entries] == [("v",), ("w", "after a step")]
+    before = cache.bytes
     limit[0] = 64 * 4
     cache.shrink()
     assert cache.bytes <= limit[0]
     # at most ``most`` tokens are found (a prompt keeps its last token to compute)
-    assert cache.find(("w",), [1, 2, 3, 4], 2).length == 2
+    assert cache.find(("v",), [1, 2, 3, 4], 2).length == 2
