@@ -87,6 +87,15 @@ def test_cached_prefixes_give_the_bits_of_a_full_prefill(runtime, svc, monkeypat
     mixed = [(turn + tok.encode(" 11."), 2, adapter, 4), (other, 2, None, 5), (other + [5], 1, None, 6)]
     assert both(mixed) == [len(turn), 0, len(other) - 1]
     assert hits == [[0]] * 3 + [[0, 0, len(other) - 1]]
+    # weights changed in place (as an optimizer step or a loaded state does), no memory released
+    # between: the entries of the weights before are not used
+    assert both([(prompt, 1, adapter, 8)]) == [len(prompt) - 1]
+    module = next(
+        m for m in runtime.host("tiny-llama").model.modules() if adapter in getattr(m, "lora_B", {})
+    )
+    with torch.no_grad():
+        module.lora_B[adapter].weight.add_(1e-3)
+    assert both([(prompt, 1, adapter, 8)]) == [0]
     # an optimizer step changes the adapter's weights in place: its old entries are not used
     train_steps(tc, [SENTENCES[1]], 5e-2)
     assert both([(prompt, 2, adapter, 7)]) == [0]
