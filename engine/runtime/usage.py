@@ -6,7 +6,8 @@ total is the sum of its rows. Seconds are the engine's own time on the op: a syn
 handler time, and for a sample request its share of every prefill and decode step it took part in
 (a step's time split by the rows each request had in it), never the time it spent waiting. Tokens:
 ``training_tokens`` for forward / forward_backward, ``prefill_tokens`` for prompts (sample,
-compute_logprobs), ``sampled_tokens`` for what sampling produced.
+compute_logprobs), ``sampled_tokens`` for what sampling produced; ``cached_prefill_tokens``, the
+part of a sample's prompt tokens the sampler found in its prefix cache, is counted by the sample op.
 
 The ledger is written before the answer: an op whose row cannot be written (a full disk under the
 engine home) is answered with :class:`Unrecorded` instead of its result, and its usage is taken back

@@ -56,6 +56,10 @@ class SampleJob:
     results: list[SampledSequence | None] = field(default_factory=list)
     rows_left: int = 0
     seconds: float = 0.0  # its share of the prefills and decode steps it took part in
+    # its prompt's first tokens the prefill did not compute: found in the :mod:`.prefix_cache`, or
+    # computed once for it and an earlier prompt of the same prefill (:mod:`.prefill_layout`)
+    cached_tokens: int = 0
+    prefix_key: tuple | None = None  # the weights its prompt's entries were kept under (None: not kept)
 
     def finish_row(self, sample: int, tokens: list[int], logprobs: list[float], reason: str) -> None:
         self.results[sample] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
@@ -305,8 +309,11 @@ class DecodeBatch:
                     done[row] = True
         if not bool(done.any()):
             return
+        finished = getattr(self.decoder, "finished", None)  # it may keep the row's entries
         for row in done.nonzero().flatten().tolist():
             n = int(self.steps[row])
+            if finished is not None:
+                finished(self.cache, row, self.jobs[row], self.generated[row, -n:].tolist())
             self.jobs[row].finish_row(
                 self.sample_index[row],
                 self.generated[row, -n:].tolist(),

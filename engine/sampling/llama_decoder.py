@@ -1,32 +1,26 @@
 """The lean decoder for llama-family models (llama, qwen3): prefill and decode steps on the weights.
 
-A decode step of 64 rows on smollm2-135m does ~1,900 small tensor ops through transformers' and
-peft's modules; the matmuls of the base model are about half of its time and the rest is module
-machinery (masks built and ignored, per-layer hooks and bookkeeping, a LoRA call per projection).
-This decoder runs the same arithmetic directly on the same weights, and attention over the batch's
-:class:`~.block_cache.BlockCache`. Each group of rows goes through its own adapter's plan
-(:mod:`.lora_plans`): with merged plans (an fp32 base on CPU, the default there) one matmul a
-bundle of projections (q/k/v, o, gate/up, down) over the adapter's merged weights, base-model rows
-through the base weights; with plans
-of LoRA terms the base projections for every row (:class:`~.row_invariant.RowInvariantLinears`)
-plus each group's terms (one ``A`` matmul for the projections that read the same input, q/k/v and
-gate/up, and a ``B`` matmul a projection). A prefill lays the new prompts end to end (no padding),
-runs each prompt's attention on its own, and writes each prompt's keys and values into the rows of
-its samples. For fp32 on CPU a step's attention, norms and activation are C calls
-(:mod:`.fused_ops`), each row's sums in an order of its own; a prefill's attention is the same
-code, and a prefix that prompts of one adapter share (a chat template's system prompt) is
-computed once for them all (:class:`Layout`).
+A decode step through transformers' and peft's modules spends about half its time in module
+machinery (masks, hooks, a LoRA call a projection); this decoder runs the same arithmetic directly
+on the same weights, and attention over the batch's :class:`~.block_cache.BlockCache`. Each group of
+rows goes through its adapter's plan (:mod:`.lora_plans`): merged (an fp32 base on CPU, the default
+there: one matmul a bundle of projections, q/k/v, o, gate/up, down) or the base projections for
+every row (:class:`~.row_invariant.RowInvariantLinears`) plus each group's LoRA terms. A prefill
+lays the new prompts end to end (no padding), runs each prompt's attention on its own, and writes
+each prompt's keys and values into the rows of its samples. For fp32 on CPU a step's attention,
+norms and activation are C calls (:mod:`.fused_ops`), each row's sums in an order of its own; a
+prefill's attention is the same code, a prefix that prompts of one adapter share is computed once
+for them all (:class:`Layout`), and one of an earlier prompt of the same weights is read from the
+:mod:`.prefix_cache`.
 
 Row by row this is the arithmetic of one request alone: every linear layer gives each row the same
 result at any row count (:mod:`.row_invariant`), norms, rotary embeddings and activations work per
 row, and which form an adapter's plan takes is decided per engine, not per batch. So the batch is
 invariant, and the sampled logprobs equal ``forward``'s to rounding (the parity tests).
 
-It computes exactly the models :func:`unsupported` accepts: the architecture, activation, biases,
-rotary embedding type, attention windows and module classes are checked, and anything else (rope
-scaling, attention bias, sliding windows, other architectures) decodes through the model's own
-modules instead (:mod:`.module_decoder`), so no model silently takes a path that computes something
-else. The decoder reads the model's modules but never changes them.
+It computes exactly the models :func:`unsupported` accepts; anything else (rope scaling, attention
+bias, sliding windows, other architectures) decodes through the model's own modules instead
+(:mod:`.module_decoder`). The decoder reads the model's modules but never changes them.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sess.engine.sampling import fused_ops, onednn
+from sess.engine.sampling import fused_ops, onednn, prefix_cache
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.lora_plans import (
@@ -90,9 +84,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
 
 
 class LlamaDecoder:
-    """Prefill and decode steps of one base model, merging every request into one batch.
-    ``model_of()`` gives the model at each call, since peft wraps and unwraps its layers as
-    adapters come and go."""
+    """Prefill and decode steps of one base model, merging every request into one batch (``model_of()``
+    gives the model at each call: peft wraps and unwraps its layers as adapters come and go)."""
 
     merges = True
 
@@ -114,6 +107,7 @@ class LlamaDecoder:
         self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
         self._plans: dict[str, Kept] = {}  # adapter -> its plan and what it was made from
+        self.prefix = prefix_cache.PrefixCache(prefix_cache.budget_of(pack_budget))  # prompts' entries
 
     def packs(self) -> bool:
         """Whether the base projections run through prepacked copies: where their bytes (as many as
@@ -149,11 +143,17 @@ class LlamaDecoder:
         adapters that running requests sample from."""
         self.linear.release()
         self._plans = {adapter: plan for adapter, plan in self._plans.items() if adapter in keep}
+        self.prefix.forget(keep=lambda weights: weights[0] in keep)
 
     def forget(self, adapter: str) -> None:
-        """Drop ``adapter``'s plan (its merged copies are as large as the weights it adapts): the
-        engine removed the adapter."""
+        """Drop ``adapter``'s plan (merged copies as large as its weights): the engine removed it."""
         self._plans.pop(adapter, None)
+        self.prefix.forget(keep=lambda weights: weights[0] != adapter)
+
+    def finished(self, cache: BlockCache, row: int, job, tokens: list[int]) -> None:
+        """Keep a finished row's entries, its weights those of its prefill still (:mod:`.prefix_cache`)."""
+        if job.prefix_key is not None and job.prefix_key == self._weights(self.model_of(), [job])[0]:
+            prefix_cache.store_row(self.prefix, job.prefix_key, cache, row, job, tokens)
 
     # prefill ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -166,10 +166,12 @@ class LlamaDecoder:
         self.linear.packing(self.packs())
         device = model.model.embed_tokens.weight.device
         fused = self.uses_kernels() and self.attention_kernel
-        layout = Layout.of(jobs, share=fused and not jobs[0].prompt_logprobs)
+        weights = self._weights(model, jobs) if fused and prefix_cache.enabled() else None
+        found, cached = prefix_cache.lookup(self.prefix, weights, jobs)
+        layout = Layout.of(jobs, share=fused and not jobs[0].prompt_logprobs, found=found)
         tokens, positions = (torch.tensor(x, device=device) for x in (layout.tokens, layout.positions))
-        if fused:  # where each token's columns are, for the kernel
-            columns = tuple(torch.tensor(x) for x in (layout.positions, layout.splits, layout.lows, layout.highs))
+        if fused:  # where each token's columns are, for the kernel (cached entries' first)
+            columns = tuple(torch.tensor(x) for x in prefix_cache.dummy_columns(layout))
         lengths = [len(job.prompt) for job in jobs]
         starts = [sum(lengths[:i]) for i in range(len(jobs))]
         keys, values = [], []
@@ -178,9 +180,11 @@ class LlamaDecoder:
             if fused:  # each token over its prompt's columns, shared or its own, by the decode step's code
                 cos, sin, q_cos, q_sin = rotation
                 k = _rotated(k, cos, sin)
+                k, v = prefix_cache.joined(cached, layer, k, v)
                 keys.append(k)
                 values.append(v)
-                return fused_ops.prefill_attend(k, v, q, q_cos, q_sin, columns)
+                q, q_cos, q_sin = (prefix_cache.padded(x, layout.cached) for x in (q, q_cos, q_sin))
+                return fused_ops.prefill_attend(k, v, q, q_cos, q_sin, columns)[layout.cached :]
             q, k = _rotate(q, k, *rotation)
             keys.append(k)
             values.append(v)
@@ -205,6 +209,7 @@ class LlamaDecoder:
         if layout.shared:  # each prompt's entries laid end to end, its shared prefix's first
             order = torch.tensor(layout.order, device=device)
             keys, values = ([t.index_select(0, order) for t in entries] for entries in (keys, values))
+        prefix_cache.store(self.prefix, jobs, keys, values)
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         # the steps read it through the kernel, by place
@@ -212,6 +217,12 @@ class LlamaDecoder:
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)
+
+    def _weights(self, model, jobs: list) -> list[tuple]:
+        """Per job, what its entries depend on: its adapter's weights' versions, or the base model's."""
+        made = {a: (self._plan(model, a), self._plans[a].made)[1] for a in {j.adapter for j in jobs} if a}
+        base = (id(w := model.model.embed_tokens.weight), w._version, torch.get_num_threads(), self.packs())
+        return [(job.adapter or "", made.get(job.adapter), *base) for job in jobs]
 
     def _output(self, model, h: torch.Tensor, plans: list) -> torch.Tensor:
         """Logits of the final-normed states ``h``, each group of rows of ``plans`` (from

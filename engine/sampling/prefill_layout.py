@@ -32,31 +32,42 @@ class Layout:
     highs: list[int] = field(default_factory=list)
     last: list[int] = field(default_factory=list)  # each prompt's last token
     order: list[int] = field(default_factory=list)  # the prompts' tokens end to end
-    shared: bool = False  # whether any prefix is computed once
+    shared: bool = False  # whether any prefix is computed once or comes from the prefix cache
+    cached: int = 0  # entries that come first, before the computed tokens' (prefixes found cached)
 
     @classmethod
-    def of(cls, jobs: list, share: bool) -> Layout:
-        """The layout of ``jobs``' prompts (in job order); ``share``: compute shared prefixes once."""
+    def of(cls, jobs: list, share: bool, found: list[tuple[int, int]] | None = None) -> Layout:
+        """The layout of ``jobs``' prompts (in job order); ``share``: compute shared prefixes once.
+        ``found``: per job, ``(length, first)``: its first ``length`` tokens' entries are cached,
+        at ``first`` of the cached entries laid before the computed tokens' (length 0: none); its
+        columns there and its own after index those entries and the computed ones together. A job
+        with a cached prefix computes the rest of its prompt on its own. Sets each job's
+        ``cached_tokens``: its prompt's first tokens it does not compute (found cached, or computed
+        for an earlier prompt of the prefill)."""
+        found = found or [(0, 0)] * len(jobs)
+        cached = sum(length for length, _ in found)
         prefixes = {}  # adapter -> the length its prompts share (each keeps at least its last token)
         if share:
             by_adapter: dict = {}
-            for job in jobs:
-                by_adapter.setdefault(job.adapter, []).append(job.prompt)
+            for job, (length, _) in zip(jobs, found):
+                if not length:
+                    by_adapter.setdefault(job.adapter, []).append(job.prompt)
             for adapter, prompts in by_adapter.items():
                 if len(prompts) > 1:
                     common = len(os.path.commonprefix(prompts))
                     prefixes[adapter] = min(common, min(map(len, prompts)) - 1)
-        layout, placed = cls(), {}  # adapter -> where its prefix's tokens are
-        for job in jobs:
-            shared = prefixes.get(job.adapter, 0)
-            if shared and job.adapter not in placed:
-                placed[job.adapter] = len(layout.tokens)
-                layout._add(job.prompt[:shared], job.adapter, range(shared), 0, 0, len(layout.tokens))
+        layout, placed = cls(cached=cached, shared=cached > 0), {}  # adapter -> where its prefix's tokens are
+        for job, (length, first) in zip(jobs, found):
+            shared = length or prefixes.get(job.adapter, 0)
+            job.cached_tokens = shared if length or job.adapter in placed else 0
+            if shared and not length and job.adapter not in placed:
+                placed[job.adapter] = here = cached + len(layout.tokens)
+                layout._add(job.prompt[:shared], job.adapter, range(shared), 0, 0, here)
                 layout.shared = True
-            low = placed.get(job.adapter, 0)
-            own = len(layout.tokens)
+            low = first if length else placed.get(job.adapter, 0)
+            own = cached + len(layout.tokens)
             layout._add(job.prompt[shared:], job.adapter, range(shared, len(job.prompt)), shared, low, own - shared)
-            layout.order += [*range(low, low + shared), *range(own, len(layout.tokens))]
+            layout.order += [*range(low, low + shared), *range(own, cached + len(layout.tokens))]
             layout.last.append(len(layout.tokens) - 1)
         return layout
 

@@ -29,6 +29,9 @@ class SampleResponse:
     # asked for (``prompt_alt_tokens_k``): {"tokens": [[id] * k], "logprobs": [[lp] * k]}, one row per
     # prompt position after the first
     prompt_alt_tokens: dict | None = None
+    # the prompt's first tokens whose KV entries the sampler found cached from earlier requests of
+    # the same weights, and did not compute again (0: none, or the cache is off)
+    prompt_cache_hit_tokens: int = 0
 
     def to_wire(self) -> dict:
         wire = asdict(self)
@@ -54,6 +57,7 @@ class SampleResponse:
             topk_prompt_logprobs=topk,
             target_prompt_logprobs=wire.get("target_prompt_logprobs"),
             prompt_alt_tokens=wire.get("prompt_alt_tokens"),
+            prompt_cache_hit_tokens=int(wire.get("prompt_cache_hit_tokens", 0)),
         )
 
 

@@ -320,7 +320,10 @@ class LoadStateResponse(SaveStateResponse):
 
 @dataclass
 class Usage:
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens, cached or computed
+    # of prefill_tokens, those whose KV entries the sampler found cached and did not compute (the
+    # rest, prefill_tokens - cached_prefill_tokens, were computed)
+    cached_prefill_tokens: int = 0
     sampled_tokens: int = 0
     training_tokens: int = 0
     wall_time_s: float = 0.0

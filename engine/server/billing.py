@@ -43,8 +43,8 @@ class Busy(SessError):
 
 def with_cached_prefill(row: dict) -> dict:
     """A usage row with ``cached_prefill_tokens``, the part of its prefill a prefix cache served:
-    the ledger's count where it keeps one, else 0 (the engine's sampler keeps no prefix cache, so
-    every prompt token is computed and billed as prefill)."""
+    the ledger's count where it keeps one, else 0 (the registry's rows keep no such column yet; an
+    op's cost, computed from its own usage as it finished, priced its cached tokens as such)."""
     return row | {"cached_prefill_tokens": int(row.get("cached_prefill_tokens") or 0)}
 
 

@@ -59,6 +59,13 @@ def test_chat_completion_n2_stop_seed(served, source):
     assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
     after = svc.get_usage(tc.name)  # the usage block is the engine's own accounting
     assert after.prefill_tokens - before.prefill_tokens == 2 * response.usage.prompt_tokens
+    # the second request's prompt was found cached but for its last token, counted as such
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert (
+        cached
+        == after.cached_prefill_tokens - before.cached_prefill_tokens
+        == response.usage.prompt_tokens - 1
+    )
     assert after.sampled_tokens - before.sampled_tokens == 2 * response.usage.completion_tokens
 
 

@@ -69,7 +69,7 @@ def start_sample(
     check_window(len(prompt), params.max_tokens, host.max_context)
 
     def finished(sequences, error) -> None:
-        response = SampleResponse(sequences=sequences)
+        response = SampleResponse(sequences=sequences, prompt_cache_hit_tokens=job.cached_tokens)
         try:
             if error is None and request.include_trainer_logprobs:
                 job.seconds += add_trainer_logprobs(runtime, host, job.adapter, prompt, sequences)
@@ -91,8 +91,13 @@ def start_sample(
             )
             response.topk_prompt_logprobs = keep_last_n(top, last_n)
         sampled = sum(len(s.tokens) for s in sequences)
+        # the one place a sample's cached prompt tokens are counted: a part of its prompt's tokens
         usage = Usage(
-            prefill_tokens=len(prompt), sampled_tokens=sampled, wall_time_s=job.seconds, operations=1
+            prefill_tokens=len(prompt),
+            cached_prefill_tokens=job.cached_tokens,
+            sampled_tokens=sampled,
+            wall_time_s=job.seconds,
+            operations=1,
         )
         on_done(response.to_wire(), None, usage)
 

@@ -140,11 +140,13 @@ def header(plan: Plan) -> dict:
     }
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens found in the sampler's prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -172,13 +172,14 @@ def add_openai_routes(app: FastAPI, engine, owner_of, read_json) -> None:
             raise _as_sent(exc) from None
 
         async def finish(results: list[dict]) -> tuple[list, dict]:
-            choices, sampled = [], 0
+            choices, sampled, cached = [], 0, 0
             for i, (ids, result) in enumerate(zip(prompts, results)):
                 if plan.echo and plan.logprobs is not None and len(ids) == 1 and plan.max_tokens:
                     result = _one_token_prompt_result(ids, result)
                 choices += choices_of(tokenizer, plan, ids, result, i * plan.n)
                 sampled += sum(len(s["tokens"]) for s in result.get("sequences", []))
-            return choices, usage_block(sum(len(ids) for ids in prompts), sampled)
+                cached += result.get("prompt_cache_hit_tokens", 0)
+            return choices, usage_block(sum(len(ids) for ids in prompts), sampled, cached)
 
         if live.eligible(plan):
             queue, progresses = live.listeners(len(prompts))
