@@ -282,7 +282,8 @@ def group_datums(group: Group, batch_size: int, scale_by_std: bool = False) -> l
 def batch_metrics(groups_P: list[Group]) -> dict:
     """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode, the
     share of groups with signal and its complement ``groups/zero_advantage``, the sampled-token
-    entropy (:func:`sampled_entropy`); the count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines);
+    entropy (:func:`sampled_entropy`); the count of episodes that erred or failed, and their
+    reasons (``failures``, a few distinct lines);
     the drift at sampling where the episodes carry the trainer's logprobs."""
     episodes = [e for g in groups_P for e in g.episodes_G]
     scored = [e for e in episodes if not e.error]
@@ -305,9 +306,10 @@ def batch_metrics(groups_P: list[Group]) -> dict:
 
 
 def sampled_entropy(episodes: list[Episode]) -> dict[str, float]:
-    """``entropy/sampled_mc``: the mean of ``-logp_sampler`` over the sampled tokens, the Monte-Carlo
-    estimate of the policy's per-token entropy (in nats) at the sampling temperature, from the
-    logprobs the sampler returned (no extra pass). Near 0: the policy has stopped exploring."""
+    """``entropy/sampled_mc``: the mean of ``-logp_sampler`` over the sampled tokens, from the
+    logprobs the sampler returned (no extra pass). Those are the model's own logprobs, before
+    temperature, so at temperature 1 (the default) this is the Monte-Carlo estimate of the policy's
+    per-token entropy in nats; below 1 it reads lower. Near 0: the policy has stopped exploring."""
     logprobs = [lp for e in episodes for lp, s in zip(e.logprobs_T, e.sampled_T) if s]
     return {"entropy/sampled_mc": float(-np.mean(logprobs))} if logprobs else {}
 

@@ -1,6 +1,5 @@
 """The RL diagnostics computed client-side: zero-advantage share, sampled-token entropy, the
-sampler-trainer KL (k1, k3), clip fractions, the standard error of a held-out share, and the
-collapse warnings."""
+sampler-trainer KL (k1, k3), clip fractions and the standard error of a held-out share."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 
 from sess.engine import Datum
-from sess.harness.collapse import ENTROPY_FLOOR, CollapseWatch
 from sess.rl import drift, rollouts
 from sess.rl.evaluation import standard_error
 from sess.rl.rollouts import Episode, Group
@@ -73,21 +71,3 @@ def test_clip_range_follows_the_loss_and_its_config():
 def test_standard_error_of_a_share():
     assert standard_error(0.5, 64) == pytest.approx(math.sqrt(0.25 / 64))
     assert standard_error(0.0, 10) == 0.0 and standard_error(0.3, 0) == 0.0
-
-
-def test_collapse_warns_on_low_entropy_and_on_an_accuracy_drop_beyond_noise():
-    watch = CollapseWatch()
-    assert watch.after_step(1, {"entropy/sampled_mc": 1.2}) is None
-    assert watch.after_step(1, {"loss": 0.0}) is None  # a loop without the metric: no warning
-    low = watch.after_step(2, {"entropy/sampled_mc": ENTROPY_FLOOR / 2})
-    assert low and "entropy" in low and str(ENTROPY_FLOOR) in low
-    assert watch.after_eval(0, {"eval/accuracy": 0.40, "eval/n": 256}) is None
-    assert watch.after_eval(5, {"eval/accuracy": 0.70, "eval/n": 256}) is None  # a gain
-    # se ~0.029 each: noise 2*sqrt(2)*0.029 ~ 0.08; a 0.05 drop is within it, a 0.2 drop is not
-    assert watch.after_eval(10, {"eval/accuracy": 0.65, "eval/n": 256}) is None
-    drop = watch.after_eval(15, {"eval/accuracy": 0.50, "eval/n": 256})
-    assert drop and "0.700 at step 5" in drop
-    # the same drop on 8 problems is noise
-    small = CollapseWatch()
-    small.after_eval(0, {"eval/accuracy": 0.75, "eval/n": 8})
-    assert small.after_eval(5, {"eval/accuracy": 0.5, "eval/n": 8}) is None
