@@ -256,7 +256,7 @@ def compare(
     for key in keys:
         final.append((key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b))))
     for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
-        final.append((key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b))))
+        final.append((key, *(_eval_cell(s["eval"][-1], key) if s["eval"] else "" for s in (a, b))))
     usage_a, usage_b = _usage_cells(a["usage"]), _usage_cells(b["usage"])
     if usage_a[0] or usage_b[0]:
         final.append(("total tokens", usage_a[0], usage_b[0]))
