@@ -17,6 +17,7 @@ from sess.cli import session_cmds  # noqa: F401
 from sess.cli import checkpoint_cmds  # noqa: F401
 from sess.cli import run_cmds  # noqa: F401
 from sess.cli import runs_cmds  # noqa: F401
+from sess.cli import runs_seeds  # noqa: F401
 from sess.cli import attach_cmd  # noqa: F401
 # isort: on
 

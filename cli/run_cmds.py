@@ -124,6 +124,10 @@ def run(
         return
     path = _run_and_note(cfg, runner.start, overrides)
     out.print(f"run finished: {path}", highlight=False)
+    from sess.cli.runs_seeds import summary_line
+
+    if line := summary_line(path):
+        out.print(line, highlight=False, markup=False)
 
 
 def _run_and_note(cfg, work, *args) -> Path:

@@ -24,6 +24,11 @@ STEP_COLUMNS = (
     ("accuracy", "accuracy"),
     ("margin", "margin"),
     ("grad_norm", "grad norm"),
+    ("groups/zero_advantage", "zero-adv"),
+    ("entropy/sampled_mc", "entropy"),
+    ("drift/kl_sample_train", "kl s-t"),
+    ("clip/fraction", "clipped"),
+    ("kl/reference_per_token", "kl ref"),
     ("tokens", "tokens"),
     ("spend/tokens", "spent"),
     ("spend/projected_tokens", "projected"),
@@ -63,7 +68,7 @@ def runs(ctx: typer.Context, runs_dir: Path = RUNS_DIR) -> None:
             err.print(f"{r['run']}: {note}", highlight=False, markup=False)
 
 
-def _run_dir(run: str, runs_dir: Path) -> Path:
+def find_run(run: str, runs_dir: Path) -> Path:
     for candidate in (Path(run), runs_dir / run):
         if (candidate / "meta.json").is_file():
             return candidate
@@ -82,7 +87,7 @@ def _run_dir(run: str, runs_dir: Path) -> Path:
     fail(f"no run {run!r} (a run directory, or a name under {runs_dir}; `sess runs` lists them)")
 
 
-def _summary(path: Path) -> dict:
+def run_summary(path: Path) -> dict:
     """The run's meta, resolved config and metric rows; a file that cannot be read is one line
     naming it."""
     from sess.harness.records import DamagedRecord, read_json, read_jsonl
@@ -150,9 +155,12 @@ def show(
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """A run's config summary, its usage against its forecast (bound, expected figure, projection),
-    its per-step metrics as a table, and a chart of reward and held-out accuracy (or loss) over steps."""
-    path = _run_dir(run, runs_dir)
-    found = _summary(path)
+    its per-step metrics as a table (with the RL diagnostics: groups with zero advantage, sampled-token
+    entropy, sampler-trainer KL, clipped share, KL to the reference), held-out accuracy ± its
+    standard error, a chart of reward and held-out accuracy (or loss) over steps, and any collapse
+    warnings the run recorded."""
+    path = find_run(run, runs_dir)
+    found = run_summary(path)
     meta, cfg = found["meta"], found["config"]
     loop, data, model = cfg.get("loop", {}), cfg.get("data", {}), cfg.get("model", {})
     out.print(
@@ -192,7 +200,7 @@ def show(
         row = train.get(step, {})
         cells = [_cell(row.get(k)) for k, _ in columns]
         if headline:
-            cells.append(_cell(evals.get(step, {}).get(headline)))
+            cells.append(_eval_cell(evals.get(step, {}), headline))
         rows.append((step, *cells))
     header = ("step", *[t for _, t in columns], *([f"eval {headline[5:]}"] if headline else []))
     print_table(header, rows)
@@ -207,6 +215,15 @@ def show(
             (r["step"], r[headline]) for r in found["eval"] if headline in r
         ]
     print(line_chart(series))
+    for warning in meta.get("warnings", []):
+        out.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _eval_cell(row: dict, key: str) -> str:
+    """An eval value, with ``± standard error`` where the run recorded one."""
+    if f"{key}_se" not in row:
+        return _cell(row.get(key))
+    return f"{row[key]:.3f} ± {row[f'{key}_se']:.3f}"
 
 
 def _cell(value) -> str:
@@ -224,8 +241,8 @@ def compare(
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Two runs side by side: the config keys that differ, then their final metrics."""
-    a_path, b_path = _run_dir(first, runs_dir), _run_dir(second, runs_dir)
-    a, b = _summary(a_path), _summary(b_path)
+    a_path, b_path = find_run(first, runs_dir), find_run(second, runs_dir)
+    a, b = run_summary(a_path), run_summary(b_path)
     flat_a, flat_b = _flatten(a["config"]), _flatten(b["config"])
     differ = sorted(
         k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k) and k != "session"
@@ -239,7 +256,7 @@ def compare(
     for key in keys:
         final.append((key, *(_cell(s["train"][-1].get(key)) if s["train"] else "" for s in (a, b))))
     for key in [k for k in EVAL_KEYS if any(k in r for s in (a, b) for r in s["eval"])]:
-        final.append((key, *(_cell(s["eval"][-1].get(key)) if s["eval"] else "" for s in (a, b))))
+        final.append((key, *(_eval_cell(s["eval"][-1], key) if s["eval"] else "" for s in (a, b))))
     usage_a, usage_b = _usage_cells(a["usage"]), _usage_cells(b["usage"])
     if usage_a[0] or usage_b[0]:
         final.append(("total tokens", usage_a[0], usage_b[0]))

@@ -120,7 +120,8 @@ class Progress:
         self._eval_s = metrics.get("eval/seconds", self._eval_s)
         key = next((k for k in EVAL_SHOWN if k in metrics), None)
         if key is not None:
-            self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}[/cyan]"
+            se = f" ± {metrics[key + '_se']:.3f}" if key + "_se" in metrics else ""
+            self._eval = f"  [cyan]eval@{done} {key[5:]} {metrics[key]:.3f}{se}[/cyan]"
         shown = {
             k[5:]: round(v, 4) for k, v in metrics.items() if k.startswith("eval/") and k != "eval/seconds"
         }

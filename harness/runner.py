@@ -25,7 +25,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from sess.tasks import sources
 
 from . import config as config_mod
 from . import recovery, resumes
+from .collapse import CollapseWatch, record_warning
 from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
@@ -113,6 +114,7 @@ class RunHooks:
     last_evaluated: int = -1  # the step of the newest evaluation
     mid_step: bool = False  # the loop is inside a step: its updates may be partly applied
     stop_requested: bool = False  # Ctrl-C came mid-step: stop once this step is recorded and saved
+    watch: CollapseWatch = field(default_factory=CollapseWatch)  # entropy floor, accuracy drop
 
     def step_done(self, step: int, metrics: dict) -> None:
         self.mid_step = False
@@ -120,6 +122,7 @@ class RunHooks:
         row = {"kind": "train", "step": done, **{k: _plain(v) for k, v in metrics.items()}}
         if self.spend is not None:
             row.update(self.spend.step_done(done, row))
+        record_warning(self.record, self.progress, row, self.watch.after_step(done, row))
         self.logger.log(row)
         resumes.note_step(self.record, self.tc, done)
         self.progress.update(done, row)
@@ -145,6 +148,7 @@ class RunHooks:
     def evaluate(self, done: int) -> dict:
         with self.progress.status(f"evaluating at step {done}"):
             metrics = SpendMeter.measure(self.spend, self._evaluate, done)
+        record_warning(self.record, self.progress, metrics, self.watch.after_eval(done, metrics))
         self.logger.log({"kind": "eval", "step": done, **metrics})
         self.progress.note_eval(done, metrics)
         self.last_evaluated = done

@@ -81,7 +81,7 @@ def train(
         # 3. Update: forward_backward with the clipped loss, then AdamW (queued behind it on the engine).
         loss_config = dict(cfg.loss_config) or None
         passes = [tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=loss_config)] if datums else []
-        metrics.update(rl_step.update(tc, passes, datums, adam))
+        metrics.update(rl_step.update(tc, passes, datums, adam, rl_step.clip_range(cfg.loss, loss_config)))
         metrics.update(datums=len(datums), trained_tokens=sum(d.model_input.length for d in datums))
         # 4. The next step samples from the new weights (on-policy).
         sc = tc.save_weights_and_get_sampling_client()

@@ -137,7 +137,8 @@ def train(
             if not cfg.stream and (datums := rollouts.batch_datums(groups_P, cfg.scale_by_std)):
                 passes.append(tc.forward_backward(datums, loss_fn=cfg.loss, loss_fn_config=loss_config))
             # 3. One AdamW step on the summed gradients; the loss's ratio exp(logp - logp_sampler) corrects the lag.
-            metrics.update(rl_step.update(tc, passes, datums, adam))
+            clip = rl_step.clip_range(cfg.loss, loss_config)
+            metrics.update(rl_step.update(tc, passes, datums, adam, clip))
             # 4. The workers sample from the new weights from now on.
             pool.publish(step + 1, tc.save_weights_and_get_sampling_client())
             sampled = rollouts.sampled_tokens(groups_P)

@@ -11,7 +11,9 @@ estimator of KL(policy || base) at the sampled token), divided by the number of 
 batch; prompt and observation tokens get 0. Then ``epochs`` passes, each over ``minibatches``
 shuffled minibatches, take one ``forward_backward(loss_fn="ppo", clip [clip_low, clip_high])`` + AdamW
 ``optim_step`` per minibatch, always against the same ``logp_old`` — so later minibatches are
-off-policy and the clip bounds them.
+off-policy and the clip bounds them. Recorded beside the loss: ``kl`` (per episode, summed over its
+tokens) and ``kl/reference_per_token`` (per sampled token), ``clip/fraction`` over every minibatch's
+sampled tokens, and the drift of the first (on-policy) minibatch (:mod:`sess.rl.drift`).
 
 Launch: ``sess run loop=ppo``, ``sess run loop=ppo model=tiny-llama loop.steps=2 loop.kl_coef=0.1``,
 or without the CLI: ``python -m sess.harness loop=ppo model=tiny-llama loop.steps=2``.
@@ -91,7 +93,7 @@ def train(
         # Clipped epochs over shuffled minibatches, all against the same logp_old.
         order = list(range(len(datums)))
         rng = random.Random(f"{seed}/ppo/{step}")
-        losses, trained, drifts = [], 0, {}
+        losses, trained, drifts, seen = [], 0, {}, ([], [])
         for _ in range(cfg.epochs):
             rng.shuffle(order)
             for mb in range(cfg.minibatches):
@@ -103,6 +105,8 @@ def train(
                 losses.append(fb.result().metrics["loss:sum"])
                 if len(losses) == 1:  # the first minibatch is on-policy: the sampler's own weights
                     drifts = drift.sample_train_drift(chosen, fb.result().loss_fn_outputs)
+                seen[0].extend(chosen)  # every minibatch's ratios, for the clip fraction
+                seen[1].extend(fb.result().loss_fn_outputs)
                 opt.result()
                 trained += sum(d.model_input.length for d in chosen)
         sc = tc.save_weights_and_get_sampling_client()
@@ -111,6 +115,8 @@ def train(
             loss=losses[0] if losses else 0.0,  # the first minibatch is on-policy: comparable across steps
             loss_last=losses[-1] if losses else 0.0,
             kl=float(np.mean(kls)),
+            **{"kl/reference_per_token": sum(kls) / n_tokens},  # k1 estimate of KL(policy || base)
+            **drift.clip_fraction(*seen, cfg.clip_low, cfg.clip_high),
             tokens=rollouts.sampled_tokens(groups_P) + trained,
             seconds=time.perf_counter() - started,
             **drifts,

@@ -2,7 +2,9 @@
 
 Environments: one greedy episode (temperature 0, ``loop.max_tokens`` per turn) of each held-out env,
 reported as the mean reward and the mean of each env metric (``eval/accuracy`` for arithmetic: the
-share of exact answers) over ``eval/n`` episodes. A loop whose config has ``eval_samples`` > 0 (code
+share of exact answers) over ``eval/n`` episodes, with the standard error ``sqrt(p(1-p)/n)`` of
+each metric whose values are all 0 or 1 (``eval/accuracy_se``): two accuracies closer than about
+twice it are within noise. A loop whose config has ``eval_samples`` > 0 (code
 RL) also samples that many episodes of each env at the loop's ``temperature``, reported under
 ``eval/sampled/`` (``eval/sampled/accuracy``: the pass rate of a sampled answer, pass@1 as the policy
 is trained to answer); their seeds depend only on the run's seed and the env, so every evaluation of a
@@ -66,10 +68,18 @@ def _episode_metrics(tc, envs, params, seeds, caps, samples: int, prefix: str) -
     episodes = [e for g in groups for e in g.episodes_G]  # an env that failed to open has none
     metrics = {}
     for key in dict.fromkeys(k for e in episodes for k in e.metrics):
-        metrics[f"{prefix}{key}"] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))
+        values = [e.metrics[key] for e in episodes if key in e.metrics]
+        metrics[f"{prefix}{key}"] = float(np.mean(values))
+        if all(v in (0, 1) for v in values):  # a share: its binomial standard error
+            metrics[f"{prefix}{key}_se"] = standard_error(metrics[f"{prefix}{key}"], len(values))
     metrics[f"{prefix}reward"] = float(np.mean([e.reward for e in episodes]))
     metrics[f"{prefix}n"] = len(episodes)
     return metrics
+
+
+def standard_error(share: float, n: int) -> float:
+    """The standard error ``sqrt(p(1-p)/n)`` of a share ``p`` measured on ``n`` episodes."""
+    return float(np.sqrt(share * (1 - share) / n)) if n else 0.0
 
 
 def chat_loss(tc: TrainingClient, chats: list[Messages]) -> dict:

@@ -280,8 +280,10 @@ def group_datums(group: Group, batch_size: int, scale_by_std: bool = False) -> l
 
 
 def batch_metrics(groups_P: list[Group]) -> dict:
-    """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode; the
-    count of episodes that erred or failed, and their reasons (``failures``, a few distinct lines);
+    """Mean reward, the mean of each env metric (``accuracy``, ...), sampled tokens per episode, the
+    share of groups with signal and its complement ``groups/zero_advantage``, the sampled-token
+    entropy (:func:`sampled_entropy`); the count of episodes that erred or failed, and their
+    reasons (``failures``, a few distinct lines);
     the drift at sampling where the episodes carry the trainer's logprobs."""
     episodes = [e for g in groups_P for e in g.episodes_G]
     scored = [e for e in episodes if not e.error]
@@ -290,6 +292,8 @@ def batch_metrics(groups_P: list[Group]) -> dict:
         metrics[key] = float(np.mean([e.metrics[key] for e in episodes if key in e.metrics]))
     metrics["completion_tokens"] = float(np.mean([e.n_sampled for e in episodes])) if episodes else 0.0
     metrics["groups_with_signal"] = sum(len(set(g.rewards_G)) > 1 for g in groups_P) / len(groups_P)
+    metrics["groups/zero_advantage"] = 1.0 - metrics["groups_with_signal"]  # all rewards equal: no gradient
+    metrics.update(sampled_entropy(episodes))
     reasons = [r for g in groups_P for r in g.reasons]
     if reasons:
         metrics["episodes/errors"] = sum(bool(e.error) for e in episodes) + sum(
@@ -299,6 +303,15 @@ def batch_metrics(groups_P: list[Group]) -> dict:
         metrics["failures"] = list(dict.fromkeys(reasons))[:MAX_REASONS]
     metrics.update(drift.rollout_drift(episodes))
     return metrics
+
+
+def sampled_entropy(episodes: list[Episode]) -> dict[str, float]:
+    """``entropy/sampled_mc``: the mean of ``-logp_sampler`` over the sampled tokens, from the
+    logprobs the sampler returned (no extra pass). Those are the model's own logprobs, before
+    temperature, so at temperature 1 (the default) this is the Monte-Carlo estimate of the policy's
+    per-token entropy in nats; below 1 it reads lower. Near 0: the policy has stopped exploring."""
+    logprobs = [lp for e in episodes for lp, s in zip(e.logprobs_T, e.sampled_T) if s]
+    return {"entropy/sampled_mc": float(-np.mean(logprobs))} if logprobs else {}
 
 
 MAX_REASONS = 5  # distinct failure reasons kept per step: enough to see what broke, not a transcript

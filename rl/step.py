@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sess.engine import AdamParams, APIFuture, Datum, SamplingClient, SamplingParams, TrainingClient
+from sess.engine.sdk.loss_registry import LOSSES
 
 from . import drift, rollouts
 from .data import Dataset
@@ -62,10 +63,27 @@ def sample_groups(
     )
 
 
-def update(tc: TrainingClient, passes: list[APIFuture], datums: list[Datum], adam: AdamParams) -> dict:
+def clip_range(loss: str, loss_config: dict | None) -> tuple[float, float] | None:
+    """The ratio range ``loss`` clips to per token, with ``loss_config``'s thresholds over its
+    defaults (ppo: 0.8-1.2, cispo: 0-4); None for a loss that does not clip each token."""
+    spec = LOSSES.get(loss)
+    if spec is None or not spec.per_token or "clip_low_threshold" not in spec.defaults:
+        return None
+    merged = {**spec.defaults, **(loss_config or {})}
+    return float(merged["clip_low_threshold"]), float(merged["clip_high_threshold"])
+
+
+def update(
+    tc: TrainingClient,
+    passes: list[APIFuture],
+    datums: list[Datum],
+    adam: AdamParams,
+    clip: tuple[float, float] | None = None,
+) -> dict:
     """One AdamW step on the gradients ``passes`` (forward_backward futures over ``datums``, in that
-    order) added up; its metrics: the passes' summed ``loss``, ``grad_norm`` and the drift between
-    the sampler's and the trainer's logprobs. No passes (no group had a signal): no step, loss 0."""
+    order) added up; its metrics: the passes' summed ``loss``, ``grad_norm``, the drift between
+    the sampler's and the trainer's logprobs and, given the loss's ``clip`` range, ``clip/fraction``
+    (:mod:`.drift`). No passes (no group had a signal): no step, loss 0."""
     if not passes:
         return {"loss": 0.0}
     opt = tc.optim_step(adam)  # queued behind the passes on the engine
@@ -75,4 +93,6 @@ def update(tc: TrainingClient, passes: list[APIFuture], datums: list[Datum], ada
     }
     outputs = [out for p in passes for out in p.result().loss_fn_outputs]  # in datums' order
     metrics.update(drift.sample_train_drift(datums, outputs))
+    if clip is not None:
+        metrics.update(drift.clip_fraction(datums, outputs, *clip))
     return metrics
