@@ -41,7 +41,7 @@ def test_a_warning_goes_to_the_row_the_progress_output_and_meta(tmp_path):
     record_warning(record, progress, row, None)
     assert "warning" not in row and progress.lines == [] and "warnings" not in record.meta
     watch = CollapseWatch()
-    for step, entropy in ((1, 0.01), (2, 0.02)):
+    for step, entropy in ((1, ENTROPY_FLOOR / 5), (2, ENTROPY_FLOOR / 2)):
         row = {"kind": "train", "step": step, "entropy/sampled_mc": entropy}
         record_warning(record, progress, row, watch.after_step(step, row))
         assert "entropy" in row["warning"]
