@@ -97,6 +97,8 @@ def _strip(value: Any, tag: str, pattern: re.Pattern) -> Any:
     if isinstance(value, dict):
         return {_strip(k, tag, pattern): _strip(v, tag, pattern) for k, v in value.items()}
     if isinstance(value, list | tuple):
+        if not any(isinstance(v, str | dict | list | tuple) for v in value):
+            return value  # numbers (a sample's tokens and logprobs): nothing to map, nothing to copy
         return type(value)(_strip(v, tag, pattern) for v in value)
     return value
 
