@@ -6,13 +6,16 @@ comes from a pilot (:mod:`.pilot`), never from a guess:
 - replies: the mean length of the pilot's sampled replies (training groups, sampled evaluation) and of
   its greedy ones (evaluation), with the prompts of later turns the pilot's episodes had;
 - trained tokens: GRPO-like loops train on a group only when its rewards are not all equal. The
-  pilot samples what step 1 samples, so it measures that share for the policy the run starts from:
-  of ``n`` pilot groups ``t`` had signal, and every step is expected to train ``t / n`` of its
-  groups. No learning is assumed: whether a policy's groups polarize or mix more as it learns
-  depends on the task and the model, and a model that does not learn keeps the share it started
-  with. What the run can do bounds the figure's range: every step's share anywhere in 0..1 (none of
-  its groups trained, or all of them). Each trained group costs its prompt and the pilot's mean
-  trained tail per group (replies and observations);
+  pilot samples what step 1 samples, so it measures, for the policy the run starts from, the chance
+  ``q`` that a group has signal (from each pilot group's reward frequencies, :func:`.share.signal_chance`).
+  No learning is assumed, nor that the share stays: whether a policy's groups polarize or mix more
+  as it learns depends on the task and the model. The share is taken as the walk of :mod:`.share`
+  from ``q`` at step 1, moving by at least its sampling noise (``2 q (1 - q) / batch`` a step) and
+  tending to 1/2 as fast as that: a share measured at 1 (every reply's reward differs from another's
+  every time) stays; one near the middle stays near it; one in between drifts toward the middle.
+  What the run can do bounds the figure's range: every step's share anywhere in 0..1 (none of its
+  groups trained, or all of them). Each trained group costs its prompt and the pilot's mean trained
+  tail per group (replies and observations);
 - code_rl's rollout workers sample ahead: at the end about ``min(rollout_workers, capacity)`` groups
   are sampled and never trained on (the workers' groups in flight); stale groups are taken as none.
 
@@ -31,6 +34,7 @@ from sess.rl.data import Data
 
 from .forecast import ENV_LOOPS, Forecast, evaluations, planned_steps, prompt_size
 from .pilot import Pilot, PilotGroup
+from .share import expected_share, noise_rate, signal_chance
 
 
 @dataclass
@@ -110,19 +114,26 @@ def expected(cfg, tok, data: Data, pilot: Pilot | None = None) -> Expected:
     fc.prefill = round(sum(prompts) + sampled_groups * group * later)
     fc.sampled = round(sampled_groups * group * reply)
     with_signal = [g for g in pilot.groups if g.trained]
-    share = len(with_signal) / len(pilot.groups)  # each step's share, as the pilot measured it
+    # the chance a group has signal: from its rewards' frequencies (a pilot recorded before rewards
+    # were kept: whether it had signal)
+    chance = _mean([signal_chance(g.rewards) if g.rewards else float(bool(g.trained)) for g in pilot.groups])
+    rate = noise_rate(chance, batch)
     # a trained group's datums: each episode's tokens but the last, i.e. G * (prompt - 1) + its tail
     tail = _mean([g.trained - g.episodes * (g.prompt - 1) for g in with_signal])
     if not with_signal:
         tail = group * _per_episode(pilot.groups, "tail")
-    every_group = round(sum(group * (p - 1) + tail for p in prompts[:trained_groups]))
-    fc.trained = round(share * every_group)
+    step_tokens = [
+        sum(group * (p - 1) + tail for p in prompts[s * batch : (s + 1) * batch]) for s in range(steps)
+    ]
+    every_group = round(sum(step_tokens))
+    fc.trained = round(sum(expected_share(chance, rate, s) * t for s, t in enumerate(step_tokens)))
     evaluated = _evaluations(fc, cfg, tok, data, pilot)
     low = fc.tokens - fc.trained
     basis = (
         f"pilot of {len(pilot.groups)} prompt(s) x {pilot.group_size}: replies {reply:.1f} tokens, "
-        f"{len(with_signal)}/{len(pilot.groups)} groups with signal (every step taken to train "
-        f"{share:.2f} of its groups, as the pilot's policy did; no learning assumed: "
-        f"{low}-{low + every_group} tokens as the share goes 0..1); "
+        f"{len(with_signal)}/{len(pilot.groups)} groups with signal, a group's chance of signal "
+        f"{chance:.2f} from its rewards (the share of groups that train taken as a walk from it, "
+        f"moving by its sampling noise: {fc.trained / every_group if every_group else 0:.2f} of the "
+        f"run's groups; no learning assumed: {low}-{low + every_group} tokens as the share goes 0..1); "
     )
     return Expected(fc, basis + evaluated, low, low + every_group)

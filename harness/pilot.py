@@ -33,6 +33,7 @@ class PilotGroup:
     later_prefill: int = 0  # prompts of later turns (multi-turn episodes: the episode so far)
     tail: int = 0  # tokens after the first prompt over its episodes (replies and observations)
     trained: int = 0  # tokens the loop trains on (0: every reward equal, no signal)
+    rewards: list[float] = field(default_factory=list)  # each episode's reward (training groups)
 
 
 @dataclass
@@ -126,7 +127,9 @@ def run_pilot(cfg, sampler, tok, data: Data, prompts: int) -> Pilot:
                 if stream
                 else rollouts.batch_datums([group])
             )
-            pilot.groups.append(_measure(group, sum(d.model_input.length for d in datums)))
+            measured = _measure(group, sum(d.model_input.length for d in datums))
+            measured.rewards = [float(r) for r in group.rewards_G]
+            pilot.groups.append(measured)
     held = envs.held_out[:prompts]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     seeds = [derive_seed(seed, "sample", 0, i) for i in range(len(held))]  # the first evaluation's

@@ -12,6 +12,13 @@ ahead it tends to 1/2, the mean of a share that could be anywhere in 0..1, as fa
 been seen to move. Before two steps are measured, how fast it moves is not known, and every step
 not measured is taken at 1/2. The expectation is exact for such a walk (its Fourier series), with no
 constant fitted to any run.
+
+Before the run (a pilot, :mod:`.expected`) nothing has moved yet, but two things are measured: the
+chance ``q`` that a group has signal, from each pilot group's reward frequencies (a group of G
+episodes drawn with frequencies ``f_k`` has every reward equal with chance ``sum_k f_k^G``), and so
+the least the share moves between steps: a step's B groups each with signal at chance ``q`` give a
+share whose mean squared change from one step to the next is ``2 q (1 - q) / B``. The expected
+figure walks from ``q`` at that rate.
 """
 
 from __future__ import annotations
@@ -55,3 +62,19 @@ def shares_ahead(shares: list[float], steps_left: int) -> float:
         return UNKNOWN * steps_left
     rate = move_rate(shares)
     return sum(expected_share(shares[-1], rate, d) for d in range(1, steps_left + 1))
+
+
+def signal_chance(rewards: list[float]) -> float:
+    """The chance that a group sampled like this one (its episodes' rewards) has rewards not all
+    equal: ``1 - sum_k f_k^G`` over its reward values' frequencies ``f_k``, G its size."""
+    size = len(rewards)
+    counts: dict[float, int] = {}
+    for r in rewards:
+        counts[r] = counts.get(r, 0) + 1
+    return 1 - sum((c / size) ** size for c in counts.values()) if size else 0.0
+
+
+def noise_rate(share: float, batch: int) -> float:
+    """The mean squared change between two steps' shares when each of a step's ``batch`` groups has
+    signal independently with chance ``share``: ``2 share (1 - share) / batch``."""
+    return 2 * share * (1 - share) / max(1, batch)

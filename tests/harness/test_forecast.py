@@ -63,8 +63,9 @@ def test_the_limits_the_bound_rests_on_are_checked(loop, field, bad):
 
 
 def test_the_expected_figure_takes_the_share_the_pilot_measured_and_its_range_spans_0_to_1():
-    """No learning is assumed: every step trains the share of groups the pilot's had signal, and the
-    range runs from no group trained to every group of every step trained (share up to 1)."""
+    """No learning is assumed: a pilot with no rewards recorded counts its groups with signal; a share
+    of 1 or 0 does not move (no sampling noise) and 1/2 stays 1/2; the range runs from no group
+    trained to every group of every step trained (share up to 1)."""
     from transformers import AutoTokenizer
 
     from sess.engine.runtime.models.catalog import prepare
@@ -88,6 +89,42 @@ def test_the_expected_figure_takes_the_share_the_pilot_measured_and_its_range_sp
     assert every.low == half.low == none.low and every.high == half.high == none.high
     assert none.high - none.low == every_group
     assert "no learning assumed" in half.basis and f"{half.low}-{half.high} tokens" in half.basis
+
+
+def test_the_share_walks_from_the_chance_the_pilots_rewards_give_at_the_rate_of_its_sampling_noise():
+    """A group whose rewards are 0, 0, 0, 1 has signal again with chance 1 - (3/4)^4 - (1/4)^4; the
+    expected share starts there and drifts toward 1/2 by the noise of a step's 2 groups; rewards that
+    all differ (or a share of 1 or 0) do not move."""
+    from transformers import AutoTokenizer
+
+    from sess.engine.runtime.models.catalog import prepare
+    from sess.harness.share import expected_share, noise_rate, signal_chance
+    from sess.tasks import sources
+
+    cfg = config.compose(["model=tiny-llama", "loop=grpo", "loop.group_size=4", *TINY[1:4], "loop.steps=6"])
+    tok = AutoTokenizer.from_pretrained(prepare("tiny-llama"))
+    data = sources.load(cfg.data, int(cfg.seed), cfg.grader)
+    prompt = prompt_size(tok, data.envs.train(0))[0]
+    trained = 4 * (prompt - 1) + 28
+    group = PilotGroup(prompt=prompt, episodes=4, sampled=28, tail=28, trained=trained, rewards=[0, 0, 0, 1])
+    chance = 1 - 0.75**4 - 0.25**4
+    assert signal_chance(group.rewards) == pytest.approx(chance)
+    assert signal_chance([-0.1, 0.0, 1.0, 0.5]) == pytest.approx(1 - 4 * 0.25**4)
+    assert signal_chance([1.0, 1.0]) == 0.0
+    rate = noise_rate(chance, 2)
+    assert rate == pytest.approx(chance * (1 - chance))
+    step_tokens = [
+        sum(4 * (prompt_size(tok, data.envs.train(2 * s + i))[0] - 1) + 28 for i in range(2)) for s in range(6)
+    ]
+    walk = expected(cfg, tok, data, Pilot(1, 4, [group]))
+    want = sum(expected_share(chance, rate, s) * t for s, t in enumerate(step_tokens))
+    assert walk.figure.trained == round(want)
+    shares = [expected_share(chance, rate, s) for s in range(6)]
+    assert shares[0] == chance and all(0.5 < b < a for a, b in zip(shares, shares[1:]))
+    assert walk.high - walk.low == sum(step_tokens) and "chance of signal 0.68" in walk.basis
+    # the same pilot read back from its JSON (as a kept forecast is) gives the same figure
+    again = expected(cfg, tok, data, Pilot.from_json(Pilot(1, 4, [group]).to_json()))
+    assert again.figure.trained == walk.figure.trained
 
 
 def test_evaluations_follow_the_runner():
