@@ -50,7 +50,8 @@ def run(
         "--pilot",
         metavar="N",
         help="With --dry-run: sample N of the run's prompts on the live model (no training) to give the "
-        "expected tokens and cost beside the bound; says first what it will load and cost.",
+        "expected tokens and cost beside the bound; says first what it will load and cost. A step's "
+        "batch of prompts (e.g. 8) measures the share of groups that train far better than 1.",
     ),
     resume: Path = typer.Option(
         None,
