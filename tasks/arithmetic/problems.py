@@ -38,7 +38,7 @@ class ArithmeticData:
     """
 
     name: str = "arithmetic"
-    eval_size: int = 64
+    eval_size: int = 256  # held-out problems: a standard error of about 3 points on accuracy
     min_value: int = 1
     max_value: int = 20
     ops: list[str] = field(default_factory=lambda: ["+", "-"])  # any of + - *

@@ -108,7 +108,7 @@ def test_defaults_are_the_ones_sess_run_has_been_running():
     assert (cfg.data.max_value, cfg.data.word_problems, cfg.data.eval_size, list(cfg.data.ops)) == (
         20,
         False,
-        64,
+        256,
         ["+", "-"],
     )
     assert cfg.data.instruction == "Reply with just the number." and cfg.data.format_penalty == 0.1
