@@ -30,9 +30,9 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sess.engine import Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
-from sess.engine.sdk.errors import SessError  # noqa: E402
+from sess.engine.protocol.errors import SessError  # noqa: E402
+from sess.engine.protocol.prices import PriceTable, format_cost, load_prices  # noqa: E402
 from sess.engine.sdk.local_engine import start_engine, stop_engine  # noqa: E402
-from sess.engine.sdk.prices import PriceTable, format_cost, load_prices  # noqa: E402
 from sess.engine.server.keys import KeyStore  # noqa: E402
 
 PRICES = "currency: USD\nmodels:\n  default: {prefill: 0.5, sampled: 2.0, trained: 1.5}\n"

@@ -114,8 +114,8 @@ def up(
     A CPU engine runs on glibc's malloc, tuned to keep freed memory for the next step;
     SESS_MALLOC=jemalloc runs it on the system's jemalloc (leaner; Debian: libjemalloc2) and
     SESS_MALLOC=system on glibc's defaults."""
+    from sess.engine.protocol.home import sess_home
     from sess.engine.runtime.memory.malloc_tuning import exec_as_engine
-    from sess.engine.sdk.home import sess_home
     from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
     from sess.engine.server.keys import KeyStore
     from sess.engine.server.serve import START_LOCK_FD_ENV
@@ -305,7 +305,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="As JSON: {running, url, pid, port, ...}."),
 ) -> None:
     """Show whether the engine of the home is running, and where."""
-    from sess.engine.sdk.home import sess_home
+    from sess.engine.protocol.home import sess_home
     from sess.engine.sdk.local_engine import engine_info, memory_text
 
     info = engine_info(sess_home(home))
@@ -344,7 +344,7 @@ def down(home: str = HOME) -> None:
     A one-rank engine first saves the state of each live session that trained since its last
     save_state (sess://NAME/state/shutdown-step...), so nothing is lost. The ranks of an engine
     started with --nproc N stop together, so their sessions resume from the states saved before."""
-    from sess.engine.sdk.home import sess_home
+    from sess.engine.protocol.home import sess_home
     from sess.engine.sdk.local_engine import stop_engine
 
     info = stop_engine(sess_home(home))
@@ -366,7 +366,7 @@ def repair(home: str = HOME) -> None:
     Sessions (stopped, resumable) and checkpoints come back under their owners; the broken file is
     kept as registry.db.broken-<time>. Usage and spend are not in the manifests: registry.db.bak,
     the backup the engine writes at each start, has them. Run it with the engine down."""
-    from sess.engine.sdk.home import sess_home
+    from sess.engine.protocol.home import sess_home
     from sess.engine.sdk.local_engine import engine_info
     from sess.engine.server.registry_repair import repair as rebuild
 

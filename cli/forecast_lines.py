@@ -13,8 +13,8 @@ from __future__ import annotations
 def _tokenizer(base_model: str):
     from transformers import AutoTokenizer
 
+    from sess.engine.protocol.home import models_dir
     from sess.engine.runtime.models import catalog
-    from sess.engine.sdk.home import models_dir
 
     spec = catalog.resolve(base_model)
     if spec.source == "random":

@@ -67,7 +67,7 @@ def keys_list(
     import time
 
     from sess.cli.spend import spend_by_owner
-    from sess.engine.sdk.prices import format_cost
+    from sess.engine.protocol.prices import format_cost
     from sess.engine.server.billing import spent_tokens
     from sess.engine.server.keys import KeyStore
 

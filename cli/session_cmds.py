@@ -65,7 +65,7 @@ def reader(url: str | None = None, api_key: str | None = None):
 
     if url or os.environ.get("SESS_ENGINE_URL"):
         return guard(ServiceClient, url, api_key)
-    from sess.engine.sdk.home import sess_home
+    from sess.engine.protocol.home import sess_home
     from sess.engine.sdk.local_engine import engine_info
 
     if engine_info() is None:
@@ -135,7 +135,7 @@ def list_(
     as_json: bool = typer.Option(False, "--json", help="As JSON: one object per session, usage included."),
 ) -> None:
     """List sessions: name, model, status, step, tokens used, last active."""
-    from sess.engine.sdk.types import SessionStatus
+    from sess.engine.protocol.types import SessionStatus
 
     if status is not None:
         statuses = {s.value.lower(): s.value for s in SessionStatus}
@@ -209,7 +209,7 @@ def resume(
 
     --checkpoint must be NAME's own; to branch from another session's checkpoint, name that session."""
     if checkpoint is not None:
-        from sess.engine.sdk.checkpoint_paths import parse_path
+        from sess.engine.protocol.checkpoint_paths import parse_path
 
         owner = guard(parse_path, checkpoint, field="--checkpoint").session
         if owner != name:  # a typo'd NAME or path would otherwise resume the wrong session silently

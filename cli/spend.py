@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def spend_by_owner(home) -> tuple[dict, str | None]:
     """(owner -> spend, currency) of the home: what keys list shows beside the budgets."""
-    from sess.engine.sdk.home import sess_home
+    from sess.engine.protocol.home import sess_home
     from sess.engine.sdk.local_engine import engine_info
     from sess.engine.server.sqlite_registry import Registry
 
@@ -21,7 +21,7 @@ def spend_by_owner(home) -> tuple[dict, str | None]:
     currency = None
     prices = ((engine_info(home_path) or {}).get("options") or {}).get("prices")
     if prices:
-        from sess.engine.sdk.prices import PriceError, load_prices
+        from sess.engine.protocol.prices import PriceError, load_prices
 
         try:
             currency = load_prices(prices).currency

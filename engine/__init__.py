@@ -6,20 +6,19 @@ Everything in the SDK contract (API.md) is importable from here::
 
 The package is layered, each layer a subpackage that imports only the ones below it:
 
-- ``sdk/``: what a client machine needs (clients, futures, transports, typed requests and wire
-  types); importing it, and this package, loads no torch, transformers or peft;
-- ``server/``: the engine as an HTTP service (routes, keys, registry, the local-engine launcher);
+- ``sdk/``: what a client machine needs (clients, futures, transports, the local-engine launcher);
+  importing it, and this package, loads no torch, transformers or peft;
+- ``server/``: the engine as an HTTP service (routes, keys, registry);
 - ``runtime/``: the executor thread and the ops it runs on torch (sessions, training, checkpoints,
   the model catalog and the host of one base model with its adapters);
-- ``sampling/``: the continuous decode batch and the decoders that do a step's arithmetic.
+- ``sampling/``: the continuous decode batch and the decoders that do a step's arithmetic;
+- ``protocol/``: what both sides of the wire agree on (wire types, typed requests, errors, checks,
+  checkpoint paths, the loss and call tables, prices, the engine home's layout), below the SDK and
+  the engine alike; it loads no torch either.
 """
 
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.futures import APIFuture
-from sess.engine.sdk.sampling_client import SamplingClient
-from sess.engine.sdk.service_client import ServiceClient
-from sess.engine.sdk.training_client import TrainingClient
-from sess.engine.sdk.types import (
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.types import (
     AdamParams,
     Datum,
     EncodedTextChunk,
@@ -38,6 +37,10 @@ from sess.engine.sdk.types import (
     TrainingSessionSummary,
     Usage,
 )
+from sess.engine.sdk.futures import APIFuture
+from sess.engine.sdk.sampling_client import SamplingClient
+from sess.engine.sdk.service_client import ServiceClient
+from sess.engine.sdk.training_client import TrainingClient
 
 __all__ = [
     "APIFuture",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sess.engine.sdk.prices import KINDS, PriceTable, format_cost, load_prices
+from sess.engine.protocol.prices import KINDS, PriceTable, format_cost, load_prices
 from sess.rl.data import Data
 
 from .expected import Expected, expected
@@ -143,7 +143,7 @@ def _saved_path(cfg) -> Path:
 
 def save_for_run(cfg, found: RunForecast) -> Path:
     """Keep a pilot's forecast for the next run of ``cfg``; returns where."""
-    from sess.engine.sdk.home import atomic_write_bytes
+    from sess.engine.protocol.home import atomic_write_bytes
 
     path = _saved_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sess.engine.sdk.checkpoint_paths import check_name
+from sess.engine.protocol.checkpoint_paths import check_name
 from sess.tasks.code.grader_config import GRADERS, GraderConfig
 from sess.tasks.sources import DATA_SOURCES
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import httpx
 from omegaconf import DictConfig
 
-from sess.engine.sdk.home import models_dir
+from sess.engine.protocol.home import models_dir
+from sess.engine.protocol.prices import PriceError, format_cost
 from sess.engine.sdk.local_engine import engine_info
-from sess.engine.sdk.prices import PriceError, format_cost
 from sess.tasks import sources
 
 from . import budget

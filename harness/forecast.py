@@ -1,6 +1,6 @@
 """A run's token and cost forecast from its resolved config: what ``sess run --dry-run`` prints.
 
-An upper bound, counted the way the engine bills (:mod:`sess.engine.sdk.prices`): every prompt is
+An upper bound, counted the way the engine bills (:mod:`sess.engine.protocol.prices`): every prompt is
 tokenized with the model's own tokenizer and chat template (the longest one the run can touch is
 taken for each request), and every sampled reply is taken at ``loop.max_tokens``. Per step:
 

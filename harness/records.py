@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from sess.engine.sdk.home import atomic_write_bytes
+from sess.engine.protocol.home import atomic_write_bytes
 
 RECORD_FILES = (
     "config.yaml",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sess.engine import ServiceClient, TrainingClient
-from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.protocol.errors import InvalidRequest, NotFound
 
 from .records import RunRecord
 

@@ -46,7 +46,7 @@ class Spend:
 
     @classmethod
     def of(cls, usage) -> Spend:
-        """A :class:`~sess.engine.sdk.types.Usage` (or its wire dict) as a Spend."""
+        """A :class:`~sess.engine.protocol.types.Usage` (or its wire dict) as a Spend."""
         wire = usage if isinstance(usage, dict) else usage.to_wire()
         cost = wire.get("cost")
         tokens = sum(int(wire.get(k) or 0) for k in KINDS)

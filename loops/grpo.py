@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, TrainingClient
-from sess.engine.sdk.loss_registry import check_policy_loss
+from sess.engine.protocol.loss_registry import check_policy_loss
 from sess.rl import rollouts
 from sess.rl import step as rl_step
 from sess.rl.data import Dataset
@@ -44,7 +44,7 @@ class Config(RolloutConfig):
     name: str = "grpo"
     learning_rate: float = 3e-4
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
-    loss: str = "ppo"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
+    loss: str = "ppo"  # a policy-gradient loss (sess.engine.protocol.loss_registry), e.g. cispo
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)
     loss_config: dict = field(default_factory=dict)
 

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from sess.engine import AdamParams, SamplingParams, TrainingClient
-from sess.engine.sdk.loss_registry import check_policy_loss
+from sess.engine.protocol.loss_registry import check_policy_loss
 from sess.rl import rollouts
 from sess.rl import step as rl_step
 from sess.rl.data import Dataset
@@ -58,7 +58,7 @@ class Config(RolloutConfig):
     """The batch and sampling settings beside these: :class:`~sess.rl.step.RolloutConfig`."""
 
     name: str = "importance_sampling"
-    loss: str = "importance_sampling"  # a policy-gradient loss (sess.engine.sdk.loss_registry), e.g. cispo
+    loss: str = "importance_sampling"  # policy-gradient loss (sess.engine.protocol.loss_registry), e.g. cispo
     loss_config: dict = field(default_factory=dict)  # e.g. +loop.loss_config.clip_high_threshold=2 (cispo)
     rollout_workers: int = 2  # groups sampled at once: the engine decodes all their rows in one batch
     max_steps_off_policy: int = 1

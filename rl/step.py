@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sess.engine import AdamParams, APIFuture, Datum, SamplingClient, SamplingParams, TrainingClient
-from sess.engine.sdk.loss_registry import LOSSES
+from sess.engine.protocol.loss_registry import LOSSES
 
 from . import drift, rollouts
 from .data import Dataset

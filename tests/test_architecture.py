@@ -22,13 +22,15 @@ PACKAGES = ("cli", "conf", "engine", "harness", "loops", "rl", "sandbox", "tasks
 # The layers, top first: a layer may import itself and the layers after it in any chain holding both,
 # never one before it. The client side: the CLI drives the run harness, which runs the loops on the
 # tasks; the loops and tasks are built from the RL machinery, which speaks to an engine through the
-# SDK only. The engine side: the server serves the runtime, which samples with the sampling layer;
-# both speak the SDK's types, and both build and load their C through the native room below them
-# (which imports nothing of sess). The CLI also starts and manages the engine; tasks grade in the sandbox.
+# SDK only. The engine side: the server serves the runtime, which samples with the sampling layer,
+# and both build and load their C through the native room below them (which imports nothing of
+# sess). Both sides speak the protocol (wire types, requests, errors, checks, the engine home), the
+# one layer they share: no chain holds both the SDK and the server or runtime, so the engine never
+# imports the client package. The CLI also starts and manages the engine; tasks grade in the sandbox.
 CHAINS = (
-    ("cli", "harness", "loops", "tasks", "rl", "engine.sdk"),
+    ("cli", "harness", "loops", "tasks", "rl", "engine.sdk", "engine.protocol"),
     ("tasks", "sandbox"),
-    ("cli", "engine.server", "engine.runtime", "engine.sampling", "engine.sdk"),
+    ("cli", "engine.server", "engine.runtime", "engine.sampling", "engine.protocol"),
     ("engine.runtime", "engine.sampling", "engine.native"),
 )
 LAYERS = sorted({layer for chain in CHAINS for layer in chain} | {"conf"})
@@ -85,7 +87,7 @@ def _layer(module: str) -> str:
     if parts[1] == "engine":  # sess.engine itself re-exports the SDK
         return (
             "engine." + parts[2]
-            if len(parts) > 2 and parts[2] in ("sdk", "server", "runtime", "sampling", "native")
+            if len(parts) > 2 and parts[2] in ("sdk", "protocol", "server", "runtime", "sampling", "native")
             else "engine.sdk"
         )
     return parts[1]
@@ -104,6 +106,7 @@ def test_every_package_is_a_layer():
     assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} == set(PACKAGES)
     assert {p.name for p in ENGINE.iterdir() if p.is_dir() and not p.name.startswith("_")} == {
         "sdk",
+        "protocol",
         "server",
         "runtime",
         "sampling",
@@ -120,6 +123,58 @@ def test_imports_point_only_down_even_inside_functions():
         if not _may_import(_layer(module), _layer(dep))
     )
     assert upward == []
+
+
+def test_the_engine_imports_the_protocol_never_the_client_package():
+    """The server, runtime and sampling layers read the wire types, errors and the engine home from
+    the protocol; the SDK is the client's. The protocol imports nothing of sess outside itself."""
+    engine_side = ("engine.server", "engine.runtime", "engine.sampling", "engine.native")
+    graph = _graph(entry_points=True)
+    into_the_sdk = sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if _layer(module) in engine_side and _layer(dep) == "engine.sdk"
+    )
+    assert into_the_sdk == []
+    out_of_the_protocol = sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if _layer(module) == "engine.protocol" and _layer(dep) != "engine.protocol"
+    )
+    assert out_of_the_protocol == []
+    for engine_layer in engine_side:
+        assert not _may_import(engine_layer, "engine.sdk")
+        assert not _may_import("engine.protocol", engine_layer)
+    assert _may_import("engine.sdk", "engine.protocol") and _may_import("engine.server", "engine.protocol")
+
+
+HEAVY = ("torch", "transformers", "peft", "fastapi")
+
+
+def test_the_protocol_imports_no_torch_at_module_level():
+    """Importing every protocol module loads no torch, transformers, peft or fastapi (a conversion
+    such as ``TensorData.to_torch`` imports torch inside the function that needs it)."""
+    modules = sorted(_module_name(p) for p in (ENGINE / "protocol").glob("*.py"))
+    assert "sess.engine.protocol.types" in modules and "sess.engine.protocol.home" in modules
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    top_level = sorted(
+        f"{p.name}:{node.lineno}"
+        for p in (ENGINE / "protocol").glob("*.py")
+        for node in ast.parse(p.read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (name or "").split(".")[0] in HEAVY
+            for name in ([node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+        )
+    )
+    assert top_level == []
 
 
 def test_the_architecture_test_sees_imports_inside_functions():
@@ -325,7 +380,13 @@ def _env(home) -> dict:
 
 
 @pytest.mark.parametrize(
-    "module", ["sess.engine.sdk", "sess.engine.sdk.local_engine", "sess.engine.server.settings"]
+    "module",
+    [
+        "sess.engine.sdk",
+        "sess.engine.protocol",
+        "sess.engine.sdk.local_engine",
+        "sess.engine.server.settings",
+    ],
 )
 def test_client_side_modules_stay_light(module):
     code = f"import sys, {module}\nprint(sorted(m for m in ('torch', 'transformers', 'peft', 'fastapi') if m in sys.modules))"
@@ -401,11 +462,11 @@ def _loss_lists(source: str, names: set[str]) -> list[str]:
 
 def test_loss_names_are_listed_only_in_the_loss_registry():
     """The SDK's LossFunction, the batch checks, the engine's formulas and the loops' checks read
-    :mod:`sess.engine.sdk.loss_registry`; a second list of loss names would drift from it."""
-    from sess.engine.sdk import loss_registry
+    :mod:`sess.engine.protocol.loss_registry`; a second list of loss names would drift from it."""
+    from sess.engine.protocol import loss_registry
 
     names = set(loss_registry.LOSSES) | set(loss_registry.REFUSED)
-    registry = ROOT / "engine" / "sdk" / "loss_registry.py"
+    registry = ROOT / "engine" / "protocol" / "loss_registry.py"
     listed = {
         str(p.relative_to(ROOT)): found
         for package in PACKAGES
@@ -461,11 +522,11 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
 
 # Op names in sets beside the op table drift from it: what an op needs done around it is a column of
 # its row (engine/runtime/ops/table.py). The SDK, which may not import the table (it brings torch),
-# keeps the client's side of each control call in a table of its own (engine/sdk/calls.py) and is
+# keeps the client's side of each control call in a table of its own (engine/protocol/calls.py) and is
 # held to it the same way.
 TABLE = ENGINE / "runtime" / "ops" / "table.py"
-CALLS = ENGINE / "sdk" / "calls.py"
-TABLE_READERS = ("engine/runtime", "engine/server", "engine/sdk", "cli")
+CALLS = ENGINE / "protocol" / "calls.py"
+TABLE_READERS = ("engine/runtime", "engine/server", "engine/sdk", "engine/protocol", "cli")
 
 
 def _op_names() -> set[str]:
@@ -504,8 +565,8 @@ def test_what_an_op_needs_is_a_column_of_the_op_table_not_a_set_of_names():
 
 
 def test_the_sdk_call_table_names_the_engine_control_ops():
+    from sess.engine.protocol.calls import CALLS
     from sess.engine.runtime.ops.table import OPS, Kind
-    from sess.engine.sdk.calls import CALLS
 
     assert set(CALLS) == {name for name, op in OPS.items() if op.kind is Kind.CONTROL}
     # a call that changes the engine is never sent twice; reads are

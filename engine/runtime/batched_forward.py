@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from sess.engine.protocol.types import Datum
 from sess.engine.runtime.output_layer import Pairs, chunk_rows, decoder_and_head, logits_of, output_size
-from sess.engine.sdk.types import Datum
 
 MIN_SHARED = 16  # a shorter common prefix is not worth a separate pass
 # Running the prefixes' common start once costs a model call of its own over few rows: on smollm2,

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.types import Usage
 from sess.engine.runtime.fair_queue import ReadyQueue, take_burst
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.ops.operation import Operation, internal_error
@@ -30,8 +32,6 @@ from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.sequence_order import SequenceOrder
 from sess.engine.runtime.usage import Unrecorded, session_of, usage_of
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.types import Usage
 
 log = logging.getLogger("sess.engine")
 T = TypeVar("T")
@@ -41,7 +41,7 @@ KEEP_RESULTS = 20_000
 class Executor:
     """Queues, orders and runs ops on one thread around a :class:`Runtime`. Subclasses observe ops
     through :meth:`admit` (before one runs) and :meth:`finished` (after, before the op is answered:
-    a :class:`~sess.engine.sdk.errors.SessError` it raises becomes the op's answer)."""
+    a :class:`~sess.engine.protocol.errors.SessError` it raises becomes the op's answer)."""
 
     def __init__(
         self,

@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from sess.engine.protocol.home import sess_home
 from sess.engine.runtime.executor import Executor
-from sess.engine.sdk.home import sess_home
 
 _engines: dict[Path, Executor] = {}
 _engines_lock = threading.Lock()

@@ -21,9 +21,9 @@ Every loss reduces by token sum; ``weights`` / ``advantages`` act as the mask, a
 ``cross_entropy`` also takes (N, K) ``target_tokens`` and ``weights``; the training op runs such a
 datum as K datums of one column each (:mod:`sess.engine.runtime.ops.training_ops`), so the sum above is over every target.
 ``custom``, which the tinker SDK names, is refused with the reason in
-:data:`sess.engine.sdk.loss_registry.REFUSED`.
+:data:`sess.engine.protocol.loss_registry.REFUSED`.
 
-Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.sdk.loss_registry`;
+Which inputs each loss needs and its options' defaults are in :mod:`sess.engine.protocol.loss_registry`;
 :data:`LOSSES` maps each of its names to the function of that name here, whose docstring cites the
 paper it comes from.
 """
@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from sess.engine.sdk import loss_registry
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol import loss_registry
+from sess.engine.protocol.errors import InvalidRequest
 
 _RL_INPUTS = ("advantages", "logprobs")
 Loss = Callable[

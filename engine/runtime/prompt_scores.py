@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import torch
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.types import SampleResponse
 from sess.engine.runtime.output_layer import chunk_rows, decoder_and_head, logits_of, output_size
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.types import SampleResponse
 
 
 def next_token_logprobs(

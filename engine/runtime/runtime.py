@@ -12,6 +12,9 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound
+from sess.engine.protocol.home import sess_home
+from sess.engine.protocol.requests import Request
 from sess.engine.runtime import session_names
 from sess.engine.runtime.memory.malloc_tuning import sampling_heap, trim
 from sess.engine.runtime.memory.training_budget import default_budget, default_ceiling, default_copy_budget
@@ -20,9 +23,6 @@ from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.session import Session
 from sess.engine.sampling import fused_ops, row_invariant
 from sess.engine.sampling.decode_batch import DecodeBatch
-from sess.engine.sdk.errors import InvalidRequest, NotFound
-from sess.engine.sdk.home import sess_home
-from sess.engine.sdk.requests import Request
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed.ranks import Ranks

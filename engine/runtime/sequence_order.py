@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
 from sess.engine.runtime.ops.operation import Operation
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 
 SEQUENCE_WAIT_S = 120.0  # how long an op may wait for an earlier sequence number to arrive
 

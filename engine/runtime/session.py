@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
+from sess.engine.protocol.types import SessionStatus, TrainingSessionSummary, Usage
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed.adapter_shards import ShardedAdapter

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from sess.engine.protocol import requests as rq
 from sess.engine.runtime.checkpoints.manifest import foreign_files, owner_digest
-from sess.engine.sdk import requests as rq
 
 if TYPE_CHECKING:
     from sess.engine.runtime.runtime import Runtime

@@ -1,6 +1,6 @@
 """What an op costs, in one place: its tokens and the engine's seconds on it, and whose it is.
 
-Every op the registry records is counted once, with the same :class:`~sess.engine.sdk.types.Usage`
+Every op the registry records is counted once, with the same :class:`~sess.engine.protocol.types.Usage`
 added to its session's totals and written to the registry's per-operation rows, so a session's
 total is the sum of its rows. Seconds are the engine's own time on the op: a synchronous op's
 handler time, and for a sample request its share of every prefill and decode step it took part in
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.types import Usage
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.types import Usage
 
 
 class Unrecorded(SessError):

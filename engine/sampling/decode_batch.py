@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sess.engine.protocol.types import SampledSequence, SamplingParams
 from sess.engine.sampling.decoder import Decoder
 from sess.engine.sampling.token_choice import (
     StopChecker,
@@ -31,7 +32,6 @@ from sess.engine.sampling.token_choice import (
     row_keys,
     uniforms,
 )
-from sess.engine.sdk.types import SampledSequence, SamplingParams
 
 
 @dataclass

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.requests import MAX_TTL_S, MIN_TTL_S
 from sess.engine.sdk.http_transport import HttpTransport
-from sess.engine.sdk.requests import MAX_TTL_S, MIN_TTL_S
 
 
 def check_ttl(ttl_seconds: Any, field: str = "ttl_seconds") -> None:

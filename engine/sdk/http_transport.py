@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-from sess.engine.sdk import calls
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol import calls
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.home import read_local_key
 
 log = logging.getLogger("sess.engine")
 RETRY_DEADLINE_S = float(os.environ.get("SESS_RETRY_DEADLINE_S", 60.0))

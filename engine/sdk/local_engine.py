@@ -25,11 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.home import sess_home
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.home import ENGINE_FILE, LOG_FILE, server_command, sess_home
 
-ENGINE_FILE = "engine.json"  # written by a running engine into its home: url, pid, port
-LOG_FILE = "engine.log"  # a background engine's output, in its home
 START_TIMEOUT_S = float(os.environ.get("SESS_ENGINE_START_TIMEOUT_S", 120.0))
 
 
@@ -115,14 +113,6 @@ def start_lock(home: Path):
         yield
     finally:
         os.close(fd)
-
-
-def server_command(
-    home: Path, host: str, port: int, device: str, extra_args: list[str] | None = None
-) -> list[str]:
-    """The command line of an engine server process."""
-    command = [sys.executable, "-m", "sess.engine.server", "--home", str(home), "--host", host]
-    return command + ["--port", str(port), "--device", device, *(extra_args or [])]
 
 
 ENGINE_MODULES = ("torch", "peft", "fastapi", "uvicorn")

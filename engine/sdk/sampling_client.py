@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import ModelInput, SampleResponse, SamplingParams
 from sess.engine.sdk.futures import APIFuture, with_async_twins
-from sess.engine.sdk.types import ModelInput, SampleResponse, SamplingParams
 
 if TYPE_CHECKING:
     from sess.engine.sdk.service_client import ServiceClient

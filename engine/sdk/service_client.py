@@ -15,17 +15,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sess.engine.sdk import requests as rq
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import SessionStatus, TrainingSessionSummary, Usage
 from sess.engine.sdk.checkpoint_admin import CheckpointAdmin
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.sdk.futures import Submitter
 from sess.engine.sdk.http_transport import HttpTransport
 from sess.engine.sdk.local_engine import engine_gone_probe, ensure_local_engine
 from sess.engine.sdk.sampling_client import SamplingClient
 from sess.engine.sdk.training_client import TrainingClient
 from sess.engine.sdk.transport import Transport, in_process_transport
-from sess.engine.sdk.types import SessionStatus, TrainingSessionSummary, Usage
 
 # transformers resolves its names lazily (``_LazyModule``), and two threads resolving
 # ``AutoTokenizer`` at once can fail with "cannot import name 'AutoTokenizer'"; every tokenizer the SDK

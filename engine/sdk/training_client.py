@@ -16,12 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_admin import needs_server
-from sess.engine.sdk.errors import InvalidRequest, SessError
-from sess.engine.sdk.futures import APIFuture, with_async_twins
-from sess.engine.sdk.sampling_client import SamplingClient
-from sess.engine.sdk.types import (
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.errors import InvalidRequest, SessError
+from sess.engine.protocol.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -32,6 +29,9 @@ from sess.engine.sdk.types import (
     SaveStateResponse,
     SaveWeightsResponse,
 )
+from sess.engine.sdk.checkpoint_admin import needs_server
+from sess.engine.sdk.futures import APIFuture, with_async_twins
+from sess.engine.sdk.sampling_client import SamplingClient
 
 if TYPE_CHECKING:
     import torch

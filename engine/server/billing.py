@@ -1,7 +1,7 @@
 """Billing of an engine: what each op costs, budgets checked at submit, queue limits, usage reports.
 
 The engine prices an op once, when it is recorded (:meth:`Billing.cost`), by its base model's row of
-the price table (:mod:`sess.engine.sdk.prices`) and what its tokens are billed as; the cost goes into
+the price table (:mod:`sess.engine.protocol.prices`) and what its tokens are billed as; the cost goes into
 the op's registry row, its session's usage row and its owner's spend. A key's budget (``budget`` in
 the table's currency, or ``token_budget`` in tokens, in ``keys.json``) is checked against that spend
 when an op that does work is submitted: past it the submit is refused with 402, and work already
@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.prices import PriceTable, format_cost, parse_amount, to_pico
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.prices import PriceTable, format_cost, parse_amount, to_pico
 from sess.engine.server.keys import LOCAL_OWNER, KeyStore
 from sess.engine.server.sqlite_registry import Registry
 

@@ -11,7 +11,7 @@ import json
 
 from fastapi import Request
 
-from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.protocol.errors import InvalidRequest, SessError
 from sess.engine.server.settings import MAX_BODY_BYTES
 
 

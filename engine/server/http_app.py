@@ -7,7 +7,7 @@ typed request before queueing it, and its one thread owns torch. The wire is sma
 checkpoint TTLs, publishing, copies, traces, storage and the audit log (:mod:`.lifecycle_routes`),
 the OpenAI-compatible ``/v1`` routes (:mod:`.openai`) and the Tinker protocol under
 ``/api/v1`` (:mod:`.tinker`), all over the one engine. Bodies are JSON (arrays inside
-are base64, see :mod:`sess.engine.sdk.types`); errors are ``{"error": {"message", "status"}}`` with
+are base64, see :mod:`sess.engine.protocol.types`); errors are ``{"error": {"message", "status"}}`` with
 a 4xx for anything a client sent and a 5xx only for the engine's own failures.
 """
 
@@ -24,10 +24,10 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
 from sess.engine.runtime.memory.malloc_tuning import peak_resident_bytes, resident_bytes
 from sess.engine.runtime.ops.table import OPS, Kind
 from sess.engine.runtime.session_names import client_view, engine_name
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.bodies import HttpError, read_json
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine

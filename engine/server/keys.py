@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from sess.engine.sdk.home import LOCAL_KEY_FILE, atomic_write_bytes, sess_home
-from sess.engine.sdk.prices import parse_amount
+from sess.engine.protocol.home import LOCAL_KEY_FILE, atomic_write_bytes, sess_home
+from sess.engine.protocol.prices import parse_amount
 
 KEYS_FILE = "keys.json"
 LOCK_FILE = "keys.json.lock"  # held while keys.json is read, changed and written back

@@ -20,11 +20,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest, NotFound
+from sess.engine.protocol.requests import MAX_TTL_S, MIN_TTL_S, check_checkpoint_metadata
 from sess.engine.runtime import session_names
 from sess.engine.runtime.checkpoints import checkpoint_lifecycle as lc
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound
-from sess.engine.sdk.requests import MAX_TTL_S, MIN_TTL_S, check_checkpoint_metadata
 from sess.engine.server.keys import LOCAL_OWNER
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.lifecycle import Lifecycle
 
 

@@ -22,6 +22,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.types import SessionStatus, Usage
 from sess.engine.runtime import session_names
 from sess.engine.runtime.executor import Executor, Operation
 from sess.engine.runtime.memory.malloc_tuning import IDLE_TRIM_S, allocator, keep_freed_memory, trim
@@ -30,10 +34,6 @@ from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.runtime.usage import Unrecorded, session_of
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.types import SessionStatus, Usage
 from sess.engine.server.billing import Billing
 from sess.engine.server.lifecycle import SWEEP_S, Lifecycle
 from sess.engine.server.settings import HEARTBEAT_LAPSE_S, IDLE_TIMEOUT_S, MAX_SESSIONS

@@ -20,14 +20,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from sess.engine.protocol.checkpoint_paths import CheckpointRef
+from sess.engine.protocol.home import sess_home
 from sess.engine.runtime.checkpoints.manifest import (
     checkpoint_dirs,
     owner_digest,
     read_manifest,
     write_manifest,
 )
-from sess.engine.sdk.checkpoint_paths import CheckpointRef
-from sess.engine.sdk.home import sess_home
 from sess.engine.server import registry_guard
 from sess.engine.server.keys import LOCAL_OWNER, KeyStore
 from sess.engine.server.sqlite_registry import Registry

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from sess.engine.sdk.home import atomic_write_bytes, sess_home
+from sess.engine.protocol.home import atomic_write_bytes, sess_home
 from sess.engine.server import engine_log, registry_guard, registry_repair
 from sess.engine.server.registry_guard import RegistryUnreadable
 from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback, load_price_table

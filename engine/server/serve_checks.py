@@ -66,9 +66,9 @@ def check_options(
     None are not checked."""
     import torch
 
+    from sess.engine.protocol.prices import PriceError
     from sess.engine.runtime.memory.training_budget import parse_bytes
     from sess.engine.runtime.models.catalog import Dtypes
-    from sess.engine.sdk.prices import PriceError
 
     if port is not None and not 0 <= port <= 65535:
         return f"--port: expected 1 to 65535 (or 0: any free port), got {port}"
@@ -107,8 +107,8 @@ def check_options(
 
 def load_price_table(path: str):
     """The price table of ``--prices``, every model in it checked against the catalog."""
+    from sess.engine.protocol.prices import load_prices
     from sess.engine.runtime.models.catalog import ModelNotAvailable, resolve
-    from sess.engine.sdk.prices import load_prices
 
     def known_model(name: str) -> str | None:
         try:

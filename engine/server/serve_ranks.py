@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from sess.engine.sdk.home import sess_home
+from sess.engine.protocol.home import sess_home
 
 log = logging.getLogger("sess.engine")
 
@@ -92,8 +92,8 @@ def start_node(home: Path, host: str, port: int, device: str, extra: list[str], 
     with their output in HOME/engine-node-K.log. What to print."""
     import subprocess
 
+    from sess.engine.protocol.home import server_command
     from sess.engine.runtime.memory.malloc_tuning import engine_env
-    from sess.engine.sdk.local_engine import server_command
 
     command = server_command(home, host, port, device, extra)
     if detach:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-# the files and start timeout the client's launcher shares with the server
-from sess.engine.sdk.local_engine import ENGINE_FILE, LOG_FILE, START_TIMEOUT_S  # noqa: F401
+# the files in an engine's home that the client's launcher reads
+from sess.engine.protocol.home import ENGINE_FILE, LOG_FILE  # noqa: F401
 
 IDLE_TIMEOUT_S = 600.0  # a session whose client sent no op or heartbeat this long is saved and stopped
 # A session whose client heart-beat and then fell silent this long (its process is gone: the tinker

@@ -9,7 +9,7 @@ it had before, which its ``sessions`` row no longer shows), ``runs`` (a session'
 name, as a Tinker client gave them) and ``audit`` (who created, deleted, resumed, published a session
 or checkpoint, changed a key or budget, and when). A checkpoint row carries its ``expires_at`` (None:
 kept until deleted), ``user_metadata`` and whether it is ``public`` (readable by every key). Costs are integers of pico-units
-(:mod:`sess.engine.sdk.prices`), 0 where the engine has no prices. A home from before costs,
+(:mod:`sess.engine.protocol.prices`), 0 where the engine has no prices. A home from before costs,
 checkpoint lifecycles or queue times gains the columns and the ``spend`` table (filled from its
 operations) when opened. When an engine starts,
 sessions the previous process
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from sess.engine.sdk.home import sess_home
+from sess.engine.protocol.home import sess_home
 from sess.engine.server import registry_guard
 from sess.engine.server.registry_guard import RegistryUnreadable
 

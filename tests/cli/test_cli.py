@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.sdk.errors import SessError
+from sess.engine.protocol.errors import SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine
 from sess.engine.server.serve import main as server_main
 from sess.engine.server.serve import serve

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
-from sess.engine.sdk.errors import SessError
+from sess.engine.protocol.errors import SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum

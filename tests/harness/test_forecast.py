@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
+from sess.engine.protocol.prices import billed_tokens
 from sess.engine.sdk.local_engine import start_engine, stop_engine
-from sess.engine.sdk.prices import billed_tokens
 from sess.harness import config
 from sess.harness.expected import expected
 from sess.harness.forecast import evaluations, forecast, prompt_size

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.types import Datum, ModelInput
 from sess.engine.runtime.executor import Executor
 from sess.engine.runtime.fair_queue import ReadyQueue
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.types import Datum, ModelInput
 
 
 def op(owner: str, session: str | None, label: str):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sess.engine import AdamParams, Datum, InvalidRequest, ModelInput, SamplingParams
+from sess.engine.protocol.loss_registry import LOSSES
 from sess.engine.runtime import output_layer
 from sess.engine.runtime.memory import training_budget
 from sess.engine.runtime.models.catalog import CATALOG, context_window
-from sess.engine.sdk.loss_registry import LOSSES
 
 from helpers import budget, clear_grads, engine_grads, max_diff, reference_logprobs, reference_model
 

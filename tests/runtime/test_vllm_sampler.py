@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import AdamParams, SamplingParams, ServiceClient
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.errors import InvalidRequest, SessError
 from sess.engine.runtime.models import catalog
 from sess.engine.runtime.ops.session_ops import create_session, delete_session
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.vllm.sampler import VllmBatch, VllmSampler
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.errors import InvalidRequest, SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine, stop_engine
 from sess.engine.server.serve import main as server_main
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sess.engine import SamplingParams
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 
 from helpers import (
     SENTENCES,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 
 from helpers import SENTENCES, train_steps
 

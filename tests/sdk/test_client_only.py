@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol.home import read_local_key
 
 ROOT = Path(__file__).resolve().parents[2]
 

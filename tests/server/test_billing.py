@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.sdk.errors import SessError
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.prices import PriceError, PriceTable, billed_tokens, format_cost, load_prices
 from sess.engine.sdk.local_engine import start_engine, stop_engine
-from sess.engine.sdk.prices import PriceError, PriceTable, billed_tokens, format_cost, load_prices
 from sess.engine.server.serve_checks import check_options, load_price_table
 
 from helpers import SENTENCES, ce_datum

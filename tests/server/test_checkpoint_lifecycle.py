@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.sqlite_registry import Registry

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol.home import read_local_key
 
 SEED = 20261130
 REQUESTS = 600

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from sess.engine import SamplingParams, ServiceClient
-from sess.engine.sdk.errors import SessError
+from sess.engine.protocol.errors import SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 
 from helpers import SENTENCES, ce_datum

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from sess.engine import ServiceClient
-from sess.engine.sdk.types import SamplingParams
+from sess.engine.protocol.types import SamplingParams
 from sess.engine.server.keys import KeyStore
 
 from helpers import SENTENCES, train_steps

@@ -11,7 +11,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.openai import fields
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai.md"

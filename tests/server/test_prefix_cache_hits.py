@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from sess.engine import ServiceClient
-from sess.engine.sdk.types import SamplingParams
+from sess.engine.protocol.types import SamplingParams
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import schema
 

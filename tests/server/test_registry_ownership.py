@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import AdamParams, ServiceClient
+from sess.engine.protocol.errors import NotFound, SessError
 from sess.engine.runtime.checkpoints.manifest import MANIFEST_FILE, owner_digest
-from sess.engine.sdk.errors import NotFound, SessError
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.registry_guard import RegistryUnreadable

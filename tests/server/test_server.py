@@ -311,8 +311,8 @@ def test_engine_unreachable_is_a_clear_error(monkeypatch):
 def test_run_runs_on_the_executor_thread_and_no_client_can_reach_it(sess_home):
     import threading
 
+    from sess.engine.protocol.errors import InvalidRequest
     from sess.engine.runtime.inprocess import shared_engine
-    from sess.engine.sdk.errors import InvalidRequest
 
     engine = shared_engine(sess_home)
     assert engine.run(lambda runtime: threading.current_thread().name) == "sess-executor"

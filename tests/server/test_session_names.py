@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from sess.engine import AdamParams, ServiceClient
+from sess.engine.protocol.errors import NotFound, SessError
 from sess.engine.runtime.session_names import owner_tag
-from sess.engine.sdk.errors import NotFound, SessError
 from sess.engine.server.keys import KeyStore
 
 from helpers import SENTENCES, ce_datum

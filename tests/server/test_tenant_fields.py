@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ModelInput, SamplingParams, ServiceClient
-from sess.engine.sdk import requests as rq
+from sess.engine.protocol import requests as rq
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import fields as tinker_fields

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.tinker import fields, methods
 
 from tinker_helpers import make_tinker_venv, run_client

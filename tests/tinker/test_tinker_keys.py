@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from sess.cli.main import app
 from sess.engine import ServiceClient
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.home import read_local_key
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 

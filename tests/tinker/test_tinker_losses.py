@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sess.engine import Datum, InvalidRequest
-from sess.engine.sdk.data_checks import DEFAULT_CONFIG, REQUIRED_INPUTS
+from sess.engine.protocol.data_checks import DEFAULT_CONFIG, REQUIRED_INPUTS
 
 from helpers import (
     SENTENCES,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sess.engine import NotFound, ServiceClient
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol.home import read_local_key
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import schema
 

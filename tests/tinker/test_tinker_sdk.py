@@ -24,7 +24,7 @@ from google.protobuf import descriptor_pb2
 from safetensors.numpy import load_file
 
 from sess.engine import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from sess.engine.sdk.home import read_local_key
+from sess.engine.protocol.home import read_local_key
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import schema

@@ -13,7 +13,7 @@ A checkpoint is addressed as ``sess://<session>/<kind>/<name>`` and lives at
   that publishes a sampler every step leaves nothing behind (``save_weights_for_sampler`` keeps its
   ``weights`` for good).
 
-Every directory is written through :func:`sess.engine.sdk.home.atomic_dir`, its manifest
+Every directory is written through :func:`sess.engine.protocol.home.atomic_dir`, its manifest
 (:mod:`.manifest`: owner digest, session, kind, name, base model) inside it; nothing is pickled.
 """
 
@@ -27,10 +27,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sess.engine.protocol.checkpoint_paths import CheckpointRef
+from sess.engine.protocol.errors import InvalidRequest, NotFound
+from sess.engine.protocol.home import atomic_dir, remove_dir
 from sess.engine.runtime.checkpoints.manifest import MANIFEST_FILE, write_manifest
-from sess.engine.sdk.checkpoint_paths import CheckpointRef
-from sess.engine.sdk.errors import InvalidRequest, NotFound
-from sess.engine.sdk.home import atomic_dir, remove_dir
 
 STATE_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "state.json")
 TOKENIZER_FILES = (

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from sess.engine.sdk.home import atomic_write_bytes
+from sess.engine.protocol.home import atomic_write_bytes
 
 MANIFEST_FILE = "sess-checkpoint.json"
 FORMAT = 1

@@ -20,6 +20,10 @@ import logging
 import secrets
 from pathlib import Path
 
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.home import atomic_write_bytes
+from sess.engine.protocol.requests import SessionName
+from sess.engine.protocol.types import SessionStatus
 from sess.engine.runtime.distributed.logprob_spread import follow_group
 from sess.engine.runtime.distributed.ranks import RankFailed, Ranks
 from sess.engine.runtime.distributed.sample_spread import Decoding, follow_samplers
@@ -28,10 +32,6 @@ from sess.engine.runtime.ops.session_ops import stop_session
 from sess.engine.runtime.ops.table import OPS
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.home import atomic_write_bytes
-from sess.engine.sdk.requests import SessionName
-from sess.engine.sdk.types import SessionStatus
 
 log = logging.getLogger("sess.engine")
 

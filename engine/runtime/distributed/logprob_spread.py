@@ -24,15 +24,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from sess.engine.protocol.errors import SessError
 from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.distributed.ranks import RankFailed
 from sess.engine.runtime.distributed.sample_spread import adapter_of, exchange
-from sess.engine.sdk.errors import SessError
 
 if TYPE_CHECKING:
+    from sess.engine.protocol import requests as rq
     from sess.engine.runtime.distributed.ranks import Ranks
     from sess.engine.runtime.runtime import Runtime
-    from sess.engine.sdk import requests as rq
 
 
 class Scored:

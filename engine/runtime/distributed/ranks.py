@@ -43,15 +43,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.requests import Request
+from sess.engine.protocol.types import Datum
 from sess.engine.runtime.batched_forward import plan as plan_batches
 from sess.engine.runtime.checkpoints.checkpoint_files import read_state
 from sess.engine.runtime.distributed.adapter_shards import AdapterShards
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_dir
 from sess.engine.runtime.ops.session_ops import default_name
 from sess.engine.runtime.ops.table import OPS
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.requests import Request
-from sess.engine.sdk.types import Datum
 
 log = logging.getLogger("sess.engine")
 

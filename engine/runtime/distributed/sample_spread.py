@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.types import SampledSequence, SamplingParams
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.sampling.decode_batch import DecodeBatch, SampleJob
 from sess.engine.sampling.token_choice import StopChecker
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.types import SampledSequence, SamplingParams
 
 if TYPE_CHECKING:
     from sess.engine.runtime.distributed.ranks import Ranks

@@ -216,8 +216,8 @@ def _grouped_probe(model, decoder, tokens: list[int], device) -> tuple[int, int]
     """Bytes autograd saves over a shared-prefix group (:func:`.batched_forward.shared_prefix_pairs`:
     :data:`PROBE_MEMBERS` members, a prefix of half the probe, suffixes of an eighth), and the
     positions it computes."""
+    from sess.engine.protocol.types import Datum, ModelInput
     from sess.engine.runtime.batched_forward import shared_prefix_pairs
-    from sess.engine.sdk.types import Datum, ModelInput
 
     prefix, suffix = PROBE_TOKENS // 2, PROBE_TOKENS // 8
     members = [

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from sess.engine.protocol.home import atomic_dir, models_dir
 from sess.engine.runtime.models.registered import registered
 from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
-from sess.engine.sdk.home import atomic_dir, models_dir
 
 # Bump when the recipe of a cached build (tokenizer, tiny configs, gguf conversion) changes, so old
 # caches are rebuilt instead of silently reused.

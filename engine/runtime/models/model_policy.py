@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sess.engine.protocol.errors import NotFound
+from sess.engine.protocol.home import sess_home
 from sess.engine.runtime.models.catalog import CATALOG, ModelNotAvailable, list_models, resolve
 from sess.engine.runtime.models.registered import registered
-from sess.engine.sdk.errors import NotFound
-from sess.engine.sdk.home import sess_home
 
 OPERATOR = "local"  # the owner of the home's own key (sess.engine.server.keys.LOCAL_OWNER)
 

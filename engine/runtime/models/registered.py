@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from sess.engine.sdk.checkpoint_paths import check_name
-from sess.engine.sdk.errors import InvalidRequest, SessError
-from sess.engine.sdk.home import atomic_write_bytes, sess_home
+from sess.engine.protocol.checkpoint_paths import check_name
+from sess.engine.protocol.errors import InvalidRequest, SessError
+from sess.engine.protocol.home import atomic_write_bytes, sess_home
 
 MODELS_FILE = "models.json"
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import torch
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import CheckpointRef, check_name, parse_path
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.home import remove_dir
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.checkpoints.checkpoint_lifecycle import owned_dir, readable_session
 from sess.engine.runtime.distributed.adapter_shards import gathered
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session, adamw_step_dtype
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import CheckpointRef, check_name, parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.home import remove_dir
 
 
 def checkpoint_dir(runtime: Runtime, owner: str, path: str) -> Path:

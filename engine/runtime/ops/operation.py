@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sess.engine.protocol.errors import SessError
+from sess.engine.protocol.requests import Request
+from sess.engine.protocol.types import Usage
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.sdk.errors import SessError
-from sess.engine.sdk.requests import Request
-from sess.engine.sdk.types import Usage
 
 log = logging.getLogger("sess.engine")
 

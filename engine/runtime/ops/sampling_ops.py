@@ -12,6 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import SampleResponse, Usage
 from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.checkpoints.checkpoint_lifecycle import readable_session
 from sess.engine.runtime.models.model_host import ModelHost
@@ -22,10 +26,6 @@ from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import SampleJob
 from sess.engine.sampling.token_choice import StopChecker
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import SampleResponse, Usage
 
 OnDone = Callable[[dict | None, BaseException | None, Usage], None]
 

@@ -1,7 +1,7 @@
 """Session ops: create (fresh or from a state checkpoint), stop, delete, list, usage, and the models.
 
 Each op is a function ``(runtime, owner, request) -> wire dict`` over a typed request (see
-:mod:`sess.engine.sdk.requests`), listed in :mod:`sess.engine.runtime.ops.table`. A key sees only its own sessions.
+:mod:`sess.engine.protocol.requests`), listed in :mod:`sess.engine.runtime.ops.table`. A key sees only its own sessions.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import re
 import secrets
 import time
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import check_name, parse_path
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import SessionStatus, Usage
 from sess.engine.runtime import session_names
 from sess.engine.runtime.checkpoints.checkpoint_files import TOKENIZER_FILES, read_state, saved
 from sess.engine.runtime.checkpoints.manifest import foreign_files
@@ -18,10 +22,6 @@ from sess.engine.runtime.models.model_policy import OPERATOR, model_name
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import check_name, parse_path
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import SessionStatus, Usage
 
 
 def list_base_models(runtime: Runtime, owner: str, request: rq.NoArgs) -> list[str]:

@@ -4,7 +4,7 @@ Kinds: ``control`` ops run on the executor and answer their caller directly (cre
 sessions, ...); ``ordered`` ops belong to one session and run in the order of the sequence numbers
 its client stamped (training, saves, loads); ``unordered`` ops run as they come; ``batched`` ops
 (sampling) join their base model's continuous decode batch and finish from the decode loop. The
-executor checks a request against its type before queueing it (:mod:`sess.engine.sdk.requests`),
+executor checks a request against its type before queueing it (:mod:`sess.engine.protocol.requests`),
 so a handler only ever sees well-typed input. What else the executor, the managed engine, billing and the
 other ranks do around an op (save before a stop, forget a deleted session, record a checkpoint, pay
 for its tokens, run it on every rank) is a property of its row here, not a test of its name there.
@@ -16,9 +16,9 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sess.engine.protocol import requests as rq
 from sess.engine.runtime.checkpoints import checkpoint_lifecycle
 from sess.engine.runtime.ops import checkpoint_ops, sampling_ops, session_ops, training_ops
-from sess.engine.sdk import requests as rq
 
 
 class Kind(enum.Enum):

@@ -22,6 +22,11 @@ from typing import TypeVar
 
 import torch
 
+from sess.engine.protocol import loss_registry
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.data_checks import MULTI_TARGET_INPUTS, check_data, check_loss_fn
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import Datum, ForwardBackwardOutput, TensorData
 from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.distributed.adapter_shards import gathered, held_bytes, local
 from sess.engine.runtime.losses import compute_loss
@@ -37,11 +42,6 @@ from sess.engine.runtime.output_layer import (
 )
 from sess.engine.runtime.recompute import recomputing
 from sess.engine.runtime.runtime import Runtime
-from sess.engine.sdk import loss_registry
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.data_checks import MULTI_TARGET_INPUTS, check_data, check_loss_fn
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import Datum, ForwardBackwardOutput, TensorData
 
 T = TypeVar("T")
 

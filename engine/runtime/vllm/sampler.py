@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch
 
+from sess.engine.protocol.checkpoint_paths import CheckpointRef
+from sess.engine.protocol.errors import InvalidRequest, SessError
+from sess.engine.protocol.home import atomic_dir, remove_dir
+from sess.engine.protocol.types import SampledSequence
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.ops.checkpoint_ops import whole_adapter
 from sess.engine.runtime.session import Session
 from sess.engine.sampling.decode_batch import SampleJob
-from sess.engine.sdk.checkpoint_paths import CheckpointRef
-from sess.engine.sdk.errors import InvalidRequest, SessError
-from sess.engine.sdk.home import atomic_dir, remove_dir
-from sess.engine.sdk.types import SampledSequence
 
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 INSTALL = (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 
 COMPLETIONS = "completions"
 CHAT = "chat"

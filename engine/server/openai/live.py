@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from sess.engine.sdk.errors import SessError
+from sess.engine.protocol.errors import SessError
 from sess.engine.server.openai.answers import Choice, header
 from sess.engine.server.openai.requests import Plan
 from sess.engine.server.openai.streaming import event

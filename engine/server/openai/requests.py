@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import SamplingParams
-from sess.engine.sdk.wire_checks import check_text
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import SamplingParams
+from sess.engine.protocol.wire_checks import check_text
 from sess.engine.server.openai.fields import CHAT, COMPLETIONS, check_fields
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (vLLM's default), for completions' logprobs and chat's top_logprobs

@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.requests import Target
+from sess.engine.protocol.types import SessionStatus
 from sess.engine.runtime.models.catalog import list_models
 from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target
 from sess.engine.runtime.session_names import client_view, engine_name, engine_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
-from sess.engine.sdk.requests import Target
-from sess.engine.sdk.types import SessionStatus
 from sess.engine.server.openai import live, streaming
 from sess.engine.server.openai.answers import answer, choices_of, usage_block
 from sess.engine.server.openai.requests import Plan, read_plan

@@ -17,8 +17,8 @@ from datetime import datetime, timedelta, timezone
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.prices import PER_TOKENS, PICO, billed_tokens
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.prices import PER_TOKENS, PICO, billed_tokens
 from sess.engine.server.tinker.state import Tinker, json_response
 
 MAX_WINDOW = timedelta(days=14)

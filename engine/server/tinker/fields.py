@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sess.engine.sdk import loss_registry
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol import loss_registry
+from sess.engine.protocol.errors import InvalidRequest
 
 ADAMW_ONLY = (
     "this engine runs AdamW (optimizer type adamw, adam_params); the dimuon optimizer is not supported"

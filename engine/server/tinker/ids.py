@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 import secrets
 
-from sess.engine.sdk.checkpoint_paths import CheckpointRef, check_name, parse_path
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.checkpoint_paths import CheckpointRef, check_name, parse_path
+from sess.engine.protocol.errors import InvalidRequest
 
 SESSION_PREFIX = "tk-"
 _SESSION = re.compile(r"^tk-[0-9a-f]{12}$")

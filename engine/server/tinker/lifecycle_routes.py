@@ -17,8 +17,8 @@ from datetime import date, datetime, time, timezone
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.tinker import ids
 from sess.engine.server.tinker.state import Tinker, field_of, json_response
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import Datum, TensorData
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import Datum, TensorData
 from sess.engine.server.tinker.sequence_records import SequenceRecords
 
 MAX_ID_CHARS = 200

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sess.engine.sdk.errors import NotFound
+from sess.engine.protocol.errors import NotFound
 
 KEEP = 20_000  # futures and answered POSTs remembered (oldest finished ones go first)
 HOLD_S = 30.0  # longest a retrieve_future poll is held

@@ -22,8 +22,8 @@ from urllib.parse import quote
 from fastapi import Request
 from fastapi.responses import FileResponse, Response
 
-from sess.engine.sdk.checkpoint_paths import parse_path
-from sess.engine.sdk.errors import InvalidRequest, NotFound
+from sess.engine.protocol.checkpoint_paths import parse_path
+from sess.engine.protocol.errors import InvalidRequest, NotFound
 from sess.engine.server.tinker import ids
 from sess.engine.server.tinker.state import Tinker, field_of, json_response
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from sess.engine.sdk.errors import InvalidRequest, SessError
+from sess.engine.protocol.errors import InvalidRequest, SessError
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.managed_engine import ManagedEngine
 from sess.engine.server.tinker import fields, ids

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, wire
 from sess.engine.server.tinker.request_futures import Answer
 from sess.engine.server.tinker.sequence_records import SequenceRecords

@@ -22,7 +22,7 @@ import time
 
 from starlette.concurrency import run_in_threadpool
 
-from sess.engine.sdk.errors import InvalidRequest
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.server.tinker.state import Tinker
 
 log = logging.getLogger("sess.engine")

@@ -3,7 +3,7 @@
 :class:`Tinker` holds the Tinker sessions (each a client's ``ServiceClient``, with the models and
 samplers it made), the sampling sessions, the futures (:mod:`.futures`) and what it learned about
 base models. Everything it runs goes through the executor's public methods (``submit``, ``wait``,
-``call``, ``heartbeat``) with the typed requests of :mod:`sess.engine.sdk.requests`; a model is a
+``call``, ``heartbeat``) with the typed requests of :mod:`sess.engine.protocol.requests`; a model is a
 sess session and a checkpoint a ``sess://`` path (:mod:`.ids`), so the engine's ordering,
 ownership, registry and checkpoint files serve both protocols. Sessions and samplers live in
 memory: after an engine restart a client makes new ones (the cookbook's resume does), while
@@ -23,8 +23,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
 from sess.engine.runtime.models.model_policy import model_name
-from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
 from sess.engine.server.billing import Busy, OverBudget
 from sess.engine.server.bodies import parse_json, read_body
 from sess.engine.server.keys import KeyStore

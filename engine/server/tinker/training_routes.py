@@ -14,11 +14,11 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import check_name
+from sess.engine.protocol.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
+from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.runtime.models.model_policy import model_name
-from sess.engine.sdk import requests as rq
-from sess.engine.sdk.checkpoint_paths import check_name
-from sess.engine.sdk.data_checks import REQUIRED_INPUTS, check_data, check_loss_fn
-from sess.engine.sdk.errors import InvalidRequest
 from sess.engine.server.tinker import fields, ids, provenance, wire
 from sess.engine.server.tinker.request_futures import Answer
 from sess.engine.server.tinker.session_room import make_room

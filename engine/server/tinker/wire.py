@@ -5,7 +5,7 @@ Token ids travel as little-endian int32 bytes, loss inputs as ``Tensor`` message
 sparse CSR) and outputs as ``BatchedTensor`` (one flat buffer plus byte offsets per datum), as
 the SDK's ``proto/request_conv.py`` and ``proto/response_conv.py`` write and read them. Anything
 sess cannot run (image and dmel chunks) is refused with an
-:class:`~sess.engine.sdk.errors.InvalidRequest` that names the field and what to do instead.
+:class:`~sess.engine.protocol.errors.InvalidRequest` that names the field and what to do instead.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import Datum, ModelInput, TensorData
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import Datum, ModelInput, TensorData
 from sess.engine.server.tinker import fields, provenance, schema
 
 _NUMPY = {

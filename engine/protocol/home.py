@@ -1,8 +1,11 @@
 """Where sess keeps its files: the engine home (``SESS_HOME``, default ``~/.sess``) and its layout.
 
-The home holds the model cache (``models/``), checkpoints (``checkpoints/``), the registry and the
-local engine's key (``api_key``), which the SDK reads. Every writer goes through :func:`atomic_write_bytes` or :func:`atomic_dir` so a crash
-never leaves a half-written file under a final name.
+The home holds the model cache (``models/``), checkpoints (``checkpoints/``), the registry, the
+local engine's key (``api_key``), which the SDK reads, and what a running engine writes for the
+clients that look for it (``engine.json``, ``engine.log``). The local launcher, the CLI and the
+engine server all agree on this layout, and on the command line that starts an engine for a home
+(:func:`server_command`). Every writer goes through :func:`atomic_write_bytes` or :func:`atomic_dir`
+so a crash never leaves a half-written file under a final name.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,16 @@ def sess_home(home: str | os.PathLike | None = None) -> Path:
 
 
 LOCAL_KEY_FILE = "api_key"  # the local engine's own key (0600), which the SDK reads when given none
+ENGINE_FILE = "engine.json"  # written by a running engine into its home: url, pid, port
+LOG_FILE = "engine.log"  # a background engine's output, in its home
+
+
+def server_command(
+    home: Path, host: str, port: int, device: str, extra_args: list[str] | None = None
+) -> list[str]:
+    """The command line of an engine server process (``python -m sess.engine.server``) for ``home``."""
+    command = [sys.executable, "-m", "sess.engine.server", "--home", str(home), "--host", host]
+    return command + ["--port", str(port), "--device", device, *(extra_args or [])]
 
 
 def read_local_key(home: str | os.PathLike | None = None) -> str | None:

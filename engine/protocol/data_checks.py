@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sess.engine.sdk.loss_registry import LOSSES, REFUSED
-from sess.engine.sdk.types import Datum, InvalidRequest, LossFunction
-from sess.engine.sdk.wire_checks import finite
+from sess.engine.protocol.loss_registry import LOSSES, REFUSED
+from sess.engine.protocol.types import Datum, InvalidRequest, LossFunction
+from sess.engine.protocol.wire_checks import finite
 
 # views of the loss registry, by loss name
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {name: loss.inputs for name, loss in LOSSES.items()}

@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.loss_registry import LOSSES
-from sess.engine.sdk.sample_types import SampledSequence, SampleResponse  # noqa: F401 (re-exported)
-from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.loss_registry import LOSSES
+from sess.engine.protocol.sample_types import SampledSequence, SampleResponse  # noqa: F401 (re-exported)
+from sess.engine.protocol.wire_checks import bounded, check_fields, check_instance
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
 

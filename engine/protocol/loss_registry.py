@@ -5,7 +5,7 @@ defaults, which inputs may be (N, K), whether its gradient at a token depends on
 (the engine then takes it in the same pass as the logprobs), and whether it is a policy-gradient loss
 over advantages and sampler logprobs (the RL loops' ``loop.loss``). :data:`REFUSED` holds the losses
 the tinker SDK names that this engine does not compute, with the reason. The SDK's
-:class:`~sess.engine.sdk.types.LossFunction`, the batch checks (:mod:`.data_checks`), the engine's
+:class:`~sess.engine.protocol.types.LossFunction`, the batch checks (:mod:`.data_checks`), the engine's
 formulas (:mod:`sess.engine.runtime.losses`) and the loops' config checks all read this table, so a
 loss name is spelled here and nowhere else. Plain data: importing it loads no torch.
 """

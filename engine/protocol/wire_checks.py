@@ -5,7 +5,7 @@ dataclass: each value must have its annotated type (``bool``, ``int``, ``float``
 ``list[X]``, ``X | None``, a ``Literal``, or a nested wire type with ``from_wire``), numbers must be
 finite and within the bounds a field declares with :func:`bounded`, lists and strings no longer than
 their limits, and no field may be unknown or missing. A bad value raises
-:class:`~sess.engine.sdk.types.InvalidRequest` whose message starts with the field's path
+:class:`~sess.engine.protocol.types.InvalidRequest` whose message starts with the field's path
 (``sampling_params.temperature: expected a number, got 'hot'``), so a client sees what to fix and
 the engine never runs an op on malformed input.
 """
@@ -19,7 +19,7 @@ import typing
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin
 
-from sess.engine.sdk.errors import InvalidRequest, SessError, WrongType
+from sess.engine.protocol.errors import InvalidRequest, SessError, WrongType
 
 MAX_STRING = 4096  # characters of a name, path or loss option, unless a field says otherwise
 MAX_ITEMS = 1 << 20  # items of a list field, unless a field says otherwise

@@ -1,6 +1,6 @@
 """What a sample request answers: its sequences (tokens, logprobs, stop reason and the per-token
 extras asked for) and the prompt's scores (logprobs, top-k, chosen ids' logprobs, alternative draws).
-JSON-able dataclasses, re-exported by :mod:`sess.engine.sdk.types`."""
+JSON-able dataclasses, re-exported by :mod:`sess.engine.protocol.types`."""
 
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from sess.engine.sdk.data_checks import check_data, check_loss_fn
-from sess.engine.sdk.errors import InvalidRequest
-from sess.engine.sdk.types import AdamParams, Datum, SamplingParams
-from sess.engine.sdk.wire_checks import bounded, check_fields, check_instance
+from sess.engine.protocol.data_checks import check_data, check_loss_fn
+from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.types import AdamParams, Datum, SamplingParams
+from sess.engine.protocol.wire_checks import bounded, check_fields, check_instance
 
 MAX_DATUMS = 1 << 16  # datums in one forward / forward_backward
 MAX_PROMPT = 1 << 20  # tokens in one prompt (the model's context is checked by the engine)

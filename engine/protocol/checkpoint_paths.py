@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sess.engine.sdk.types import InvalidRequest
+from sess.engine.protocol.types import InvalidRequest
 
 KINDS = ("weights", "merged", "state", "sampler")
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
