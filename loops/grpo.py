@@ -42,7 +42,7 @@ class Config(RolloutConfig):
     the other policy-gradient loops: :class:`~sess.rl.step.RolloutConfig`."""
 
     name: str = "grpo"
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4  # higher rates collapse the policy within 20 steps (benchmarks/README.md)
     max_tokens: int = 16  # per turn, in rollouts and in the runner's greedy evaluation
     loss: str = "ppo"  # a policy-gradient loss (sess.engine.protocol.loss_registry), e.g. cispo
     # e.g. +loop.loss_config.clip_low_threshold=0.7 (ppo, cispo) or +loop.loss_config.beta=0.1 (dro)

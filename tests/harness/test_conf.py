@@ -99,7 +99,7 @@ def test_defaults_are_the_ones_sess_run_has_been_running():
     learning figures were measured with (they were the YAML files' values)."""
     cfg = config.compose([])
     assert (cfg.loop.learning_rate, cfg.loop.max_tokens, cfg.loop.batch_size, cfg.loop.group_size) == (
-        3e-4,
+        1e-4,
         16,
         8,
         8,
