@@ -41,11 +41,11 @@ from sess.tasks import sources
 from . import config as config_mod
 from . import recovery, resumes
 from .collapse import CollapseWatch, record_warning
+from .costs.spend import SpendMeter, start_spend
 from .interrupts import Interrupted, ctrl_c_finishes_the_step, resume_hint, wind_down
 from .progress import Progress
 from .records import Logger, RunRecord, new_run_dir
 from .registry import LOOPS, Loop
-from .spend import SpendMeter, start_spend
 
 
 class RunInterrupted(Exception):
