@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from sess.engine import TrainingClient
-from sess.harness import config, runner
+from sess.harness import config, hooks, runner
 from sess.harness.records import RunRecord, read_jsonl
 from sess.rl import evaluation
 from sess.rl.rollouts import derive_seed
@@ -88,7 +88,7 @@ def evaluate_live(run_dir: Path, tc: TrainingClient) -> dict:
     envs = datasets.load(cfg.data, int(cfg.seed), cfg.grader).envs.held_out
     done = sum(1 for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train")
     started = time.perf_counter()
-    metrics = runner.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns)
+    metrics = hooks.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns)
     return {"kind": "eval", "step": done, **metrics, "eval/seconds": time.perf_counter() - started}
 
 

@@ -2,104 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
+import typing
 from pathlib import Path
 
 import typer
 
 from sess.cli.app import app, fail
 from sess.cli.output import out
-from sess.engine.server import registry_guard, settings
+from sess.engine.server import registry_guard
+from sess.engine.server.options import EngineOptions
 
 engine_app = typer.Typer(help="Run, inspect and stop the engine; manage its API keys.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys of the engine home.", no_args_is_help=True)
 engine_app.add_typer(keys_app, name="keys")
 app.add_typer(engine_app, name="engine")
 
-HOME = typer.Option(None, "--home", help="Engine home (default $SESS_HOME or ~/.sess).")
+HOME = typer.Option(None, "--home", help=EngineOptions.help("home"))
+NODE_OPTIONS = ("nnodes", "node_rank", "master", "join_timeout")  # what another host's agent is given
+
+
+def _with_engine_options(command):
+    """``command(ctx, detach, **options)`` given one option per field of :class:`EngineOptions`: its
+    flag, default and help, as ``python -m sess.engine.server`` takes them."""
+    hints = typing.get_type_hints(EngineOptions)
+    fixed = [p for p in inspect.signature(command).parameters.values() if p.kind != p.VAR_KEYWORD]
+    generated = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=hints[f.name],
+            default=typer.Option(f.default, EngineOptions.flag(f.name), help=f.metadata["help"]),
+        )
+        for f in dataclasses.fields(EngineOptions)
+    ]
+    command.__signature__ = inspect.Signature([*fixed, *generated])
+    return command
 
 
 @engine_app.command("up")
+@_with_engine_options
 def up(
     ctx: typer.Context,
-    host: str = typer.Option("127.0.0.1", help="Address to bind; non-loopback needs API keys."),
-    port: int = typer.Option(0, help="Port (0: a free one, recorded in HOME/engine.json)."),
-    home: str = HOME,
-    device: str = typer.Option("cpu", help="cpu or cuda."),
     detach: bool = typer.Option(False, "--detach", help="Start in the background and return."),
-    idle_timeout: float = typer.Option(
-        settings.IDLE_TIMEOUT_S,
-        help="Seconds a session may go without an op or a client heartbeat; then its state is saved "
-        "and it is stopped (sess resume NAME continues it).",
-    ),
-    max_sessions: int = typer.Option(settings.MAX_SESSIONS, help="Live sessions per API key (at least 1)."),
-    tls_cert: str = typer.Option(
-        None, "--tls-cert", help="PEM certificate (chain) to serve https with; needs --tls-key."
-    ),
-    tls_key: str = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
-    dtype: str = typer.Option(
-        None,
-        help="Precision of the base models' weights: float32 or bfloat16 (default: float32 on cpu, "
-        "bfloat16 on cuda); per model with MODEL=DTYPE, e.g. float32,gpt-oss-20b=bfloat16. LoRA "
-        "weights and optimizer state stay float32.",
-    ),
-    memory_budget: str = typer.Option(
-        None,
-        help="Memory a training op may hold for activations and output-layer logits, e.g. 1G "
-        "(default: 384M on cpu, half the free device memory on cuda); the logits, in chunks, take a "
-        "quarter of it. Bigger batches run in micro-batches, a datum that needs more runs with "
-        "activation checkpointing (without a budget given, within a quarter of the memory available), "
-        "and one too long even then is refused. On cpu the sampler keeps "
-        "prepacked copies of the base weights (faster decode steps, as many bytes as the weights) "
-        "only where they fit in it; without it, where they take at most a quarter of the free memory.",
-    ),
-    nproc: int = typer.Option(
-        1,
-        help="Ranks (torch.distributed: gloo on cpu, NCCL on cuda), one per CPU core or GPU at most: "
-        "base models are sharded with FSDP2 and each rank trains on a share of every batch.",
-    ),
-    prices: str = typer.Option(
-        None,
-        help="YAML price table (currency:, models: with prefill/sampled/trained, optionally cached_prefill, per million tokens; "
-        "see conf/prices.example.yaml): usage then shows cost, and key budgets are in its currency.",
-    ),
-    max_queued: int = typer.Option(
-        settings.MAX_QUEUED,
-        help="Ops one API key may have queued or running; past it a submit gets 429 and Retry-After "
-        "(the SDKs wait and retry).",
-    ),
-    queue: str = typer.Option(
-        "fair", help="Order of ops across keys: fair (fair share of engine time) or arrival."
-    ),
-    sampler: str = typer.Option(
-        "builtin",
-        help="builtin (bit-exact, batch-invariant; the default) or vllm: sample requests go to vLLM, "
-        "which loads each base model once and each sampler version's LoRA from its PEFT files; "
-        "a live session's current weights are exported for it when they changed.",
-    ),
-    sampler_python: str = typer.Option(
-        None,
-        "--sampler-python",
-        help="With --sampler vllm: the Python of an environment that has vLLM (it pins its own torch "
-        "and transformers; default: this Python).",
-    ),
-    sampler_max_lora_rank: int = typer.Option(
-        32, help="With --sampler vllm: the largest LoRA rank vLLM serves (sessions above it are refused)."
-    ),
-    nnodes: int = typer.Option(
-        1,
-        help="Hosts of one engine, each running --nproc ranks (run `sess engine up` on each, with "
-        "the same --nnodes and --master, the same --home on a shared filesystem, and its own "
-        "--node-rank); node 0's first rank serves.",
-    ),
-    node_rank: int = typer.Option(0, help="This host's place among --nnodes hosts: 0 to --nnodes - 1."),
-    master: str = typer.Option(
-        None, help="HOST:PORT of node 0, where the hosts meet (torch.distributed's rendezvous)."
-    ),
-    join_timeout: float = typer.Option(
-        300.0, help="Seconds node 0 waits for every host to join (and another host for node 0)."
-    ),
+    **given,
 ) -> None:
     """Start the engine server (in the foreground unless --detach).
 
@@ -117,56 +66,21 @@ def up(
     from sess.engine.protocol.home import sess_home
     from sess.engine.runtime.memory.malloc_tuning import exec_as_engine
     from sess.engine.sdk.local_engine import acquire_start_lock, engine_info, server_command, start_engine
-    from sess.engine.server.keys import KeyStore
+    from sess.engine.server.listen import bind
     from sess.engine.server.serve import START_LOCK_FD_ENV
-    from sess.engine.server.serve_checks import bind, check_options, check_tls, is_loopback
 
-    home_path = sess_home(home)
-    try:
-        check_tls(tls_cert, tls_key)
-    except SystemExit as exc:
-        fail(str(exc))
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        fail(f"--device: expected cpu or cuda, got {device!r}")
-    if queue not in ("fair", "arrival"):
-        fail(f"--queue: expected fair or arrival, got {queue!r}")
-    problem = check_options(
-        device,
-        dtype,
-        memory_budget,
-        port=port,
-        idle_timeout=idle_timeout,
-        max_sessions=max_sessions,
-        prices=prices,
-        max_queued=max_queued,
-    )
+    options = EngineOptions(**given)
+    home_path = sess_home(options.home)
+    problem = options.check()
     if problem:
         fail(problem)
-    if not is_loopback(host) and not KeyStore(home_path).load():
-        fail(
-            f"refusing to listen on {host} without API keys; add one first: sess engine keys add --home {home_path}"
-        )
-    from sess.engine.runtime.distributed.launch import check_nproc
-    from sess.engine.runtime.distributed.nodes import Nodes
-
-    try:
-        check_nproc(nproc, device)
-        nodes = Nodes.parse(nnodes, node_rank, master, join_timeout)
-    except ValueError as exc:
-        fail(str(exc))
-    from sess.engine.runtime.vllm.sampler import check_sampler
-
-    problem = check_sampler(sampler, sampler_python, nproc, sampler_max_lora_rank)
-    if problem:
-        fail(problem)
-    node_args = []
-    if nodes is not None:
-        node_args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master", master]
-        node_args += ["--join-timeout", str(join_timeout)]
+    host, port, device = options.host, options.port, options.device
+    nodes = options.nodes()
     if nodes is not None and nodes.rank != 0:  # no server here: node 0's engine.json names the engine
-        from sess.engine.server.serve_ranks import start_node
+        from sess.engine.server.rank_agent import start_node
 
-        out.print(start_node(home_path, host, port, device, ["--nproc", str(nproc), *node_args], detach))
+        extra = ["--nproc", str(options.nproc), *options.argv(only=NODE_OPTIONS)]
+        out.print(start_node(home_path, host, port, device, extra, detach))
         return
     # The lock ensure_local_engine takes: of two starts at once, the second finds the first's engine.
     lock, handed_down = acquire_start_lock(home_path), False
@@ -190,19 +104,7 @@ def up(
         lost = registry_guard.problem(home_path)  # the engine checks it too; this says it at once
         if lost:
             fail(lost)
-        extra = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
-        extra += ["--dtype", dtype] if dtype else []
-        extra += ["--memory-budget", memory_budget] if memory_budget else []
-        extra += ["--prices", str(Path(prices).resolve())] if prices else []
-        extra += ["--max-queued", str(max_queued), "--queue", queue]
-        if tls_cert:
-            extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
-        if nproc != 1:
-            extra += ["--nproc", str(nproc)]
-        if sampler != "builtin" or sampler_python:
-            extra += ["--sampler", sampler, "--sampler-max-lora-rank", str(sampler_max_lora_rank)]
-            extra += ["--sampler-python", sampler_python] if sampler_python else []
-        extra += node_args
+        extra = options.argv(skip=("home", "host", "port", "device"))  # server_command gives those
         if detach:
             info = start_engine(home_path, host=host, port=port, device=device, extra_args=extra)
             out.print(f"engine running at {info['url']} (pid {info['pid']}, home {home_path})")
@@ -219,30 +121,15 @@ def up(
     exec_as_engine(command, device)  # malloc settings: memory.py
     from sess.engine.server.serve import release_start_lock, serve
 
-    if nproc != 1 or nodes is not None:  # the elastic agent starts the ranks: engine/server/serve_ranks.py
-        from sess.engine.server.serve_ranks import run_agent
+    if (
+        options.nproc != 1 or nodes is not None
+    ):  # the elastic agent starts the ranks: engine/server/rank_agent.py
+        from sess.engine.server.rank_agent import run_agent
 
         release_start_lock()
-        raise typer.Exit(run_agent(nproc, command[3:], home_path, nodes))
+        raise typer.Exit(run_agent(options.nproc, command[3:], home_path, nodes))
     try:
-        serve(
-            home_path,
-            host,
-            port,
-            device,
-            idle_timeout,
-            max_sessions,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            dtype=dtype,
-            memory_budget=memory_budget,
-            prices=prices,
-            max_queued=max_queued,
-            fair=queue == "fair",
-            sampler=sampler,
-            sampler_python=sampler_python,
-            sampler_max_lora_rank=sampler_max_lora_rank,
-        )
+        serve(options)
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

@@ -1,5 +1,5 @@
 """``sess run --dry-run``'s token and cost lines: the bound and expected figure
-(:mod:`sess.harness.dry_run`) of the resolved config, priced by the price table of the engine (the
+(:mod:`sess.harness.costs.dry_run`) of the resolved config, priced by the price table of the engine (the
 home's running one, or ``SESS_PRICES``).
 
 The prompts are tokenized with the model's own tokenizer, from the engine home's model cache (a
@@ -32,7 +32,7 @@ def forecast_lines(cfg, pilot: int = 0, notify=None) -> dict[str, str]:
     """{label: text} for the dry run's plan: the bound, the expected figure and its basis, their
     cost; with ``pilot`` N, measured by a pilot of N prompts (``notify`` hears, before it runs, what
     it will load and cost)."""
-    from sess.harness.dry_run import forecast_run
+    from sess.harness.costs.dry_run import forecast_run
 
     try:
         tok = _tokenizer(cfg.model.base_model)

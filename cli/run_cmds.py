@@ -105,7 +105,7 @@ def run(
         out.print(config.to_yaml(cfg), end="", highlight=False, markup=False)
         return
     if dry_run:
-        from sess.harness.dry_run import plan as dry_run_plan
+        from sess.harness.costs.dry_run import plan as dry_run_plan
 
         plan = dry_run_plan(cfg)
         plan["model"] += _source(cfg.model.base_model)

@@ -181,7 +181,7 @@ def show(
             f"training {usage.get('training_tokens')}){', cost ' + cost if cost else ''}",
             highlight=False,
         )
-    from sess.harness.spend import forecast_lines
+    from sess.harness.costs.spend import forecast_lines
 
     resumed = bool(meta.get("resumes"))
     for line in forecast_lines(

@@ -28,12 +28,14 @@ EVAL_SHOWN = ("eval/accuracy", "eval/loss", "eval/margin", "eval/reward")
 
 
 class Progress:
-    def __init__(self, cfg, start_step: int, *, enabled: bool = True, console: Console | None = None):
+    def __init__(
+        self, cfg, steps: int, start_step: int, *, enabled: bool = True, console: Console | None = None
+    ):
         self.enabled = enabled
         self.console = console or Console(stderr=True)
         self.plain = not self.console.is_terminal
         self.title = f"{cfg.loop.name} {cfg.model.name}"
-        self.total = cfg.loop.steps
+        self.total = steps
         self.start_step = start_step
         self._bar = RichProgress(
             TextColumn("[bold]{task.description}"),

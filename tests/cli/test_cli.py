@@ -16,6 +16,7 @@ from sess.cli.main import app
 from sess.engine import SamplingParams, ServiceClient
 from sess.engine.protocol.errors import SessError
 from sess.engine.sdk.local_engine import engine_info, start_engine
+from sess.engine.server.options import EngineOptions
 from sess.engine.server.serve import main as server_main
 from sess.engine.server.serve import serve
 
@@ -101,7 +102,7 @@ def test_a_busy_port_is_one_line(tmp_path, http_engine):
         assert result.exit_code == 1 and f"port {port} on 127.0.0.1 is in use" in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
     with pytest.raises(SystemExit, match=f"^sess engine: port {port} on 127.0.0.1 is in use"):
-        serve(tmp_path, port=port)
+        serve(EngineOptions(home=str(tmp_path), port=port))
     with pytest.raises(SessError, match=f"^the engine refused to start: port {port} on 127.0.0.1 is in use"):
         start_engine(tmp_path, port=port)  # what --detach reports should the port be taken after its check
 

@@ -136,7 +136,7 @@ def test_time_left_is_near_the_truth_from_the_first_step(monkeypatch, capsys):
             clock.now += 20
         bar.note_eval(done, {"eval/accuracy": 0.5, "eval/seconds": 20.0})
 
-    with progress_mod.Progress(cfg, 0, console=progress_mod.Console(stderr=True)) as bar:
+    with progress_mod.Progress(cfg, cfg.loop.steps, 0, console=progress_mod.Console(stderr=True)) as bar:
         with bar.status("starting a session"):
             clock.now += 60
         evaluate(0)

@@ -18,9 +18,9 @@ from sess.engine import ServiceClient
 from sess.engine.protocol.prices import billed_tokens
 from sess.engine.sdk.local_engine import start_engine, stop_engine
 from sess.harness import config
-from sess.harness.expected import expected
-from sess.harness.forecast import evaluations, forecast, prompt_size
-from sess.harness.pilot import Pilot, PilotGroup
+from sess.harness.costs.expected import expected
+from sess.harness.costs.forecast import evaluations, forecast, prompt_size
+from sess.harness.costs.pilot import Pilot, PilotGroup
 from sess.harness.records import read_jsonl
 
 cli = CliRunner()

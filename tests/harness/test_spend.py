@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 from sess.cli.main import app
 from sess.engine import ServiceClient
 from sess.engine.sdk.local_engine import start_engine, stop_engine
-from sess.harness.dry_run import forecast_run
+from sess.harness.costs.dry_run import forecast_run
+from sess.harness.costs.share import expected_share, shares_ahead
+from sess.harness.costs.spend import SpendMeter
 from sess.harness.records import read_jsonl
-from sess.harness.share import expected_share, shares_ahead
-from sess.harness.spend import SpendMeter
 
 cli = CliRunner()
 PRICES = "currency: USD\nmodels:\n  default: {prefill: 0.7, sampled: 1.9, trained: 2.3}\n"

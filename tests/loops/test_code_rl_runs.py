@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from sess.engine import SamplingParams
-from sess.harness import config, runner
+from sess.harness import config, hooks, runner
 from sess.harness.records import read_jsonl
 from sess.rl import rollouts
 from sess.rl.env import Env, StepResult
@@ -260,9 +260,9 @@ def test_the_sampled_held_out_evaluation_draws_the_same_seeds_at_every_step(sess
     cfg = config.compose(overrides)
     tc = ServiceClient("inproc").create_lora_training_client("tiny-llama", rank=4, seed=0)
     envs = [Vowels] * 3
-    first, later = (runner.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns) for done in (0, 7))
+    first, later = (hooks.env_evaluation(cfg, tc, envs, done, cfg.loop.max_turns) for done in (0, 7))
     assert first["eval/sampled/n"] == 9 and first["eval/n"] == 3
     assert first["eval/sampled/reward"] == later["eval/sampled/reward"]
     other = config.compose([*overrides, "seed=1"])
-    assert runner.env_evaluation(other, tc, envs, 0, 1)["eval/sampled/reward"] != first["eval/sampled/reward"]
+    assert hooks.env_evaluation(other, tc, envs, 0, 1)["eval/sampled/reward"] != first["eval/sampled/reward"]
     tc.stop()

@@ -13,7 +13,7 @@ import torch
 from sess.engine import SamplingParams, ServiceClient
 from sess.engine.runtime.inprocess import shared_engine
 from sess.engine.runtime.models.catalog import Dtypes, dtype_name
-from sess.engine.server.serve_checks import check_options
+from sess.engine.server.options import EngineOptions
 
 from helpers import SENTENCES, ce_datum, decode_plan, forward_logprobs, train_steps
 
@@ -114,10 +114,12 @@ def test_dtypes_parse_per_model_and_refuse_what_they_cannot_run():
         dtype_name("fp16")
     with pytest.raises(ValueError, match="'int8': expected one of float32, bfloat16"):
         dtype_name("int8")
-    assert "--dtype: dtype 'float64'" in check_options("cpu", "float64", None)
-    assert "--dtype" in check_options("cpu", "bf16,tiny-llama=float8", None)
-    assert "--memory-budget: expected a size" in check_options("cpu", None, "lots")
-    assert check_options("cpu", "bfloat16,tiny-llama=float32", "800M") is None
+    assert "--dtype: dtype 'float64'" in EngineOptions(device="cpu", dtype="float64").check()
+    assert "--dtype" in EngineOptions(device="cpu", dtype="bf16,tiny-llama=float8").check()
+    assert "--memory-budget: expected a size" in EngineOptions(device="cpu", memory_budget="lots").check()
+    assert (
+        EngineOptions(device="cpu", dtype="bfloat16,tiny-llama=float32", memory_budget="800M").check() is None
+    )
 
 
 def test_bf16_on_a_cuda_device_without_it_is_refused_naming_the_device(monkeypatch):
@@ -127,10 +129,10 @@ def test_bf16_on_a_cuda_device_without_it_is_refused_naming_the_device(monkeypat
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
-    problem = check_options("cuda", "bfloat16", None)
+    problem = EngineOptions(device="cuda", dtype="bfloat16").check()
     assert "Tesla T4 (compute capability 7.5) has no bf16 support (it needs 8.0 or later)" in problem
-    assert check_options("cuda", "float32", None) is None
-    assert "this machine has 1 CUDA device" in check_options("cuda:3", None, None)
+    assert EngineOptions(device="cuda", dtype="float32").check() is None
+    assert "this machine has 1 CUDA device" in EngineOptions(device="cuda:3").check()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -15,7 +15,7 @@ from sess.engine import SamplingParams, ServiceClient
 from sess.engine.protocol.errors import SessError
 from sess.engine.protocol.prices import PriceError, PriceTable, billed_tokens, format_cost, load_prices
 from sess.engine.sdk.local_engine import start_engine, stop_engine
-from sess.engine.server.serve_checks import check_options, load_price_table
+from sess.engine.server.options import EngineOptions, load_price_table
 
 from helpers import SENTENCES, ce_datum
 
@@ -70,7 +70,7 @@ def test_a_bad_price_table_is_refused_naming_the_entry(tmp_path, text, named):
     path = write(tmp_path, text)
     with pytest.raises(PriceError, match=named.replace(".", r"\.")):
         load_price_table(path)
-    problem = check_options("cpu", None, None, prices=path)
+    problem = EngineOptions(prices=path).check()
     assert problem.startswith("--prices: ") and named in problem
 
 

@@ -1,6 +1,6 @@
 """A run's forecast from Python, as ``sess run --dry-run [--pilot N]`` prints it:
 
-    from sess.harness.dry_run import forecast_run
+    from sess.harness.costs.dry_run import forecast_run
     found = forecast_run(["loop.steps=5"], pilot=1)   # the overrides `sess run` takes
     found.bound.tokens, found.expected.figure.tokens, found.expected.basis, found.cost(found.expected.figure)
 
@@ -8,7 +8,7 @@ Without a pilot nothing is started: the prompts are tokenized with the tokenizer
 home's model cache (or ``tok``). With one, the engine the config names is used (the local one is
 started if need be) and, before any of it, ``notify`` is told what will be loaded and what the pilot
 may cost (:func:`pilot_notice`); its forecast is then kept for the next run of the same config
-(:func:`sess.harness.budget.save_for_run`).
+(:func:`sess.harness.costs.budget.save_for_run`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from sess.engine.protocol.prices import PriceError, format_cost
 from sess.engine.sdk.local_engine import engine_info
 from sess.tasks import sources
 
+from .. import config as config_mod
 from . import budget
-from . import config as config_mod
 from .forecast import ENV_LOOPS
 from .pilot import pilot_bound, run_pilot
 
@@ -116,7 +116,7 @@ def forecast_run(
     prices, note = _prices(svc)
     notify(pilot_notice(cfg, tok, data, pilot, prices))
     if svc is None:
-        from .runner import service_client
+        from ..runner import service_client
 
         svc = service_client(cfg.engine)
     tok = svc.get_tokenizer(model)
