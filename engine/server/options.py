@@ -265,8 +265,8 @@ class EngineOptions:
 
 def load_price_table(path: str):
     """The price table of ``--prices``, every model in it checked against the catalog."""
-    from sess.engine.runtime.models.catalog import ModelNotAvailable, resolve
     from sess.engine.protocol.prices import load_prices
+    from sess.engine.runtime.models.catalog import ModelNotAvailable, resolve
 
     def known_model(name: str) -> str | None:
         try:

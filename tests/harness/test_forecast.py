@@ -98,7 +98,7 @@ def test_the_share_walks_from_the_chance_the_pilots_rewards_give_at_the_rate_of_
     from transformers import AutoTokenizer
 
     from sess.engine.runtime.models.catalog import prepare
-    from sess.harness.share import expected_share, noise_rate, signal_chance
+    from sess.harness.costs.share import expected_share, noise_rate, signal_chance
     from sess.tasks import sources
 
     cfg = config.compose(["model=tiny-llama", "loop=grpo", "loop.group_size=4", *TINY[1:4], "loop.steps=6"])
