@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sess.engine.libraries import torch_internals
 from sess.engine.sampling import fused_ops, onednn, prefix_cache
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
@@ -117,7 +118,9 @@ class LlamaDecoder:
             return True
         if self._copy_bytes is None:
             model = self.model_of()
-            weights = [base_of(getattr(p, name)).weight for p, names in self._bundles(model) for name in names]
+            weights = [
+                base_of(getattr(p, name)).weight for p, names in self._bundles(model) for name in names
+            ]
             self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
         return self._copy_bytes <= self.pack_budget()
 
@@ -213,7 +216,9 @@ class LlamaDecoder:
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         # the steps read it through the kernel, by place
-        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16), by_place=fused)
+        cache = BlockCache.from_prompts(
+            keys, values, spans, capacity=max(lengths) + max(room, 16), by_place=fused
+        )
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)
@@ -221,7 +226,8 @@ class LlamaDecoder:
     def _weights(self, model, jobs: list) -> list[tuple]:
         """Per job, what its entries depend on: its adapter's weights' versions, or the base model's."""
         made = {a: (self._plan(model, a), self._plans[a].made)[1] for a in {j.adapter for j in jobs} if a}
-        base = (id(w := model.model.embed_tokens.weight), w._version, torch.get_num_threads(), self.packs())
+        w = model.model.embed_tokens.weight
+        base = (id(w), torch_internals.version_of(w), torch.get_num_threads(), self.packs())
         return [(job.adapter or "", made.get(job.adapter), *base) for job in jobs]
 
     def _output(self, model, h: torch.Tensor, plans: list) -> torch.Tensor:
@@ -249,7 +255,9 @@ class LlamaDecoder:
             if fused:
                 keys, values = cache.layer(layer)
                 out = blocks.block("attention", q, *q.shape)
-                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared, cache.places, out)
+                return fused_ops.attend(
+                    keys, values, step.positions, q, k, v, rotation, shared, cache.places, out
+                )
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
@@ -295,7 +303,11 @@ class LlamaDecoder:
             (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
             h, x = norm(layer.post_attention_layernorm, h, o)
             gate, up = self._project(mlp, BUNDLES[2], x, lora, 2)
-            act = fused_ops.silu_mul(gate, up, blocks.block("act", gate, *gate.shape)) if kernels else F.silu(gate) * up
+            act = (
+                fused_ops.silu_mul(gate, up, blocks.block("act", gate, *gate.shape))
+                if kernels
+                else F.silu(gate) * up
+            )
             (pending,) = self._project(mlp, BUNDLES[3], act, lora, 3)
         return norm(inner.norm, h, pending)[1]
 
@@ -332,7 +344,9 @@ class LlamaDecoder:
         if self.merge_lora is None:
             weight = self.model_of().model.embed_tokens.weight
             room = self.packs() and (self.pack_budget is None or 2 * self._copy_bytes <= self.pack_budget())
-            self.merge_lora = bool(weight.dtype == torch.float32 and weight.is_cpu and onednn.available() and room)
+            self.merge_lora = bool(
+                weight.dtype == torch.float32 and weight.is_cpu and onednn.available() and room
+            )
         return self.merge_lora
 
     def adapter_slots(self) -> int | None:
