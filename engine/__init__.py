@@ -11,7 +11,9 @@ The package is layered, each layer a subpackage that imports only the ones below
 - ``server/``: the engine as an HTTP service (routes, keys, registry, the local-engine launcher);
 - ``runtime/``: the executor thread and the ops it runs on torch (sessions, training, checkpoints,
   the model catalog and the host of one base model with its adapters);
-- ``sampling/``: the continuous decode batch and the decoders that do a step's arithmetic.
+- ``sampling/``: the continuous decode batch and the decoders that do a step's arithmetic;
+- ``native/`` and ``libraries/``, under both: the C kernels and their build, and the torch and
+  transformers internals the engine uses, one function each with the versions it was checked on.
 """
 
 from sess.engine.sdk.errors import InvalidRequest, NotFound, SessError
