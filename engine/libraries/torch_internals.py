@@ -14,16 +14,18 @@ def version_of(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def own_parameter(module: torch.nn.Module, name: str) -> torch.nn.Parameter | None:
-    """``module``'s own parameter ``name`` (None where it has none), read from its dictionary:
-    ``getattr`` goes through ``nn.Module.__getattr__``, ~20x slower, and a decode step checks
-    hundreds. ``module.get_parameter`` is public but walks a dotted path and raises."""
-    return module._parameters.get(name)
+def parameter_versions(modules: list[torch.nn.Module], name: str) -> list[tuple[int, int]]:
+    """``(id, version)`` of each module's own parameter ``name`` (:func:`version_of`), read from
+    the modules' dictionaries in one call: ``getattr`` goes through ``nn.Module.__getattr__``, and a
+    decode step checks hundreds (``get_parameter`` is the public, slower form)."""
+    weights = [m._parameters[name] for m in modules]
+    return [(id(w), w._version) for w in weights]
 
 
 def own_child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
     """``module``'s direct child ``name`` (None where it has none), read from its dictionary, for
-    the same reason as :func:`own_parameter` (``get_submodule`` is the public, slower, raising form)."""
+    the same reason as :func:`parameter_versions` (``get_submodule`` is the public, slower, raising
+    form)."""
     return module._modules.get(name)
 
 

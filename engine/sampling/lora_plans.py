@@ -62,8 +62,7 @@ def versions(layers: list[torch.nn.Module]) -> tuple:
     engine swaps it) and the thread count (its prepacked matrices' calibrations). Read from the
     layers' own dictionaries: every decode step checks its plans, and ``nn.Module``'s attribute
     lookup would make that ~1 ms a check on smollm2."""
-    weights = [torch_internals.own_parameter(layer, "weight") for layer in layers]
-    return (torch.get_num_threads(), *[(id(w), torch_internals.version_of(w)) for w in weights])
+    return (torch.get_num_threads(), *torch_internals.parameter_versions(layers, "weight"))
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,14 @@ def test_a_tensor_version_counts_in_place_changes():
     assert torch_internals.version_of(t) == before + 2
 
 
-def test_a_module_s_own_parameter_and_child_are_the_public_ones():
+def test_a_module_s_own_parameters_and_children_are_the_public_ones():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     model.add_module("heads", torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)}))
-    assert torch_internals.own_parameter(model[0], "weight") is model[0].weight
-    assert torch_internals.own_parameter(model[0], "missing") is None
+    weight = model[0].weight
+    assert torch_internals.parameter_versions([model[0]], "weight") == [(id(weight), weight._version)]
+    with torch.no_grad():
+        weight.add_(1)
+    assert torch_internals.parameter_versions([model[0]], "weight")[0][1] == weight._version > 0
     assert torch_internals.own_child(model, "heads") is model.heads
     assert torch_internals.own_child(model.heads, "a") is model.heads["a"]
     assert torch_internals.own_child(model.heads, "b") is None
