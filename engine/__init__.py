@@ -15,6 +15,8 @@ The package is layered, each layer a subpackage that imports only the ones below
 - ``protocol/``: what both sides of the wire agree on (wire types, typed requests, errors, checks,
   checkpoint paths, the loss and call tables, prices, the engine home's layout), below the SDK and
   the engine alike; it loads no torch either.
+- ``native/`` and ``libraries/``, under both: the C kernels and their build, and the torch and
+  transformers internals the engine uses, one function each with the versions it was checked on.
 """
 
 from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError

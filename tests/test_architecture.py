@@ -24,7 +24,8 @@ PACKAGES = ("cli", "conf", "engine", "harness", "loops", "rl", "sandbox", "tasks
 # tasks; the loops and tasks are built from the RL machinery, which speaks to an engine through the
 # SDK only. The engine side: the server serves the runtime, which samples with the sampling layer,
 # and both build and load their C through the native room below them (which imports nothing of
-# sess). Both sides speak the protocol (wire types, requests, errors, checks, the engine home), the
+# sess), and reach a library's internals only through the seams of engine.libraries (nothing of sess
+# either). Both sides speak the protocol (wire types, requests, errors, checks, the engine home), the
 # one layer they share: no chain holds both the SDK and the server or runtime, so the engine never
 # imports the client package. The CLI also starts and manages the engine; tasks grade in the sandbox.
 CHAINS = (
@@ -32,6 +33,7 @@ CHAINS = (
     ("tasks", "sandbox"),
     ("cli", "engine.server", "engine.runtime", "engine.sampling", "engine.protocol"),
     ("engine.runtime", "engine.sampling", "engine.native"),
+    ("engine.runtime", "engine.sampling", "engine.libraries"),
 )
 LAYERS = sorted({layer for chain in CHAINS for layer in chain} | {"conf"})
 
@@ -87,7 +89,7 @@ def _layer(module: str) -> str:
     if parts[1] == "engine":  # sess.engine itself re-exports the SDK
         return (
             "engine." + parts[2]
-            if len(parts) > 2 and parts[2] in ("sdk", "protocol", "server", "runtime", "sampling", "native")
+            if len(parts) > 2 and parts[2] in ("sdk", "protocol", "server", "runtime", "sampling", "native", "libraries")
             else "engine.sdk"
         )
     return parts[1]
@@ -111,6 +113,7 @@ def test_every_package_is_a_layer():
         "runtime",
         "sampling",
         "native",
+        "libraries",
     }
     assert {_layer(m) for m in _graph()} == set(LAYERS)
 
@@ -493,6 +496,7 @@ TEST_FOLDERS = {
     "runtime",
     "sampling",
     "native",
+    "libraries",
     "server",
     "tinker",
     "cli",
@@ -510,7 +514,10 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
     tests = ROOT / "tests"
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     assert folders - {"tinker_scripts"} == TEST_FOLDERS
-    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py", "test_references.py"}  # cross-package
+    assert {p.name for p in tests.glob("test_*.py")} == {
+        "test_architecture.py",
+        "test_references.py",
+    }  # cross-package
     borrowing = sorted(
         f"{p.relative_to(tests)}: {line.strip()}"
         for p in tests.rglob("*.py")
@@ -570,13 +577,14 @@ def test_the_sdk_call_table_names_the_engine_control_ops():
 
     assert set(CALLS) == {name for name, op in OPS.items() if op.kind is Kind.CONTROL}
     # a call that changes the engine is never sent twice; reads are
-    assert not any(CALLS[name].reads_only for name, op in OPS.items() if op.kind is Kind.CONTROL and op.accounted)
+    assert not any(
+        CALLS[name].reads_only for name, op in OPS.items() if op.kind is Kind.CONTROL and op.accounted
+    )
 
 
 # A module's private names (a leading underscore) are its own: another module uses what it offers
 # in public. Access through self or cls (a subclass's own state) is the class's business. Names
 # sess defines that a library also uses as its own private attribute are not sess's reach.
-LIBRARY_PRIVATES = {"_version"}  # torch's tensor version counter (recompute, the decoders)
 
 
 def _private(name: str) -> bool:
@@ -599,7 +607,7 @@ def _reaches(trees: dict[str, ast.AST]) -> list[str]:
     """``from sess.x import _y`` anywhere, and ``obj._y`` / ``getattr(obj, "_y")`` where ``_y`` is a
     private name of another sess module and ``obj`` is not ``self`` or ``cls``."""
     own = {name: _defined_privates(tree) for name, tree in trees.items()}
-    sess_privates = set().union(*own.values()) - LIBRARY_PRIVATES
+    sess_privates = set().union(*own.values())
     found = []
     for name, tree in trees.items():
         foreign = sess_privates - own[name]
@@ -628,10 +636,13 @@ def test_no_module_reaches_into_another_modules_privates():
         str(p.relative_to(ROOT)): ast.parse(p.read_text())
         for package in PACKAGES
         for p in (ROOT / package).rglob("*.py")
+        if not str(p.relative_to(ROOT)).startswith(SEAMS)  # a library's privates, by design
     }
     assert _reaches(trees) == []
     probe = {
-        "a.py": ast.parse("class A:\n    def __init__(self):\n        self._n = 1\n    def f(self, o):\n        return o._n\n"),
+        "a.py": ast.parse(
+            "class A:\n    def __init__(self):\n        self._n = 1\n    def f(self, o):\n        return o._n\n"
+        ),
         "b.py": ast.parse(
             "from sess.a import _helper\n"
             "def g(a):\n    return a._n + getattr(a, '_n')\n"
@@ -639,3 +650,75 @@ def test_no_module_reaches_into_another_modules_privates():
         ),
     }
     assert _reaches(probe) == ["b.py:1: _helper", "b.py:3: _n", "b.py:3: _n"]
+
+
+# where a library's internals may be used: the seams, one function each, with the versions checked
+SEAMS = ("engine/libraries/",)
+STDLIB_PRIVATES = {"_exit"}  # os._exit: the sandbox's job runner ends the solution's process with it
+
+
+def _library_reaches(trees: dict[str, ast.AST]) -> list[str]:
+    """Outside the seams: ``obj._y`` where ``_y`` is no name sess defines and ``obj`` is not
+    ``self``/``cls`` (so a library's private: ``torch._foo``, ``module._parameters``, ``t._version``),
+    ``getattr``/``setattr``/``hasattr`` of such a name, an assignment to a module's ``forward``
+    (anything's but ``self``'s) and an attribute named ``_sess...`` set on anything."""
+    ours = set().union(*(_defined_privates(tree) for tree in trees.values()))
+    found = []
+    for name, tree in trees.items():
+        if name.startswith(SEAMS):
+            continue
+        for node in ast.walk(tree):
+            reached = None
+            if isinstance(node, ast.Attribute) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                sets = isinstance(node.ctx, ast.Store)
+                if sets and (node.attr == "forward" or node.attr.startswith("_sess")):
+                    reached = f"sets {node.attr}"
+                elif _private(node.attr) and node.attr not in ours and node.attr not in STDLIB_PRIVATES:
+                    reached = node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") in ("getattr", "setattr", "hasattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                attr = node.args[1].value
+                if attr == "forward" and node.func.id == "setattr" or attr.startswith("_sess"):
+                    reached = f"{node.func.id} {attr}"
+                elif _private(attr) and attr not in ours:
+                    reached = f"{node.func.id} {attr}"
+            if reached:
+                found.append(f"{name}:{node.lineno}: {reached}")
+    return found
+
+
+def test_library_internals_are_reached_only_through_the_seams():
+    """No product module outside engine/libraries reads a library's private names, replaces a
+    module's ``forward`` or marks a library object with an attribute of its own."""
+    trees = {
+        str(p.relative_to(ROOT)): ast.parse(p.read_text())
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+    }
+    assert _library_reaches(trees) == []
+    probe = {
+        "engine/x.py": ast.parse(
+            "import torch\n"
+            "def f(m, t):\n"
+            "    m.forward = g\n"
+            "    m._sess_recipes = True\n"
+            "    setattr(m, '_sess_mark', 1)\n"
+            "    return torch._log_softmax_backward_data, t._version, m._modules, self._own\n"
+        ),
+        "engine/libraries/torch_internals.py": ast.parse("def v(t):\n    return t._version\n"),
+    }
+    assert _library_reaches(probe) == [
+        "engine/x.py:3: sets forward",
+        "engine/x.py:4: sets _sess_recipes",
+        "engine/x.py:5: setattr _sess_mark",
+        "engine/x.py:6: _log_softmax_backward_data",
+        "engine/x.py:6: _version",
+        "engine/x.py:6: _modules",
+    ]

@@ -7,25 +7,25 @@ queued. A session's ordered ops carry the sequence number its client stamped at 
 strictly in that order (an early arrival waits for the ones before it); a resubmitted op with the
 same client token returns the first op instead of running twice. Sample requests join their base
 model's decode batch; the loop interleaves one other op with each decode step. Which op runs next
-is the ready queue's choice (:mod:`.fair_queue`): fair share across keys, then sessions.
+is the ready queue's choice (:mod:`.fair_queue`): fair share across keys, then sessions. Every
+op taken, its client token and the long-polls waiting on it are kept in the book (:mod:`.op_book`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 import traceback
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
+from sess.engine.protocol.errors import InvalidRequest, SessError
 from sess.engine.protocol.types import Usage
 from sess.engine.runtime.fair_queue import ReadyQueue, take_burst
+from sess.engine.runtime.op_book import OpBook
 from sess.engine.runtime.ops import checkpoint_ops
 from sess.engine.runtime.ops.operation import Operation, internal_error
 from sess.engine.runtime.ops.table import OPS, Kind
@@ -35,7 +35,6 @@ from sess.engine.runtime.usage import Unrecorded, session_of, usage_of
 
 log = logging.getLogger("sess.engine")
 T = TypeVar("T")
-KEEP_RESULTS = 20_000
 
 
 class Executor:
@@ -54,10 +53,8 @@ class Executor:
         self.runtime = runtime or Runtime(home, device)
         self._cv = threading.Condition()
         self._ready = ReadyQueue(fair)  # fair=False: arrival order
-        self._ops: OrderedDict[str, Operation] = OrderedDict()
-        self._tokens: dict[tuple[str, str], str] = {}
+        self.book = OpBook(self._cv)  # every op by id, client tokens, long-poll waiters
         self.order = SequenceOrder()  # each session's sequence numbers and parked ops (under _cv)
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._closed = False
         self._last_work = time.monotonic()
         self._idle_since_work = False  # whether idle() ran since the last op or decode step
@@ -89,8 +86,8 @@ class Executor:
                 raise InvalidRequest(f"{name}: needs a session name and an integer sequence number")
             args = {**args, "session": session}
         with self._cv:
-            if client_token is not None and (owner, client_token) in self._tokens:
-                return self._tokens[(owner, client_token)]
+            if (known := self.book.known(owner, client_token)) is not None:
+                return known
         op = Operation(uuid.uuid4().hex, owner, name, session=session, seq=seq, progress=progress)
         try:
             op.request = spec.request.from_wire(args)
@@ -98,14 +95,14 @@ class Executor:
             op.refused = True
             op.finish(error=exc)
         with self._cv:
-            if client_token is not None and (owner, client_token) in self._tokens:
-                return self._tokens[(owner, client_token)]  # the same op, sent twice at once
+            if (known := self.book.known(owner, client_token)) is not None:
+                return known  # the same op, sent twice at once
             if spec.kind is Kind.ORDERED:
                 for ready in self.order.arrive(op):
                     self._ready.append(ready)
             else:
                 self._ready.append(op)
-            self._remember(op, client_token)
+            self.book.remember(op, client_token)
             self._cv.notify_all()
         return op.id
 
@@ -117,25 +114,7 @@ class Executor:
     async def wait_async(self, owner: str, op_id: str, timeout: float) -> Operation | None:
         """:meth:`wait` for an asyncio server: the waiter is woken the moment the op finishes,
         without a thread of its own."""
-        op = self._owned(owner, op_id)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._cv:
-            if op.done.is_set():
-                return op
-            self._waiters.setdefault(op_id, []).append((loop, future))
-        try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            with self._cv:
-                waiters = self._waiters.get(op_id, [])
-                if (loop, future) in waiters:
-                    waiters.remove((loop, future))
-                if not waiters:
-                    self._waiters.pop(op_id, None)
-        return op if op.done.is_set() else None
+        return await self.book.wait_async(self._owned(owner, op_id), timeout)
 
     def call(self, owner: str, name: str, args: Any = None) -> Any:
         """Run a control op (create/list/stop sessions, ...) on the executor and return its result."""
@@ -200,11 +179,7 @@ class Executor:
 
     # queueing --------------------------------------------------------------------------------------
     def _owned(self, owner: str, op_id: Any) -> Operation:
-        with self._cv:
-            op = self._ops.get(op_id) if isinstance(op_id, str) else None
-        if op is None or op.owner != owner:
-            raise NotFound(f"operation {str(op_id)[:64]!r} not found")
-        return op
+        return self.book.owned(owner, op_id)
 
     def _enqueue(self, op: Operation) -> None:
         with self._cv:
@@ -217,19 +192,6 @@ class Executor:
         if op.error is not None:
             raise op.error
         return op.result
-
-    def _remember(self, op: Operation, client_token: str | None) -> None:
-        self._ops[op.id] = op
-        if client_token is not None:
-            self._tokens[(op.owner, client_token)] = op.id
-        while len(self._ops) > KEEP_RESULTS:
-            old_id, old = self._ops.popitem(last=False)
-            if not old.done.is_set():  # never drop a pending op
-                self._ops[old_id] = old
-                self._ops.move_to_end(old_id, last=False)
-                break
-        if len(self._tokens) > 2 * KEEP_RESULTS:
-            self._tokens = {k: v for k, v in self._tokens.items() if v in self._ops}
 
     # the executor thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -405,10 +367,7 @@ class Executor:
 
     def _wake(self, op: Operation) -> None:
         """Answer the long-polls waiting on ``op``."""
-        with self._cv:
-            waiters = self._waiters.pop(op.id, [])
-        for loop, future in waiters:
-            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(True))
+        self.book.wake(op)
 
 
 def _is_sample(op: Operation) -> bool:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sess.engine.libraries import torch_internals
+
 LOGITS_SHARE = 1 / 4  # of the memory budget, for a chunk's logits; the decoder's activations get the rest
 # a chunk holds its fp32 logits (the backward pass makes them their own gradient) and, with a LoRA on
 # the output layer, one more tensor of their size: the LoRA term, then the gradient scaled for it
@@ -223,7 +225,7 @@ class ChosenLogprobs(torch.autograd.Function):
             output = logits[block].log_softmax(-1)
             scattered = torch.zeros_like(output)
             scattered.index_put_((rows[lo:hi] - block.start, targets[lo:hi]), grad[lo:hi], accumulate=True)
-            logits[block] = torch._log_softmax_backward_data(scattered, output, -1, output.dtype)
+            logits[block] = torch_internals.log_softmax_backward(scattered, output, -1)
         return logits, None, None
 
 

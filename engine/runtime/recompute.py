@@ -10,7 +10,7 @@ cheap to make again from tensors that autograd keeps in any case:
 - that product ``act_fn(gate) * up``, kept by the down projection's LoRA A: 1,536.
 
 Inside :func:`recomputing`, the norm and MLP modules of a model prepared with :func:`prepare`
-record how each of those outputs was made (:class:`Recipe`), and a saved-tensor pack hook stores a
+record, through forward hooks on them and the MLP's parts, how each of those outputs was made (:class:`Recipe`), and a saved-tensor pack hook stores a
 tensor that is one of them as its recipe instead. The backward pass unpacks the recipe by running
 the same modules' code on the same inputs (once per recipe, however many nodes read it), so every
 value, and so every gradient, has the same bits as without it. The activation probe of
@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import torch
+
+from sess.engine.libraries import torch_internals
 
 _NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _MLPS = ("LlamaMLP", "Qwen3MLP", "Qwen2MLP", "MistralMLP")
@@ -79,7 +81,11 @@ class Recorded:
         # only a tensor that is its whole storage: any view of that storage is then a view of it
         if output.storage_offset() or not output.is_contiguous() or output.numel() == 0:
             return
-        self.outputs[output.untyped_storage().data_ptr()] = (weakref.ref(output), output._version, recipe)
+        self.outputs[output.untyped_storage().data_ptr()] = (
+            weakref.ref(output),
+            torch_internals.version_of(output),
+            recipe,
+        )
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         entry = self.outputs.get(tensor.untyped_storage().data_ptr())
@@ -87,7 +93,7 @@ class Recorded:
             return tensor
         output, version, recipe = entry
         # a dead output's memory may hold another tensor now; a changed one no longer matches its recipe
-        if output() is None or tensor._version != version:
+        if output() is None or torch_internals.version_of(tensor) != version:
             return tensor
         return _Saved(recipe, tensor)
 
@@ -130,21 +136,24 @@ def recomputing(on: bool = True) -> Iterator[None]:
 
 
 def prepare(model: torch.nn.Module) -> None:
-    """Let ``model``'s RMSNorm and gated-MLP modules record recipes (once per module; outside
-    :func:`recording` they run exactly as before)."""
+    """Let ``model``'s RMSNorm and gated-MLP modules record recipes, through forward hooks (once per
+    module; outside :func:`recording` the hooks return at once and the modules run as they are)."""
     for module in model.modules():
-        kind = type(module).__name__
-        if getattr(module, "_sess_recipes", False):
+        if module in _prepared:
             continue
+        kind = type(module).__name__
         if kind in _NORMS:
             module.register_forward_hook(_norm_recorded)
-        elif kind in _MLPS and all(
-            hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")
-        ):
-            module.forward = functools.partial(_mlp_forward, module, type(module).forward)
+        elif kind in _MLPS and all(hasattr(module, n) for n in _MLP_PARTS):
+            module.register_forward_pre_hook(_mlp_starts)
+            module.register_forward_hook(_mlp_ends)
         else:
             continue
-        module._sess_recipes = True
+        _prepared.add(module)
+
+
+_prepared: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # modules given their hooks
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 def _norm_recorded(norm: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -157,17 +166,71 @@ def _norm_recorded(norm: torch.nn.Module, args: tuple, output: torch.Tensor) -> 
     recorded.record(output, Recipe(lambda: type(norm).forward(shim, hidden)))
 
 
-def _mlp_forward(mlp: torch.nn.Module, forward: Callable, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, as the model's own forward computes it,
-    recording the activation and the product."""
-    recorded = _recorded()
-    if recorded is None:
-        return forward(mlp, x)
-    gate = mlp.gate_proj(x)
-    act = mlp.act_fn(gate)
-    act_recipe = Recipe(lambda: mlp.act_fn(gate))
-    recorded.record(act, act_recipe)  # before the product saves it
-    up = mlp.up_proj(x)
-    product = act * up
-    recorded.record(product, Recipe(lambda: act_recipe() * up))
-    return mlp.down_proj(product)
+class _MlpCall:
+    """One running ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (the model's own forward) on
+    this thread: the recipe of its activation once ``act_fn`` returned, then ``up_proj``'s output,
+    so ``down_proj``'s input, their product, is recorded before anything saves it."""
+
+    __slots__ = ("mlp", "act", "up")
+
+    def __init__(self, mlp: torch.nn.Module):
+        self.mlp = mlp
+        self.act: Recipe | None = None
+        self.up: torch.Tensor | None = None
+
+
+# the parts' hooks, registered on the parts the MLP holds when it first runs recording (peft wraps
+# its projections in LoRA layers after :func:`prepare`); a hook acts only for its MLP's current part
+_hooked_parts: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _mlp_starts(mlp: torch.nn.Module, args: tuple) -> None:
+    _state.mlp = None
+    if _recorded() is None:
+        return
+    for name, hook in (("act_fn", _act_done), ("up_proj", _up_done)):
+        part = getattr(mlp, name)
+        if isinstance(part, torch.nn.Module) and part not in _hooked_parts:
+            part.register_forward_hook(functools.partial(hook, name))
+            _hooked_parts.add(part)
+    down = mlp.down_proj
+    if down not in _hooked_parts:
+        down.register_forward_pre_hook(_down_starts)
+        _hooked_parts.add(down)
+    _state.mlp = _MlpCall(mlp)
+
+
+def _mlp_ends(mlp: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    _state.mlp = None
+
+
+def _call_of(part: torch.nn.Module, name: str) -> _MlpCall | None:
+    """The running MLP call ``part`` is the current ``name`` of (None: another module's use of it)."""
+    call = getattr(_state, "mlp", None)
+    if call is None or getattr(call.mlp, name) is not part or _recorded() is None:
+        return None
+    return call
+
+
+def _act_done(name: str, act_fn: torch.nn.Module, args: tuple, act: torch.Tensor) -> None:
+    call = _call_of(act_fn, name)
+    if call is None or call.act is not None:
+        return
+    gate = args[0]
+    call.act = Recipe(lambda: act_fn(gate))
+    _recorded().record(act, call.act)  # before the product saves it
+
+
+def _up_done(name: str, up_proj: torch.nn.Module, args: tuple, up: torch.Tensor) -> None:
+    call = _call_of(up_proj, name)
+    if call is not None and call.act is not None and call.up is None:
+        call.up = up
+
+
+def _down_starts(down_proj: torch.nn.Module, args: tuple) -> None:
+    call = _call_of(down_proj, "down_proj")
+    if call is None or call.act is None or call.up is None:
+        return
+    act_recipe, up = call.act, call.up
+    _state.mlp = None  # one product per call
+    _recorded().record(args[0], Recipe(lambda: act_recipe() * up))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sess.engine.libraries import torch_internals
 from sess.engine.native import kernels as native
 from sess.engine.sampling.onednn import CHUNK, linear, pack_weight
 
@@ -87,7 +88,7 @@ def _laid_out(packed: torch.Tensor, weight: torch.Tensor, tile: int) -> bool:
 
 
 def _nbytes(packed: torch.Tensor) -> int:
-    return torch.ops.mkldnn._nbytes(packed)
+    return torch_internals.onednn_nbytes(packed)
 
 
 def _address(packed: torch.Tensor) -> int:

@@ -3,9 +3,9 @@
 A decode step through transformers' and peft's modules spends about half its time in module
 machinery (masks, hooks, a LoRA call a projection); this decoder runs the same arithmetic directly
 on the same weights, and attention over the batch's :class:`~.block_cache.BlockCache`. Each group of
-rows goes through its adapter's plan (:mod:`.lora_plans`): merged (an fp32 base on CPU, the default
-there: one matmul a bundle of projections, q/k/v, o, gate/up, down) or the base projections for
-every row (:class:`~.row_invariant.RowInvariantLinears`) plus each group's LoRA terms. A prefill
+rows goes through its adapter's plan (kept by :mod:`.llama_plans`, made by :mod:`.lora_plans`):
+merged (an fp32 base on CPU, the default there: one matmul a bundle of projections, q/k/v, o,
+gate/up, down) or the base projections for every row (:class:`~.row_invariant.RowInvariantLinears`) plus each group's LoRA terms. A prefill
 lays the new prompts end to end (no padding), runs each prompt's attention on its own, and writes
 each prompt's keys and values into the rows of its samples. For fp32 on CPU a step's attention,
 norms and activation are C calls (:mod:`.fused_ops`), each row's sums in an order of its own; a
@@ -25,36 +25,25 @@ bias, sliding windows, other architectures) decodes through the model's own modu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from sess.engine.sampling import fused_ops, onednn, prefix_cache
+from sess.engine.libraries import torch_internals
+from sess.engine.sampling import fused_ops, prefix_cache
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
-from sess.engine.sampling.lora_plans import (
-    Kept,
-    add_terms,
-    base_of,
-    count,
-    lora_layers,
-    merged_of,
-    run_merged,
-    terms_of,
-    versions,
-)
+from sess.engine.sampling.llama_plans import BUNDLES, LlamaPlans
+from sess.engine.sampling.lora_plans import add_terms, base_of, run_merged
 from sess.engine.sampling.prefill_layout import Layout
 from sess.engine.sampling.row_invariant import RowInvariantLinears, decode_attention
-from sess.engine.sampling.rows import Groups, groups_of
+from sess.engine.sampling.rows import groups_of
 
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> its class
 # the most columns a new cache holds past its longest prompt for the requests' max_tokens: a cache
 # that grows is copied whole, and one that never needs them holds memory for nothing
 AHEAD = 128
-# projections that read the same input share one LoRA A matmul
-BUNDLES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -93,9 +82,7 @@ class LlamaDecoder:
         """``pack_budget()``: the bytes the prepacked copies of the base weights may take (the
         engine's memory budget); they are kept only where all of them fit (None: always)."""
         self.model_of = model_of
-        self.pack_budget = pack_budget
-        self._copy_bytes: int | None = None
-        self.merge_lora: bool | None = None  # adapters' plans merged or as terms (None: decided on first use)
+        self.plans = LlamaPlans(model_of, pack_budget)  # which weights each row runs through
         # a step's attention, norms and activation as C calls (:mod:`.fused_ops`; None: decided on first use)
         self.kernels: bool | None = None
         config = model_of().config
@@ -106,34 +93,43 @@ class LlamaDecoder:
         self.qk_norm = config.model_type == "qwen3"
         self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
-        self._plans: dict[str, Kept] = {}  # adapter -> its plan and what it was made from
         self.prefix = prefix_cache.PrefixCache(prefix_cache.budget_of(pack_budget))  # prompts' entries
 
+    # which weights each row runs through (:mod:`.llama_plans`) -------------------------------------
+    @property
+    def merge_lora(self) -> bool | None:
+        """Adapters' plans merged or as terms (None: decided on first use; set it to choose)."""
+        return self.plans.merge_lora
+
+    @merge_lora.setter
+    def merge_lora(self, merged: bool | None) -> None:
+        self.plans.merge_lora = merged
+
     def packs(self) -> bool:
-        """Whether the base projections run through prepacked copies: where their bytes (as many as
-        the weights': 538 MB on smollm2) fit in the memory budget. A decode step is faster with
-        them (:mod:`.row_invariant`); without them sampling holds no second copy of the model."""
-        if self.pack_budget is None:
-            return True
-        if self._copy_bytes is None:
-            model = self.model_of()
-            weights = [base_of(getattr(p, name)).weight for p, names in self._bundles(model) for name in names]
-            self._copy_bytes = sum(w.numel() * w.element_size() for w in weights)
-        return self._copy_bytes <= self.pack_budget()
+        """Whether the base projections run through prepacked copies (:meth:`.LlamaPlans.packs`)."""
+        return self.plans.packs()
 
     def copy_bytes(self) -> int | None:
         """Bytes all prepacked copies of the base weights take (None until :meth:`packs` measured it)."""
-        return self._copy_bytes
+        return self.plans.copy_bytes()
+
+    def merges_lora(self) -> bool:
+        """Whether adapters' plans are merged weights (:meth:`.LlamaPlans.merges_lora`)."""
+        return self.plans.merges_lora()
+
+    def adapter_slots(self) -> int | None:
+        """How many adapters' merged plans the copy budget holds (:meth:`.LlamaPlans.adapter_slots`)."""
+        return self.plans.adapter_slots()
 
     def plan(self, adapter: str) -> list:
         """``adapter``'s decode plan (made now if it is not kept): per layer its four bundles of
         projections (q/k/v, o, gate/up, down), each merged matmuls or terms (:mod:`.lora_plans`) or
         None, then the lm_head's."""
-        return self._plan(self.model_of(), adapter)
+        return self.plans.plan(self.model_of(), adapter)
 
     def planned(self, adapter: str) -> bool:
         """Whether ``adapter``'s decode plan is made and kept (see :meth:`release_memory`)."""
-        return adapter in self._plans
+        return self.plans.planned(adapter)
 
     def release_memory(self, keep: set[str] = frozenset()) -> None:
         """Drop the prepacked copies of the base weights (as large as the weights) and the plans
@@ -142,12 +138,12 @@ class LlamaDecoder:
         the next decode step. The engine calls this before a training op, keeping the plans of
         adapters that running requests sample from."""
         self.linear.release()
-        self._plans = {adapter: plan for adapter, plan in self._plans.items() if adapter in keep}
+        self.plans.keep_only(keep)
         self.prefix.forget(keep=lambda weights: weights[0] in keep)
 
     def forget(self, adapter: str) -> None:
         """Drop ``adapter``'s plan (merged copies as large as its weights): the engine removed it."""
-        self._plans.pop(adapter, None)
+        self.plans.forget(adapter)
         self.prefix.forget(keep=lambda weights: weights[0] != adapter)
 
     def finished(self, cache: BlockCache, row: int, job, tokens: list[int]) -> None:
@@ -201,10 +197,10 @@ class LlamaDecoder:
                 )[0].transpose(0, 1)
             return out
 
-        plans = self._group_plans(model, groups_of(layout.owners, device))
+        plans = self.plans.group_plans(model, groups_of(layout.owners, device))
         h = self._layers(model, plans, tokens, positions, attend, scale_queries=fused)
         rows = list(range(lengths[0])) if jobs[0].prompt_logprobs else layout.last
-        plans = self._group_plans(model, groups_of([layout.owners[row] for row in rows], device))
+        plans = self.plans.group_plans(model, groups_of([layout.owners[row] for row in rows], device))
         logits = self._output(model, h[rows], plans)
         if layout.shared:  # each prompt's entries laid end to end, its shared prefix's first
             order = torch.tensor(layout.order, device=device)
@@ -213,20 +209,23 @@ class LlamaDecoder:
         spans = [(start, n, job.num_samples) for start, n, job in zip(starts, lengths, jobs)]
         room = max(min(job.params.max_tokens, AHEAD) for job in jobs)  # growing copies the cache
         # the steps read it through the kernel, by place
-        cache = BlockCache.from_prompts(keys, values, spans, capacity=max(lengths) + max(room, 16), by_place=fused)
+        cache = BlockCache.from_prompts(
+            keys, values, spans, capacity=max(lengths) + max(room, 16), by_place=fused
+        )
         if jobs[0].prompt_logprobs:
             return Prefill(cache, logits[-1:], logits)
         return Prefill(cache, logits)
 
     def _weights(self, model, jobs: list) -> list[tuple]:
         """Per job, what its entries depend on: its adapter's weights' versions, or the base model's."""
-        made = {a: (self._plan(model, a), self._plans[a].made)[1] for a in {j.adapter for j in jobs} if a}
-        base = (id(w := model.model.embed_tokens.weight), w._version, torch.get_num_threads(), self.packs())
+        made = {a: self.plans.made(model, a) for a in {j.adapter for j in jobs} if a}
+        w = model.model.embed_tokens.weight
+        base = (id(w), torch_internals.version_of(w), torch.get_num_threads(), self.packs())
         return [(job.adapter or "", made.get(job.adapter), *base) for job in jobs]
 
     def _output(self, model, h: torch.Tensor, plans: list) -> torch.Tensor:
         """Logits of the final-normed states ``h``, each group of rows of ``plans`` (from
-        :meth:`_group_plans`) through its adapter's lm_head."""
+        :meth:`.LlamaPlans.group_plans`) through its adapter's lm_head."""
         plans = [(rows, p[-1:] if p else p) for rows, p in plans]
         (logits,) = self._project(model, ("lm_head",), h, plans, 0)
         return logits
@@ -249,12 +248,14 @@ class LlamaDecoder:
             if fused:
                 keys, values = cache.layer(layer)
                 out = blocks.block("attention", q, *q.shape)
-                return fused_ops.attend(keys, values, step.positions, q, k, v, rotation, shared, cache.places, out)
+                return fused_ops.attend(
+                    keys, values, step.positions, q, k, v, rotation, shared, cache.places, out
+                )
             q, k = _rotate(q, k, *rotation)
             keys, values = cache.update(layer, k, v)
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
 
-        plans = self._group_plans(model, groups_of(adapters, tokens.device))
+        plans = self.plans.group_plans(model, groups_of(adapters, tokens.device))
         h = self._layers(model, plans, tokens, positions, attend, scale_queries=True, blocks=blocks)
         return self._output(model, h, plans)
 
@@ -262,7 +263,7 @@ class LlamaDecoder:
         self, model, plans: list, tokens, positions, attend, *, scale_queries: bool, blocks=None
     ) -> torch.Tensor:
         """The decoder layers on one token per row of ``tokens`` (rows at ``positions``), each group
-        of rows of ``plans`` (from :meth:`_group_plans`) through its adapter's, with
+        of rows of ``plans`` (from :meth:`.LlamaPlans.group_plans`) through its adapter's, with
         ``attend(layer, q, k, v, rotation)`` doing the rotary embedding (``q, k`` as they come out of
         their projections and norms, [rows, heads, dim] each; ``rotation`` for :func:`_rotate`) and
         attention; returns the final-normed states. With the C kernels, the norms and activation
@@ -295,7 +296,11 @@ class LlamaDecoder:
             (o,) = self._project(attn, BUNDLES[1], out.reshape(count, -1), lora, 1)
             h, x = norm(layer.post_attention_layernorm, h, o)
             gate, up = self._project(mlp, BUNDLES[2], x, lora, 2)
-            act = fused_ops.silu_mul(gate, up, blocks.block("act", gate, *gate.shape)) if kernels else F.silu(gate) * up
+            act = (
+                fused_ops.silu_mul(gate, up, blocks.block("act", gate, *gate.shape))
+                if kernels
+                else F.silu(gate) * up
+            )
             (pending,) = self._project(mlp, BUNDLES[3], act, lora, 3)
         return norm(inner.norm, h, pending)[1]
 
@@ -321,80 +326,6 @@ class LlamaDecoder:
             weight = self.model_of().model.embed_tokens.weight
             self.kernels = fused_ops.usable(weight.dtype, weight.device)
         return self.kernels
-
-    # per-adapter plans -----------------------------------------------------------------------------
-    def merges_lora(self) -> bool:
-        """Whether adapters' plans are merged weights (:mod:`.lora_plans`): for an fp32 base model on
-        CPU with oneDNN, where the copy budget holds two copies of the base weights (the base copies and
-        one adapter's merged plan). Decided on first use (unless
-        :attr:`merge_lora` was set) and kept for the engine's life, so a request's arithmetic never
-        depends on what else is sampling."""
-        if self.merge_lora is None:
-            weight = self.model_of().model.embed_tokens.weight
-            room = self.packs() and (self.pack_budget is None or 2 * self._copy_bytes <= self.pack_budget())
-            self.merge_lora = bool(weight.dtype == torch.float32 and weight.is_cpu and onednn.available() and room)
-        return self.merge_lora
-
-    def adapter_slots(self) -> int | None:
-        """How many adapters' merged plans the copy budget holds beside the base copies (at least
-        one): the decode batch admits requests of at most this many adapters at once. None: no
-        limit (plans of LoRA terms are small)."""
-        if not self.merges_lora() or self.pack_budget is None:
-            return None
-        return max(1, self.pack_budget() // max(self._copy_bytes or 1, 1) - 1)
-
-    def _group_plans(self, model, groups: Groups) -> list:
-        """``(rows, plan)`` for each group of rows: its adapter's plan; base-model rows (plan None)
-        are listed too where plans are merged (they then run apart from the adapters' rows)."""
-        merged = self.merges_lora()
-        return [
-            (rows, self._plan(model, adapter) if adapter is not None else None)
-            for adapter, rows in groups
-            if adapter is not None or merged
-        ]
-
-    def _plan(self, model, adapter: str) -> list:
-        """Per layer, per bundle, the adapter's merged matmuls or :class:`~.lora_plans.Terms` (or
-        None); last, the lm_head's. Made again when any of the adapter's weights changed (a training
-        session's after optim_step); merged plans beyond :meth:`adapter_slots` go, oldest first."""
-        cached = self._plans.pop(adapter, None)
-        if cached is not None and cached.holds(model, adapter, self.merges_lora()):
-            self._plans[adapter] = cached  # the most recently used last (threads included)
-            return cached.plan
-        cached = None  # its copies go before the new ones are made
-        modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
-        live = {a for m in modules[:1] for a in m.lora_A}
-        self._plans = {a: p for a, p in self._plans.items() if a in live}
-        slots = self.adapter_slots()  # the oldest go before the new copies are made
-        while slots is not None and len(self._plans) >= slots:
-            self._plans.pop(next(iter(self._plans)))
-        if self.merges_lora():
-            largest = max(
-                sum(base_of(getattr(parent, name)).weight.numel() for name in names)
-                for parent, names in self._bundles(model)
-            )
-            make = functools.partial(merged_of, scratch=torch.empty(largest, dtype=torch.float32))
-        else:
-            make = terms_of
-        made = [make(parent, names, adapter) for parent, names in self._bundles(model)]
-        plan = [made[i : i + len(BUNDLES)] for i in range(0, len(made) - 1, len(BUNDLES))] + made[-1:]
-        if count(plan) != len(modules):
-            raise RuntimeError(f"adapter {adapter}: LoRA on modules the lean decoder does not cover")
-        anchor = modules[0] if modules else model
-        first = next(name for name, m in model.named_modules() if m is anchor)
-        layers = lora_layers(modules, adapter)
-        self._plans[adapter] = Kept(plan, first, anchor, layers, (self.merges_lora(), versions(layers)))
-        return plan
-
-    @staticmethod
-    def _bundles(model) -> list:
-        """``(parent, names)`` of every bundle of projections in model order, the lm_head last."""
-        bundles = [
-            (parent, names)
-            for layer in model.model.layers
-            for parent, names in zip((layer.self_attn, layer.self_attn, layer.mlp, layer.mlp), BUNDLES)
-        ]
-        return bundles + [(model, ("lm_head",))]
 
 
 def _rotate(q, k, cos, sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:

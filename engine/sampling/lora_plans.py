@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sess.engine.libraries import torch_internals
 from sess.engine.sampling.row_invariant import PackedMatmul, lora_linear, packed_linear
 from sess.engine.sampling.rows import add_to_rows, take_rows
 
@@ -61,8 +62,7 @@ def versions(layers: list[torch.nn.Module]) -> tuple:
     engine swaps it) and the thread count (its prepacked matrices' calibrations). Read from the
     layers' own dictionaries: every decode step checks its plans, and ``nn.Module``'s attribute
     lookup would make that ~1 ms a check on smollm2."""
-    weights = [layer._parameters["weight"] for layer in layers]
-    return (torch.get_num_threads(), *[(id(w), w._version) for w in weights])
+    return (torch.get_num_threads(), *torch_internals.parameter_versions(layers, "weight"))
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Kept:
         except AttributeError:
             return False
         if self.layers:
-            lora_a = self.module._modules["lora_A"]._modules.get(adapter)
+            lora_a = torch_internals.own_child(torch_internals.own_child(self.module, "lora_A"), adapter)
             same_module = same_module and lora_a is self.layers[0]
         return same_module and (merged, versions(self.layers)) == self.made
 
@@ -206,13 +206,19 @@ def count(plan: list) -> int:
     """How many LoRA projections a plan (per layer a list of bundles, then the lm_head's) covers."""
     bundles = [b for layer in plan[:-1] for b in layer] + [plan[-1]]
     return sum(
-        len(b.parts) if isinstance(b, Terms) else b.lora if isinstance(b, Fused) else sum(m is not None for m in b)
+        len(b.parts)
+        if isinstance(b, Terms)
+        else b.lora
+        if isinstance(b, Fused)
+        else sum(m is not None for m in b)
         for b in bundles
         if b is not None
     )
 
 
-def project(linear: Callable, parent, names, merged: Fused | Merged | None, x: torch.Tensor) -> list[torch.Tensor]:
+def project(
+    linear: Callable, parent, names, merged: Fused | Merged | None, x: torch.Tensor
+) -> list[torch.Tensor]:
     """The projections ``names`` of ``parent`` on rows ``x`` through one adapter's ``merged``
     bundle: its fused matmul, or per projection its merged matmul, or the base weight
     (``linear``) where the adapter has no LoRA there (``merged`` None: base-model rows)."""

@@ -8,12 +8,14 @@ import functools
 
 import torch
 
+from sess.engine.libraries import torch_internals
+
 CHUNK = 64  # the most rows one matmul call takes; more run as several calls
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's prepacked copy of a [out, in] weight, for :func:`linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), CHUNK)
+    return torch_internals.onednn_pack_linear_weight(weight, CHUNK)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,7 +27,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 def _linear_pointwise():
     """The op's one overload, looked up once (a decode step makes ~120 calls), on first use: a
     torch build without it fails in :func:`available`, not on import."""
-    return torch.ops.mkldnn._linear_pointwise.default
+    return torch_internals.onednn_linear()
 
 
 @functools.cache

@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from sess.engine.libraries import torch_internals
 from sess.engine.sampling import few_rows, onednn
 from sess.engine.sampling.onednn import CHUNK
 
@@ -163,7 +164,12 @@ def report() -> dict:
         for (kernel, k, n, dtype, device, _, _), counts in _calibrated.items()
         if not counts.exact
     ]
-    return {"exact": not inexact, "kernels": len(_calibrated), "inexact": inexact, "few_rows": few_rows.status()}
+    return {
+        "exact": not inexact,
+        "kernels": len(_calibrated),
+        "inexact": inexact,
+        "few_rows": few_rows.status(),
+    }
 
 
 def self_check(device: str = "cpu") -> dict:
@@ -321,11 +327,13 @@ class RowInvariantLinears:
     def _copy(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> _PackedCopy:
         key = id(weight)
         copy = self._packed.get(key)
-        if copy is None or copy.weight() is not weight or copy.version != weight._version:
+        if copy is None or copy.weight() is not weight or copy.version != torch_internals.version_of(weight):
             gone = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
             packed = onednn.pack_weight(weight)
             counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], x, bias is not None)
             fn = functools.partial(onednn.linear, packed=packed, bias=bias)
             few = few_rows.FewRows.of(packed, *weight.shape) if bias is None and counts.exact else None
-            copy = self._packed[key] = _PackedCopy(gone, weight._version, packed, fn, counts, few)
+            copy = self._packed[key] = _PackedCopy(
+                gone, torch_internals.version_of(weight), packed, fn, counts, few
+            )
         return copy

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sess.engine.libraries import torch_internals
 from sess.engine.protocol.errors import SessError
 from sess.engine.protocol.requests import Request
 from sess.engine.protocol.types import Datum
@@ -247,12 +248,7 @@ class Ranks:
         in an idle round's prefetch while rank 1 reduce-scattered)."""
         units = self.modules + [shard.unit for shard in self.adapters.shards.values()]
         for unit in units:
-            state = unit._get_fsdp_state()
-            for group in state._fsdp_param_groups:
-                group._post_forward_indices.clear()
-                order = getattr(group.comm_ctx, "post_forward_order", None)  # set once FSDP2 inits
-                if order is not None:
-                    order.clear()
+            torch_internals.fsdp_forget_forward_order(unit)
 
     def _any_sharded(self) -> bool:
         return any(isinstance(p, DTensor) for module in self.modules for p in module.parameters())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from sess.engine.libraries import transformers_internals
 from sess.engine.runtime.recompute import recording
 from sess.engine.runtime.recompute import unpack as recompute_unpack
 
@@ -247,18 +248,14 @@ def checkpointing(model: torch.nn.Module, on: bool) -> Iterator[None]:
         yield
         return
     layers = transformer_layers(model)
-    before = [
-        (m.gradient_checkpointing, m.training, m.__dict__.get("_gradient_checkpointing_func")) for m in layers
-    ]
+    before = [(transformers_internals.layer_checkpointing(m), m.training) for m in layers]
     func = functools.partial(checkpoint, use_reentrant=False)
     for m in layers:
-        m.gradient_checkpointing, m.training, m._gradient_checkpointing_func = True, True, func
+        transformers_internals.set_layer_checkpointing(m, True, func)
+        m.training = True
     try:
         yield
     finally:
-        for m, (flag, training, old) in zip(layers, before):
-            m.gradient_checkpointing, m.training = flag, training
-            if old is None:
-                m.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                m._gradient_checkpointing_func = old
+        for m, ((flag, old), training) in zip(layers, before):
+            transformers_internals.set_layer_checkpointing(m, flag, old)
+            m.training = training
