@@ -132,6 +132,12 @@ def serve(
         device,
         dtypes=Dtypes.parse(dtype),
         memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+        placement=ranks,  # None: this process alone
+        sampler=(
+            VllmSampler(sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank)
+            if sampler == "vllm"
+            else None  # the built-in decode batch
+        ),
     )
     try:
         engine = ManagedEngine(
@@ -151,14 +157,9 @@ def serve(
         raise SystemExit(f"sess engine: {exc}") from None
     engine.registry.backup()  # registry.db.bak: what a lost registry is restored from
     registry_repair.label_unlabelled(engine.registry, home)  # checkpoints from before manifests
-    if sampler == "vllm":
-        runtime.vllm = VllmSampler(
-            sampler_python or sys.executable, home, max_lora_rank=sampler_max_lora_rank
-        )
     if ranks is not None:
         from sess.engine.runtime.distributed.follower import session_snapshot
 
-        engine.runtime.ranks = ranks
         engine.run(lambda runtime: ranks.send(session_snapshot(runtime)))
     invariance = engine.run(lambda runtime: runtime.batch_invariance(check=True))
     if not invariance["exact"]:
@@ -221,8 +222,7 @@ def serve(
         except (OSError, ValueError):
             pass
         engine.close()
-        if runtime.vllm is not None:
-            runtime.vllm.close()
+        runtime.sampler.close()
         if ranks is not None:
             ranks.close()
 

@@ -13,15 +13,18 @@ from __future__ import annotations
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.checkpoints.manifest import write_manifest
-from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
 from sess.engine.sdk.checkpoint_paths import CheckpointRef, parse_path
 from sess.engine.sdk.errors import NotFound, SessError
 from sess.engine.sdk.home import atomic_dir
 from sess.engine.sdk.types import SessionStatus
+
+if TYPE_CHECKING:
+    from sess.engine.runtime.runtime import Runtime
 
 
 class NotYours(SessError):
