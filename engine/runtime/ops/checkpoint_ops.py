@@ -5,7 +5,7 @@ Transient ``sampler`` saves (``save_weights_and_get_sampling_client`` without a 
 for sampling at once and leave memory when a newer one comes (loaded again from disk if asked for,
 however many newer ones exist); their files live as long as their session: they are deleted when
 it stops. On an engine of several ranks every change to the set of checkpoint adapters held for
-sampling goes to the other ranks (:meth:`.placement.Placement.share_samplers`).
+sampling goes to the other ranks (:meth:`sess.engine.runtime.placement.Placement.share_samplers`).
 """
 
 from __future__ import annotations
