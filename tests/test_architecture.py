@@ -451,7 +451,10 @@ def test_tests_mirror_the_packages_and_share_only_helper_modules():
     tests = ROOT / "tests"
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     assert folders - {"tinker_scripts"} == TEST_FOLDERS
-    assert {p.name for p in tests.glob("test_*.py")} == {"test_architecture.py", "test_references.py"}  # cross-package
+    assert {p.name for p in tests.glob("test_*.py")} == {
+        "test_architecture.py",
+        "test_references.py",
+    }  # cross-package
     borrowing = sorted(
         f"{p.relative_to(tests)}: {line.strip()}"
         for p in tests.rglob("*.py")
@@ -511,7 +514,9 @@ def test_the_sdk_call_table_names_the_engine_control_ops():
 
     assert set(CALLS) == {name for name, op in OPS.items() if op.kind is Kind.CONTROL}
     # a call that changes the engine is never sent twice; reads are
-    assert not any(CALLS[name].reads_only for name, op in OPS.items() if op.kind is Kind.CONTROL and op.accounted)
+    assert not any(
+        CALLS[name].reads_only for name, op in OPS.items() if op.kind is Kind.CONTROL and op.accounted
+    )
 
 
 # A module's private names (a leading underscore) are its own: another module uses what it offers
@@ -572,7 +577,9 @@ def test_no_module_reaches_into_another_modules_privates():
     }
     assert _reaches(trees) == []
     probe = {
-        "a.py": ast.parse("class A:\n    def __init__(self):\n        self._n = 1\n    def f(self, o):\n        return o._n\n"),
+        "a.py": ast.parse(
+            "class A:\n    def __init__(self):\n        self._n = 1\n    def f(self, o):\n        return o._n\n"
+        ),
         "b.py": ast.parse(
             "from sess.a import _helper\n"
             "def g(a):\n    return a._n + getattr(a, '_n')\n"
