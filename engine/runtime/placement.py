@@ -69,7 +69,7 @@ class Placement(Protocol):
         """``host``'s set of checkpoint adapters held for sampling changed."""
         ...
 
-    def gathered(self, session: Session) -> AbstractContextManager[None]:
+    def adapter_gathered(self, session: Session) -> AbstractContextManager[None]:
         """``session``'s whole adapter in peft's modules inside the block."""
         ...
 
@@ -143,7 +143,7 @@ class SingleProcess:
     def share_samplers(self, host: ModelHost) -> None:
         pass
 
-    def gathered(self, session: Session) -> AbstractContextManager[None]:
+    def adapter_gathered(self, session: Session) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager

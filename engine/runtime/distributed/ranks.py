@@ -357,7 +357,7 @@ class Ranks:
     def forget_adapter(self, adapter: str) -> None:
         self.adapters.forget(adapter)
 
-    def gathered(self, session) -> contextlib.AbstractContextManager[None]:
+    def adapter_gathered(self, session) -> contextlib.AbstractContextManager[None]:
         return gathered(session.shard)  # every rank gathers the adapter for the block
 
     @contextlib.contextmanager

@@ -82,7 +82,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     with (
         host.activate(session.adapter) as model,
         placement.root_gathered(host.model),
-        placement.gathered(session),
+        placement.adapter_gathered(session),
     ):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
