@@ -276,12 +276,7 @@ class Ranks:
         return range(count * rank // self.world, count * (rank + 1) // self.world)
 
     def plan(
-        self,
-        datums: list[Datum],
-        max_positions: int,
-        *,
-        share_prefixes: bool = False,
-        repeat_cost: float = 0.0,
+        self, datums: list[Datum], max_positions: int, *, share_prefixes: bool, repeat_cost: float
     ) -> list[tuple[list[int], list]]:
         """This rank's micro-batches (global datum indices, at most ``max_positions`` positions each:
         the memory budget's), plus empty ``([], [])`` rounds up to the largest rank's count: every
