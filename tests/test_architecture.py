@@ -42,11 +42,11 @@ def _module_name(path: Path) -> str:
     return ("sess." + ".".join(path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
 
 
-def _imports(path: Path, *, entry_points: bool = False) -> set[str]:
-    """The sess modules ``path`` imports anywhere (module level and inside functions), resolved from
-    relative imports; not annotation-only imports (``if TYPE_CHECKING:``) and, unless
-    ``entry_points``, not those of an ``if __name__ == "__main__":`` block (an entry point runs at the
-    top, like the CLI)."""
+def _imports(path: Path, *, entry_points: bool = False, functions: bool = True) -> set[str]:
+    """The sess modules ``path`` imports anywhere (module level and, with ``functions``, inside
+    functions), resolved from relative imports; not annotation-only imports (``if TYPE_CHECKING:``)
+    and, unless ``entry_points``, not those of an ``if __name__ == "__main__":`` block (an entry point
+    runs at the top, like the CLI)."""
     tree = ast.parse(path.read_text())
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -56,6 +56,8 @@ def _imports(path: Path, *, entry_points: bool = False) -> set[str]:
             test = ast.unparse(node.test)
             if "TYPE_CHECKING" in test or (not entry_points and "__name__ ==" in test):
                 skipped.update(id(child) for child in ast.walk(node))
+        if not functions and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            skipped.update(id(child) for child in ast.walk(node))
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -722,3 +724,67 @@ def test_library_internals_are_reached_only_through_the_seams():
         "engine/x.py:6: _version",
         "engine/x.py:6: _modules",
     ]
+
+
+# The engine's two optional modes are objects the runtime holds, chosen when it starts: where the work
+# runs (engine/runtime/placement.py: one process, or several ranks in distributed/) and who samples
+# (engine/runtime/samplers.py: the built-in decode batch, or vllm/). The ops call their methods and never
+# ask which mode is on, nor import the modes' rooms: those rooms import the ops.
+RUNTIME = ENGINE / "runtime"
+MODE_QUESTION = re.compile(r"runtime.ranks|runtime.vllm")
+
+
+def test_the_ops_never_ask_which_mode_is_on():
+    asking = {
+        str(p.relative_to(ROOT)): [
+            line.strip() for line in p.read_text().splitlines() if MODE_QUESTION.search(line)
+        ]
+        for p in sorted((RUNTIME / "ops").glob("*.py"))
+    }
+    assert {path: lines for path, lines in asking.items() if lines} == {}
+    modes = ("sess.engine.runtime.distributed", "sess.engine.runtime.vllm")
+    importing = sorted(
+        f"{p.relative_to(ROOT)} -> {dep}"
+        for p in (RUNTIME / "ops").glob("*.py")
+        for dep in _imports(p)
+        if dep.startswith(modes)
+    )
+    assert importing == []
+    assert MODE_QUESTION.search("if runtime.ranks is not None:") and not MODE_QUESTION.search(
+        "runtime.placement"
+    )
+
+
+def _runtime_rooms(**options) -> dict[str, set[str]]:
+    """engine/runtime's rooms (each sub-package or module right under it) -> the rooms they import."""
+    modules = {_module_name(p): _imports(p, **options) for p in RUNTIME.rglob("*.py")}
+
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[3] if len(parts) > 3 else None  # the package itself (its __init__) is no room
+
+    rooms: dict[str, set[str]] = {r: set() for m in modules if (r := room(m))}
+    for module, deps in modules.items():
+        if (mine := room(module)) is not None:
+            rooms[mine] |= {r for dep in deps if dep in modules and (r := room(dep)) not in (None, mine)}
+    return rooms
+
+
+def test_no_import_cycle_between_the_runtime_rooms():
+    """Counting what each module imports at its top (not inside functions, not for type checkers
+    only): ops/ and the rooms under it (checkpoints, models, memory, sessions, the runtime, the
+    placement and sampler protocols) never import the rooms above them (distributed/, vllm/, the
+    executor) nor one another in a circle."""
+    rooms = _runtime_rooms(functions=False)
+    assert {"ops", "distributed", "vllm", "runtime", "placement", "samplers"} <= set(rooms)
+    cycle = _cycle(rooms)
+    assert cycle is None, f"import cycle between engine/runtime's rooms: {' -> '.join(cycle)}"
+    assert "ops" in rooms["distributed"] and "distributed" not in rooms["ops"]
+    body = "import sess.engine.runtime.ops.table\ndef f():\n    import sess.engine.runtime.executor\n"
+    path = RUNTIME / "distributed" / "_probe_for_the_test.py"
+    path.write_text(body)
+    try:
+        found = _imports(path, functions=False)
+    finally:
+        path.unlink()
+    assert "sess.engine.runtime.ops.table" in found and "sess.engine.runtime.executor" not in found

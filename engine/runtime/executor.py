@@ -212,7 +212,7 @@ class Executor:
                 if samples and not self.runtime.decoding:
                     samples += take_burst(self._ready, self._cv, _is_sample, lambda: self._closed)
                 op = self._ready.popleft() if self._ready else None
-                if op is not None and op.name == "compute_logprobs" and self.runtime.ranks is not None:
+                if op is not None and op.name == "compute_logprobs" and self.runtime.placement.world > 1:
                     op = [op, *self._ready.take(lambda other: other.name == "compute_logprobs")]
             if idle:
                 self._idle_since_work = True

@@ -4,13 +4,17 @@ The ops themselves are functions over this state, one module per area (``session
 ``training_ops``, ``checkpoint_ops``, ``sampling_ops``), listed with their request types in
 :mod:`sess.engine.runtime.ops.table`. The runtime is not thread-safe by design: one executor thread owns torch and calls it
 (:mod:`.executor`).
+
+Two modes are chosen when the runtime starts, each an object the ops call without asking which it
+is: where the work runs (:attr:`Runtime.placement`, :mod:`.placement`: this process, or several
+ranks) and who decodes sample requests (:attr:`Runtime.sampler`, :mod:`.samplers`: the built-in
+decode batch, or vLLM).
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sess.engine.protocol.errors import InvalidRequest, NotFound
 from sess.engine.protocol.home import sess_home
@@ -20,13 +24,11 @@ from sess.engine.runtime.memory.malloc_tuning import sampling_heap, trim
 from sess.engine.runtime.memory.training_budget import default_budget, default_ceiling, default_copy_budget
 from sess.engine.runtime.models.catalog import DTYPES, Dtypes, ModelNotAvailable
 from sess.engine.runtime.models.model_host import ModelHost
+from sess.engine.runtime.placement import Placement, SingleProcess
+from sess.engine.runtime.samplers import BuiltinSampler, Sampler
 from sess.engine.runtime.session import Session
 from sess.engine.sampling import fused_ops, row_invariant
 from sess.engine.sampling.decode_batch import DecodeBatch
-
-if TYPE_CHECKING:
-    from sess.engine.runtime.distributed.ranks import Ranks
-    from sess.engine.runtime.vllm.sampler import VllmSampler
 
 
 class Runtime:
@@ -37,6 +39,8 @@ class Runtime:
         *,
         dtypes: Dtypes | None = None,
         memory_budget: int | None = None,
+        placement: Placement | None = None,
+        sampler: Sampler | None = None,
     ):
         self.home = sess_home(home)
         self.device = device
@@ -52,8 +56,10 @@ class Runtime:
         )  # sess:// paths every key may read (checkpoints/checkpoint_lifecycle.py)
         self.batches: dict[str, DecodeBatch] = {}  # base model -> its running decode batch
         self._adapters = 0
-        self.ranks: Ranks | None = None  # this process's place among the engine's ranks (distributed.py)
-        self.vllm: VllmSampler | None = None  # sample requests go to vLLM (--sampler vllm, vllm/sampler.py)
+        # this process, or its place among the engine's ranks (--nproc: distributed/ranks.py)
+        self.placement: Placement = SingleProcess() if placement is None else placement
+        # the built-in decode batch, or vLLM (--sampler vllm: vllm/sampler.py)
+        self.sampler: Sampler = BuiltinSampler() if sampler is None else sampler
         self._work: str | None = None  # "train" or "sample": what the engine last started (entering)
 
     def batch_invariance(self, *, check: bool = False) -> dict:
@@ -81,10 +87,7 @@ class Runtime:
                 )
 
             try:
-                ranks = self.ranks
-                self.hosts[base_model] = (
-                    ranks.load_host(base_model, make, ModelNotAvailable) if ranks else make()
-                )
+                self.hosts[base_model] = self.placement.load_host(base_model, make, ModelNotAvailable)
             except ModelNotAvailable as exc:
                 raise NotFound(f"base_model: {exc}") from None
         return self.hosts[base_model]
@@ -160,12 +163,11 @@ class Runtime:
         """Called by the executor before op ``name`` runs; returns the request to run. With several
         ranks, rank 0 sends it to the others or gathers the weights it needs
         (:meth:`sess.engine.runtime.distributed.ranks.Ranks.prepare`)."""
-        return request if self.ranks is None else self.ranks.prepare(self, name, owner, request)
+        return self.placement.prepare(self, name, owner, request)
 
     def full_weights(self) -> None:
         """With several ranks: rank 0 is about to use the base weights alone; gather them."""
-        if self.ranks is not None:
-            self.ranks.full_weights()
+        self.placement.full_weights()
 
     # memory ----------------------------------------------------------------------------------------
     def entering(self, work: str) -> None:

@@ -6,14 +6,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from sess.engine.protocol.types import SessionStatus, TrainingSessionSummary, Usage
-
-if TYPE_CHECKING:
-    from sess.engine.runtime.distributed.adapter_shards import ShardedAdapter
 
 
 def adamw_step_dtype() -> torch.dtype:
@@ -99,7 +96,9 @@ class Session:
     usage: Usage = field(default_factory=Usage)
     optimizer: torch.optim.AdamW | None = None
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
-    shard: ShardedAdapter | None = None  # several ranks: the adapter's FSDP2 unit (AdamW steps its shards)
+    # several ranks: the adapter's FSDP2 unit, a distributed/adapter_shards.ShardedAdapter (AdamW steps its
+    # shards); None in one process
+    shard: Any = None
     flat: FlatState | None = None  # one rank: the adapter's gradients and AdamW moments, flat
 
     @property

@@ -142,10 +142,10 @@ def create_app(engine: ManagedEngine, keys: KeyStore, *, max_body_bytes: int = M
             "trim_after_s": engine.idle_after_s,
         }
         invariance = engine.runtime.batch_invariance()
-        if engine.runtime.ranks is not None:  # several ranks: how sampling spreads over them
+        if engine.runtime.placement.world > 1:  # several ranks: how sampling spreads over them
             from sess.engine.runtime.distributed import logprob_spread, sample_spread
 
-            ranks = engine.runtime.ranks
+            ranks = engine.runtime.placement
             health["sampling_ranks"] = {
                 **sample_spread.report(ranks),
                 **logprob_spread.report(ranks),

@@ -410,7 +410,7 @@ class ManagedEngine(Executor):
         """Stop serving. A one-rank engine first saves the state of every live session that
         trained since its last save (they become Interrupted, resumable from it). Several ranks
         stop together on the signal, so their sessions keep only the states saved before."""
-        if self.runtime.ranks is None and not self._closed:
+        if self.runtime.placement.world == 1 and not self._closed:
             try:
                 self.run(self._save_live_sessions)
             except Exception:  # stopping must not fail on it

@@ -78,8 +78,8 @@ def follow_rank(
         ranks.device,
         dtypes=Dtypes.parse(dtype),
         memory_budget=parse_bytes(memory_budget) if memory_budget else None,
+        placement=ranks,
     )
-    runtime.ranks = ranks
     try:
         follow(runtime, ranks)
     finally:

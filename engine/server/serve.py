@@ -82,6 +82,12 @@ def serve(options: EngineOptions, ranks=None) -> None:
         device,
         dtypes=Dtypes.parse(o.dtype),
         memory_budget=parse_bytes(o.memory_budget) if o.memory_budget else None,
+        placement=ranks,  # None: this process alone
+        sampler=(
+            VllmSampler(o.sampler_python or sys.executable, home, max_lora_rank=o.sampler_max_lora_rank)
+            if o.sampler == "vllm"
+            else None  # the built-in decode batch
+        ),
     )
     try:
         engine = ManagedEngine(
@@ -101,14 +107,9 @@ def serve(options: EngineOptions, ranks=None) -> None:
         raise SystemExit(f"sess engine: {exc}") from None
     engine.registry.backup()  # registry.db.bak: what a lost registry is restored from
     registry_repair.label_unlabelled(engine.registry, home)  # checkpoints from before manifests
-    if o.sampler == "vllm":
-        runtime.vllm = VllmSampler(
-            o.sampler_python or sys.executable, home, max_lora_rank=o.sampler_max_lora_rank
-        )
     if ranks is not None:
         from sess.engine.runtime.distributed.follower import session_snapshot
 
-        engine.runtime.ranks = ranks
         engine.run(lambda runtime: ranks.send(session_snapshot(runtime)))
     invariance = engine.run(lambda runtime: runtime.batch_invariance(check=True))
     if not invariance["exact"]:
@@ -160,8 +161,7 @@ def serve(options: EngineOptions, ranks=None) -> None:
         except (OSError, ValueError):
             pass
         engine.close()
-        if runtime.vllm is not None:
-            runtime.vllm.close()
+        runtime.sampler.close()
         if ranks is not None:
             ranks.close()
 

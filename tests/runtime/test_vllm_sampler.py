@@ -190,11 +190,11 @@ def test_vllm_samples_like_the_builtin_sampler_and_runs_grpo(sess_home, tmp_path
 
 
 def test_a_rank_above_the_vllm_samplers_limit_is_refused_at_session_creation(sess_home):
-    runtime = Runtime(sess_home)
-    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=16)  # refused before it starts
+    sampler = VllmSampler("/no/such/python", sess_home, max_lora_rank=16)  # refused before it starts
+    runtime = Runtime(sess_home, sampler=sampler)
     with pytest.raises(InvalidRequest, match="^rank: 32 is above the vLLM sampler's limit of 16 "):
         create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=32))
-    assert runtime.sessions == {} and runtime.vllm.workers == {}
+    assert runtime.sessions == {} and sampler.workers == {}
 
 
 def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(sess_home):
@@ -205,14 +205,15 @@ def test_a_deleted_sessions_live_exports_are_removed_once_no_request_reads_them(
         create_session(runtime, "local", rq.CreateSession(base_model="tiny-llama", rank=4, seed=s))["name"]
         for s in (1, 2)
     ]
-    runtime.vllm = VllmSampler("/no/such/python", sess_home, max_lora_rank=8)  # no worker started
-    gone, kept = (Path(runtime.vllm.lora(runtime, runtime.sessions[n], None)["path"]) for n in names)
+    # sessions made with the built-in sampler (vLLM's would start a worker for each), then vLLM's
+    runtime.sampler = sampler = VllmSampler("/no/such/python", sess_home, max_lora_rank=8)
+    gone, kept = (Path(sampler.lora(runtime, runtime.sessions[n], None)["path"]) for n in names)
     assert (gone / "adapter_model.safetensors").is_file() and kept.is_dir()
     delete = rq.DeleteSession(name=names[0], stop_if_active=True)
     delete_session(runtime, "local", delete)
     assert not gone.exists() and kept.is_dir()
     # a request the worker still runs reads the kept session's export: removed when it is answered
-    batch = runtime.batches["tiny-llama"] = VllmBatch(runtime.vllm.workers.get("tiny-llama"))
+    batch = runtime.batches["tiny-llama"] = VllmBatch(sampler.workers.get("tiny-llama"))
     batch.running["0"] = (None, 0.0, {"id": 1, "name": names[1], "path": str(kept)})
     delete_session(runtime, "local", rq.DeleteSession(name=names[1], stop_if_active=True))
     assert kept.is_dir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sess.engine.protocol.checkpoint_paths import CheckpointRef, parse_path
 from sess.engine.protocol.errors import NotFound, SessError
@@ -20,8 +21,10 @@ from sess.engine.protocol.home import atomic_dir
 from sess.engine.protocol.types import SessionStatus
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.checkpoints.manifest import write_manifest
-from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
+
+if TYPE_CHECKING:
+    from sess.engine.runtime.runtime import Runtime
 
 
 class NotYours(SessError):

@@ -183,18 +183,3 @@ class AdapterShards:
         if isinstance(tensor, DTensor):
             return self.ranks.collective("gathering weights", tensor.full_tensor)
         return tensor
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def held_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of this process's memory behind ``tensors`` (shared storage counted once; a DTensor's
-    local shard)."""
-    storages = {}
-    for tensor in tensors:
-        storage = local(tensor).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())

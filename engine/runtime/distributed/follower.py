@@ -101,7 +101,7 @@ def follow(runtime: Runtime, ranks: Ranks) -> None:
             except SessError:
                 pass  # rank 0 could not load it either, and told its client
         else:
-            _run(runtime, message)
+            _run(runtime, ranks, message)
 
 
 def check_home(home: Path, snapshot: dict) -> None:
@@ -119,10 +119,10 @@ def check_home(home: Path, snapshot: dict) -> None:
         )
 
 
-def _run(runtime: Runtime, message: dict) -> None:
+def _run(runtime: Runtime, ranks: Ranks, message: dict) -> None:
     name, owner = message["op"], message["owner"]
     spec = OPS[name]
-    runtime.ranks.forget_forward_order()  # as rank 0 did before sending it
+    ranks.forget_forward_order()  # as rank 0 did before sending it
     try:
         request = spec.request.from_wire(message["request"])
         if name == "delete_session":
@@ -132,7 +132,7 @@ def _run(runtime: Runtime, message: dict) -> None:
     except RankFailed:
         raise
     except SessError as exc:  # rank 0 met the same refusal and answered its client with it
-        log.info("rank %d: %s refused as on rank 0: %s", runtime.ranks.rank, name, exc)
+        log.info("rank %d: %s refused as on rank 0: %s", ranks.rank, name, exc)
 
 
 def _forget(runtime: Runtime, owner: str, request) -> None:

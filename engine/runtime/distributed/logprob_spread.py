@@ -53,9 +53,10 @@ def run_group(runtime: Runtime, items: list[tuple[str, rq.ComputeLogprobs]]) -> 
     """Rank 0: score ``items`` ((owner, request) pairs) over the ranks. Returns, per item in order,
     ``(result, error, seconds)``: the op's result dict or None, a SessError or None, and the seconds
     its scoring took (0.0 for one refused before)."""
-    from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target, target_wire
+    from sess.engine.runtime.ops.sampling_ops import check_prompt, resolve_target
+    from sess.engine.runtime.samplers import target_wire
 
-    ranks = runtime.ranks
+    ranks: Ranks = runtime.placement
     outcomes: list = [None] * len(items)
     jobs = []  # (index, host, adapter, request)
     for index, (owner, request) in enumerate(items):
@@ -122,7 +123,7 @@ def _score(runtime: Runtime, host, adapter: str | None, prompt: list[int]) -> tu
 def follow_group(runtime: Runtime, message: dict) -> None:
     """A follower: score the requests of ``message["logprobs"]`` handed to this rank, then send the
     results to rank 0 (every rank joins the all-gather, with or without requests of its own)."""
-    ranks = runtime.ranks
+    ranks: Ranks = runtime.placement
     done = []
     for wire in message["logprobs"]:
         if wire["rank"] != ranks.rank:

@@ -49,7 +49,8 @@ from sess.engine.protocol.requests import Request
 from sess.engine.protocol.types import Datum
 from sess.engine.runtime.batched_forward import plan as plan_batches
 from sess.engine.runtime.checkpoints.checkpoint_files import read_state
-from sess.engine.runtime.distributed.adapter_shards import AdapterShards
+from sess.engine.runtime.distributed.adapter_shards import AdapterShards, gathered
+from sess.engine.runtime.distributed.sample_spread import Spread
 from sess.engine.runtime.ops.checkpoint_ops import checkpoint_dir
 from sess.engine.runtime.ops.session_ops import default_name
 from sess.engine.runtime.ops.table import OPS
@@ -75,7 +76,8 @@ class RankFailed(SessError):
 
 
 class Ranks:
-    """This process's place among the engine's ranks (from the environment the elastic agent sets)."""
+    """This process's place among the engine's ranks (from the environment the elastic agent sets):
+    the runtime's :class:`~sess.engine.runtime.placement.Placement` on an engine of several ranks."""
 
     def __init__(self, device: str = "cpu"):
         cuda = device.startswith("cuda")
@@ -269,11 +271,13 @@ class Ranks:
         rank = self.rank if rank is None else rank
         return range(count * rank // self.world, count * (rank + 1) // self.world)
 
-    def plan(self, datums: list[Datum], max_positions: int) -> list[tuple[list[int], list]]:
+    def plan(
+        self, datums: list[Datum], max_positions: int, *, share_prefixes: bool, repeat_cost: float
+    ) -> list[tuple[list[int], list]]:
         """This rank's micro-batches (global datum indices, at most ``max_positions`` positions each:
         the memory budget's), plus empty ``([], [])`` rounds up to the largest rank's count: every
         rank must make the same model calls, as each one all-gathers weights (forward and backward)
-        with the others."""
+        with the others, so none shares a prefix (``share_prefixes``, ``repeat_cost`` do not apply)."""
         plans = []
         for rank in range(self.world):
             mine = list(self.share(len(datums), rank))
@@ -283,6 +287,10 @@ class Ranks:
             plans.append([([mine[i] for i in padded], []) for padded, _ in local])
         rounds = max(len(p) for p in plans)
         return plans[self.rank] + [([], [])] * (rounds - len(plans[self.rank]))
+
+    def checked_first(self, datums: list[Datum]) -> list[int]:
+        """The whole batch's longest datum: every rank refuses a backward op on it alike, or none does."""
+        return [max(range(len(datums)), key=lambda i: datums[i].model_input.length)]
 
     def idle_round(self, decoder: torch.nn.Module, backward: bool, run: Callable) -> None:
         """A decoder call (and its backward) on one token for a rank with fewer micro-batches: it
@@ -330,6 +338,31 @@ class Ranks:
             start += length
         self.collective("gathering logprobs", lambda: dist.all_reduce(flat))
         return [part.cpu() if self.device == "cpu" else part for part in flat.split(lengths)]
+
+    # sessions' adapters ----------------------------------------------------------------------------
+    def add_adapter(self, session, host) -> None:
+        """Every rank shards a new adapter (a followed op): 1/N of it on each; AdamW steps the shards."""
+        session.shard = self.adapters.add(session.adapter, session.params, host.peft)
+        session.params = dict(zip(session.params, session.shard.params))
+
+    def forget_adapter(self, adapter: str) -> None:
+        self.adapters.forget(adapter)
+
+    def adapter_gathered(self, session) -> contextlib.AbstractContextManager[None]:
+        return gathered(session.shard)  # every rank gathers the adapter for the block
+
+    @contextlib.contextmanager
+    def collecting(self, session, *, optimizer: bool, merge: bool) -> Iterator[Callable]:
+        """Whole tensors of ``session`` for a checkpoint: rank 0 announces the gather, every rank joins
+        each all-gather in the same order (followers from their loop); a merge gathers the adapter."""
+        self.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
+        with gathered(session.shard) if merge else contextlib.nullcontext():
+            yield self.adapters.full
+
+    def spread_decoding(self, batch, base_model: str) -> None:
+        """Rank 0's decode batch of ``base_model`` hands requests to the other ranks (sample_spread.py)."""
+        if batch.spread is None:
+            batch.spread = Spread(self, base_model)
 
     def share_samplers(self, host) -> None:
         """Rank 0: after its set of checkpoint adapters for sampling (``host.checkpoint_adapters``)

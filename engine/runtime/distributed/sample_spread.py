@@ -119,13 +119,15 @@ def adapter_of(runtime: Runtime, host, target: dict) -> str | None:
         session = runtime.sessions.get(target["session"])
         if session is None or not session.live:
             raise SessError(
-                f"session {target['session']} is not live on rank {runtime.ranks.rank}", status=409
+                f"session {target['session']} is not live on rank {runtime.placement.rank}", status=409
             )
         return session.adapter
     if "model_path" in target:
         adapter = host.checkpoint_adapters.get(target["model_path"])
         if adapter is None:
-            raise SessError(f"{target['model_path']} is not loaded on rank {runtime.ranks.rank}", status=500)
+            raise SessError(
+                f"{target['model_path']} is not loaded on rank {runtime.placement.rank}", status=500
+            )
         return adapter
     return None
 

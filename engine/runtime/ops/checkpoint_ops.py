@@ -5,12 +5,11 @@ Transient ``sampler`` saves (``save_weights_and_get_sampling_client`` without a 
 for sampling at once and leave memory when a newer one comes (loaded again from disk if asked for,
 however many newer ones exist); their files live as long as their session: they are deleted when
 it stops. On an engine of several ranks every change to the set of checkpoint adapters held for
-sampling goes to the other ranks (:meth:`~sess.engine.runtime.distributed.ranks.Ranks.share_samplers`).
+sampling goes to the other ranks (:meth:`sess.engine.runtime.placement.Placement.share_samplers`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from sess.engine.protocol.errors import InvalidRequest, NotFound, SessError
 from sess.engine.protocol.home import remove_dir
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.checkpoints.checkpoint_lifecycle import owned_dir, readable_session
-from sess.engine.runtime.distributed.adapter_shards import gathered
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session, adamw_step_dtype
@@ -67,8 +65,7 @@ def delete_checkpoint(runtime: Runtime, owner: str, request: rq.DeleteCheckpoint
 
 def _share(runtime: Runtime, host: ModelHost) -> None:
     """Several ranks: the others hold the checkpoint adapters this rank holds now."""
-    if runtime.ranks is not None:
-        runtime.ranks.share_samplers(host)
+    runtime.placement.share_samplers(host)
 
 
 def _new_ref(session: Session, kind: str, name: str | None) -> CheckpointRef:
@@ -135,12 +132,9 @@ def whole_adapter(runtime: Runtime, session: Session, *, optimizer: bool = False
     """``session``'s adapter in whole tensors (:class:`WholeAdapter`). On an engine of several ranks
     each rank holds a shard: rank 0 announces the gather, every rank runs this (followers from
     their loop, :mod:`sess.engine.runtime.distributed.follower`) and joins each tensor's all-gather in the same order."""
-    host, ranks = runtime.hosts[session.base_model], runtime.ranks
-    if ranks is None:
-        return _whole_adapter(session, host, optimizer, merge, lambda t: t)
-    ranks.announce({"collect": session.name, "optimizer": optimizer, "merge": merge})
-    with gathered(session.shard) if merge else contextlib.nullcontext():  # the merge's deltas
-        return _whole_adapter(session, host, optimizer, merge, ranks.adapters.full)
+    host = runtime.hosts[session.base_model]
+    with runtime.placement.collecting(session, optimizer=optimizer, merge=merge) as full:
+        return _whole_adapter(session, host, optimizer, merge, full)
 
 
 def _whole_adapter(session: Session, host: ModelHost, optimizer: bool, merge: bool, full) -> WholeAdapter:

@@ -4,7 +4,8 @@ A target is a live session's current weights, a checkpoint (its adapter loaded o
 bounded) or a base model with no adapter. A sample request is checked at once and then finishes
 from the decode loop: its callback runs on the executor thread when its last row is done. A request
 with ``include_trainer_logprobs`` gets the trainer's logprobs of its sampled tokens there, before
-it answers (:func:`add_trainer_logprobs`); without it, no extra pass.
+it answers (:func:`add_trainer_logprobs`); without it, no extra pass. The engine's sampler (the
+built-in decode batch or vLLM, :mod:`sess.engine.runtime.samplers`) makes and runs the request's job.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from sess.engine.runtime.ops.checkpoint_ops import checkpoint_sampler
 from sess.engine.runtime.prompt_scores import add_scores, keep_last_n, wants_scores
 from sess.engine.runtime.runtime import Runtime
 from sess.engine.runtime.session import Session
-from sess.engine.sampling.decode_batch import SampleJob
-from sess.engine.sampling.token_choice import StopChecker
 
 OnDone = Callable[[dict | None, BaseException | None, Usage], None]
 
@@ -43,8 +42,7 @@ def resolve_target(
         session = readable_session(runtime, owner, ref)
         host = runtime.host(session.base_model)
         adapter = checkpoint_sampler(runtime, host, ref)
-        if runtime.ranks is not None:  # every rank holds it: distributed/sample_spread.py
-            runtime.ranks.share_samplers(host)
+        runtime.placement.share_samplers(host)  # several ranks: every rank holds it (sample_spread.py)
         return host, adapter, session
     return runtime.host(model_name(runtime.home, owner, target.base_model)), None, None
 
@@ -101,66 +99,8 @@ def start_sample(
         )
         on_done(response.to_wire(), None, usage)
 
-    wants_prompt = request.include_prompt_logprobs or request.topk_prompt_logprobs
-    if runtime.vllm is not None:
-        job = SampleJob(prompt, request.num_samples, params, adapter, None, on_done=finished)
-        live = session if request.target.session is not None else None
-        _start_vllm_sample(runtime, host, request, job, live, wants_prompt)
-        return
-    job = SampleJob(
-        prompt=prompt,
-        num_samples=request.num_samples,
-        params=params,
-        adapter=adapter,
-        stopper=StopChecker(params.stop, host.eos_ids, host.tokenizer.decode),
-        on_done=finished,
-        prompt_logprobs=(request.topk_prompt_logprobs or -1) if wants_prompt else 0,
-        target=target_wire(request.target, host.name),
-        progress=progress,
-    )
-    batch = runtime.batch(host)
-    # several ranks decode: distributed/sample_spread.py
-    if runtime.ranks is not None and batch.spread is None:
-        from sess.engine.runtime.distributed.sample_spread import Spread
-
-        batch.spread = Spread(runtime.ranks, host.name)
-    batch.submit(job)
-
-
-def target_wire(target: rq.Target, base_model: str) -> dict:
-    """The request's target as another rank finds it: a session by name, a checkpoint by its path."""
-    if target.session is not None:
-        return {"session": target.session}
-    if target.model_path is not None:
-        return {"model_path": parse_path(target.model_path, field="model_path").uri}
-    return {"base_model": base_model}
-
-
-def _start_vllm_sample(
-    runtime: Runtime,
-    host: ModelHost,
-    request: rq.SampleRequest,
-    job: SampleJob,
-    live: Session | None,
-    wants_prompt,
-) -> None:
-    """Send ``job`` to the vLLM sampler (:mod:`sess.engine.runtime.vllm.sampler`); prompt logprobs come from the
-    engine's own model, as ``compute_logprobs`` computes them."""
-    target = request.target
-    worker = runtime.vllm.worker(host)
-    if len(job.prompt) + job.params.max_tokens > worker.max_model_len:
-        raise InvalidRequest(
-            f"sampling_params.max_tokens: prompt ({len(job.prompt)}) + max_tokens ({job.params.max_tokens}) "
-            f"exceeds the vLLM sampler's context of {worker.max_model_len} tokens"
-        )
-    ref = parse_path(target.model_path, field="model_path") if target.model_path is not None else None
-    lora = runtime.vllm.lora(runtime, live, ref)
-    if wants_prompt:
-        runtime.full_weights()
-        with host.activate(job.adapter) as model:
-            topk = request.topk_prompt_logprobs or None
-            job.prompt_result = prompt_logprobs(model, job.prompt, topk, runtime.memory_budget)
-    runtime.vllm.batch(runtime.batches, host).submit(job, lora)
+    job = runtime.sampler.job(host, request, adapter, finished, progress)
+    runtime.sampler.submit(runtime, host, request, job, session)
 
 
 def add_trainer_logprobs(

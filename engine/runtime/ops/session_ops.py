@@ -81,8 +81,7 @@ def create_session(runtime: Runtime, owner: str, request: rq.CreateSession) -> d
         "train_attn": request.train_attn,
         "train_unembed": request.train_unembed,
     }
-    if runtime.vllm is not None:  # refused now, not at its first sample request
-        runtime.vllm.check_session(runtime.host(base_model), lora)
+    runtime.sampler.check_session(runtime, base_model, lora)  # refused now, not at its first sample
     session = Session(name, owner, base_model, lora, user_metadata=request.user_metadata)
     _add_adapter(runtime, session)
     runtime.sessions[name] = session
@@ -98,9 +97,7 @@ def _add_adapter(runtime: Runtime, session: Session) -> None:
     )
     host.add_adapter(session.adapter, config, lora["seed"])
     session.params = host.adapter_params(session.adapter)
-    if runtime.ranks is not None:  # every rank shards it (a followed op): 1/N of it on each
-        session.shard = runtime.ranks.adapters.add(session.adapter, session.params, host.peft)
-        session.params = dict(zip(session.params, session.shard.params))
+    runtime.placement.add_adapter(session, host)  # several ranks: 1/N of it on each (a followed op)
     session.new_optimizer()
 
 
@@ -184,12 +181,11 @@ def stop_session(runtime: Runtime, owner: str, request: rq.SessionName) -> dict:
                 f"session {session.name!r} was stopped while this request was sampling from it", status=409
             )
             runtime.batches[session.base_model].fail_adapter(session.adapter, stopped)
-        if runtime.ranks is not None:
-            runtime.ranks.adapters.forget(session.adapter)
+        runtime.placement.forget_adapter(session.adapter)
         runtime.hosts[session.base_model].remove_adapter(session.adapter)
         session.optimizer, session.params, session.shard, session.flat = None, {}, None, None
         session.status = SessionStatus.Stopped
-        if runtime.ranks is None or runtime.ranks.leader:  # files are rank 0's; it tells the others
+        if runtime.placement.leader:  # files are rank 0's; it tells the others
             checkpoint_ops.drop_transient_samplers(runtime, session)
     return session.summary()
 
@@ -206,8 +202,7 @@ def delete_session(runtime: Runtime, owner: str, request: rq.DeleteSession) -> d
         stop_session(runtime, owner, rq.SessionName(name=session.name))
     del runtime.sessions[session.name]
     checkpoint_ops.delete_checkpoints(runtime, session)
-    if runtime.vllm is not None:  # its live weights exported for vLLM
-        runtime.vllm.forget(session.name, runtime.batches)
+    runtime.sampler.forget(session.name, runtime.batches)  # vLLM: its live weights exported
     return session.summary()
 
 

@@ -27,8 +27,7 @@ from sess.engine.protocol import requests as rq
 from sess.engine.protocol.data_checks import MULTI_TARGET_INPUTS, check_data, check_loss_fn
 from sess.engine.protocol.errors import InvalidRequest
 from sess.engine.protocol.types import Datum, ForwardBackwardOutput, TensorData
-from sess.engine.runtime.batched_forward import plan, positions, shared_prefix_pairs, token_pairs
-from sess.engine.runtime.distributed.adapter_shards import gathered, held_bytes, local
+from sess.engine.runtime.batched_forward import positions, shared_prefix_pairs, token_pairs
 from sess.engine.runtime.losses import compute_loss
 from sess.engine.runtime.memory.malloc_tuning import allocator, resident_bytes, trim
 from sess.engine.runtime.memory.training_budget import checkpointing, format_bytes
@@ -40,6 +39,7 @@ from sess.engine.runtime.output_layer import (
     logprobs,
     token_loss_grad,
 )
+from sess.engine.runtime.placement import held_bytes, local
 from sess.engine.runtime.recompute import recomputing
 from sess.engine.runtime.runtime import Runtime
 
@@ -76,8 +76,14 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
     inputs = [{k: v.to_torch() for k, v in d.loss_fn_inputs.items()} for d in datums]
     all_lps: list[torch.Tensor | None] = [None] * len(datums)
     targets = [x["target_tokens"] for x in inputs]
-    ranks = runtime.ranks  # with several ranks, this one's share of the datums (distributed.py)
-    with host.activate(session.adapter) as model, _root_gathered(ranks, host), gathered(session.shard):
+    placement = runtime.placement  # with several ranks, this one's share of the datums (distributed/)
+    # several ranks: the model's root FSDP unit (embeddings, final norm, output layer) gathered for the
+    # op, since training runs the decoder and the output layer apart (output_layer.py)
+    with (
+        host.activate(session.adapter) as model,
+        placement.root_gathered(host.model),
+        placement.adapter_gathered(session),
+    ):
         if backward:
             host.release_sampling_memory()  # the decoder's packed weight copies: made again when it samples
         decoder, head, cap = decoder_and_head(model)
@@ -89,14 +95,9 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         per_position = cost.plain if backward else cost.layer
         capacity = int(room // per_position)
         repeat = cost.repeated / per_position if backward else 0.0  # saved copies of a group's prefix KV
-        batches = (
-            ranks.plan(datums, capacity)
-            if ranks
-            else plan(datums, capacity, share_prefixes=host.shares_prefixes, repeat_cost=repeat)
-        )
-        if ranks and backward:  # every rank refuses alike (on the whole batch's longest datum) or none
-            longest_datum = max(range(len(datums)), key=lambda i: datums[i].model_input.length)
-            _check_fits(datums, ([longest_datum], []), cost, budget, ceiling=runtime.memory_ceiling)
+        batches = placement.plan(datums, capacity, share_prefixes=host.shares_prefixes, repeat_cost=repeat)
+        for index in placement.checked_first(datums) if backward else []:  # several ranks refuse alike
+            _check_fits(datums, ([index], []), cost, budget, ceiling=runtime.memory_ceiling)
         checkpointed = [
             backward
             and bool(padded or groups)
@@ -107,7 +108,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
         heap = _Heap(budget) if runtime.device == "cpu" and allocator() == "glibc" else None
         # several ranks: each micro-batch's decoder pass runs through the adapter's FSDP2 unit, which
         # reduce-scatters the gradients after the last round's backward pass (distributed/adapter_shards.py)
-        shard = session.shard if ranks and backward else None
+        shard = session.shard if backward else None  # None in one process
         run = shard.forward if shard is not None else _call
         with (
             torch.set_grad_enabled(backward),
@@ -117,7 +118,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 if shard is not None:
                     shard.backward_round(last=round_ == len(batches) - 1)
                 if not padded and not groups:  # a rank with fewer micro-batches joins the others' gathers
-                    ranks.idle_round(decoder, backward, run)
+                    placement.idle_round(decoder, backward, run)
                     continue
                 settle = partial(heap.settle, always=checkpoint) if heap is not None else _nothing
                 settle()
@@ -141,8 +142,7 @@ def _run(runtime: Runtime, owner: str, request: rq.ForwardRequest, *, backward: 
                 for i, span in zip(indices, pairs.spans):
                     all_lps[i] = lps[span]
                 del pairs
-    if ranks:
-        all_lps = ranks.gather_logprobs(all_lps, datums)
+    all_lps = placement.gather_logprobs(all_lps, datums)
     with torch.no_grad():
         _, metrics = compute_loss(loss_fn, config, all_lps, inputs)
     per_datum = [
@@ -261,12 +261,6 @@ def _call(fn: Callable[[], T]) -> T:
     return fn()
 
 
-def _root_gathered(ranks, host):
-    """Several ranks: the model's root FSDP unit (embeddings, final norm, output layer) gathered for
-    the op, since training runs the decoder and the output layer apart (:mod:`.output_layer`)."""
-    return ranks.root_gathered(host.model) if ranks else contextlib.nullcontext()
-
-
 def _check_fits(datums, batch, cost, budget: int, repeat: float = 0.0, ceiling: int | None = None) -> bool:
     """Whether ``batch`` needs activation checkpointing to stay in the share of ``budget`` that
     activations get; raises when it does not fit even then, nor checkpointed within ``ceiling`` (the
@@ -302,8 +296,8 @@ def optim_step(runtime: Runtime, owner: str, request: rq.OptimStep) -> dict:
     params = session.trainable()
     grads = [local(p.grad) for p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
-    if runtime.ranks and grads:  # every rank holds a slice's gradient: the whole adapter's norm
-        grad_norm = runtime.ranks.combined_norm(grad_norm)
+    if grads:  # several ranks: each holds a slice's gradient; the whole adapter's norm
+        grad_norm = runtime.placement.combined_norm(grad_norm)
     if not torch.isfinite(grad_norm):
         session.optimizer.zero_grad(set_to_none=True)
         raise InvalidRequest(

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from sess.engine.protocol.checkpoint_paths import CheckpointRef
+from sess.engine.protocol import requests as rq
+from sess.engine.protocol.checkpoint_paths import CheckpointRef, parse_path
 from sess.engine.protocol.errors import InvalidRequest, SessError
 from sess.engine.protocol.home import atomic_dir, remove_dir
 from sess.engine.protocol.types import SampledSequence
+from sess.engine.runtime.batched_forward import prompt_logprobs
 from sess.engine.runtime.checkpoints import checkpoint_files as ckpt
 from sess.engine.runtime.models.model_host import ModelHost
 from sess.engine.runtime.ops.checkpoint_ops import whole_adapter
@@ -259,7 +261,8 @@ class VllmBatch:
 
 
 class VllmSampler:
-    """The engine's vLLM sampler: a worker per base model, and the LoRA files each target samples through."""
+    """The engine's vLLM sampler (a :class:`~sess.engine.runtime.samplers.Sampler`): a worker per
+    base model, and the LoRA files each target samples through."""
 
     def __init__(self, python: str, home: Path, max_lora_rank: int = 32, max_loras: int = 4):
         if max_lora_rank not in LORA_RANKS:
@@ -271,15 +274,46 @@ class VllmSampler:
         self._live: dict[str, list[tuple[tuple, Path]]] = {}  # session -> its exports, newest last
         remove_dir(self.home / "vllm" / "live")  # an earlier engine's exports: no request reads them
 
-    def check_session(self, host: ModelHost, lora: dict) -> None:
+    def check_session(self, runtime, base_model: str, lora: dict) -> None:
         """Refuse, at session creation, a session vLLM could not sample: a rank above the one the
         sampler was started with, or a model vLLM cannot serve (this loads the model into vLLM)."""
+        host = runtime.host(base_model)
         if lora["rank"] > self.max_lora_rank:
             raise InvalidRequest(
                 f"rank: {lora['rank']} is above the vLLM sampler's limit of {self.max_lora_rank} "
                 "(start the engine with a larger --sampler-max-lora-rank)"
             )
         self.worker(host)
+
+    def job(
+        self, host: ModelHost, request: rq.SampleRequest, adapter: str | None, on_done, progress
+    ) -> SampleJob:
+        """A sample request's job: vLLM applies its stops, and its tokens come back at the end only."""
+        return SampleJob(
+            request.prompt, request.num_samples, request.sampling_params, adapter, None, on_done=on_done
+        )
+
+    def submit(
+        self, runtime, host: ModelHost, request: rq.SampleRequest, job: SampleJob, session: Session | None
+    ) -> None:
+        """Send ``job`` to the worker at the next decode step; prompt logprobs come from the engine's
+        own model, as ``compute_logprobs`` computes them."""
+        target = request.target
+        live = session if target.session is not None else None
+        worker = self.worker(host)
+        if len(job.prompt) + job.params.max_tokens > worker.max_model_len:
+            raise InvalidRequest(
+                f"sampling_params.max_tokens: prompt ({len(job.prompt)}) + max_tokens ({job.params.max_tokens}) "
+                f"exceeds the vLLM sampler's context of {worker.max_model_len} tokens"
+            )
+        ref = parse_path(target.model_path, field="model_path") if target.model_path is not None else None
+        lora = self.lora(runtime, live, ref)
+        if request.include_prompt_logprobs or request.topk_prompt_logprobs:
+            runtime.full_weights()
+            with host.activate(job.adapter) as model:
+                topk = request.topk_prompt_logprobs or None
+                job.prompt_result = prompt_logprobs(model, job.prompt, topk, runtime.memory_budget)
+        self.batch(runtime.batches, host).submit(job, lora)
 
     def worker(self, host: ModelHost) -> Worker:
         if host.name not in self.workers:
