@@ -8,8 +8,10 @@ then the cookbook with ``--no-deps``, then its other listed dependencies). The r
 0.6.1's RL recipes default to the ``stable_reinforce`` loss, sample with ``record_stability_info``
 and attach provenance spans to every datum; they log the tokens of each step
 (``tokens/prefill_cached`` among them, from ``SampleResponse.prompt_cache_hit_tokens``: the
-sampler's prefix cache serves a group's repeated prompt). ``rl_loop`` is not here: it has no renderer option and
-looks its renderer up by the hub name of the model, which a local model directory is not."""
+sampler's prefix cache serves a group's repeated prompt). ``code_rl`` runs as in the 0.5.8 suite
+(smollm2-135m after a short SFT, graded by sess's sandbox). ``rl_loop`` is not here: it has no
+renderer option and looks its renderer up by the hub name of the model, which a local model
+directory is not."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cookbook_runs import SMALL_RL, run_recipe, tiny_options
+from cookbook_runs import SMALL_RL, code_rl_after_sft, run_recipe, tiny_options
 
 from sess.engine import ServiceClient
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import ids
 
 from cookbook_standins import write_standins
+from helpers import sandbox_server
 from tinker_helpers import make_cookbook061_venv
 
 pytestmark = pytest.mark.slow
@@ -49,6 +52,13 @@ def workdir(tmp_path_factory, cookbook) -> Path:
     generate = [str(cookbook), "-m", "tinker_cookbook.recipes.rubric.generate_data"]
     subprocess.run(generate, cwd=root, check=True, capture_output=True, timeout=300)
     return root
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The code recipe's grader: sess's sandbox on SandboxFusion's route (the recipe's SANDBOX_URL)."""
+    with sandbox_server(20) as url:
+        yield f"{url}/run_code"
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +161,11 @@ def test_061_on_policy_distillation_from_a_teacher_checkpoint(cookbook, workdir,
     )
     assert [m["step"] for m in run["metrics"]] == [0]
     TIMES["on_policy_distillation"] = round(run["seconds"], 1)
+
+
+def test_061_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, engine, sandbox, tmp_path):
+    """0.6.1's code_rl (default loss ``stable_reinforce``) after a short SFT, as in the 0.5.8 suite
+    (:func:`cookbook_runs.code_rl_after_sft`)."""
+    run = code_rl_after_sft(cookbook, workdir, engine, sandbox, tmp_path)
+    TIMES["code_sft"] = run["sft_seconds_per_step"]
+    TIMES["code_rl-after-sft"] = run["rl_seconds_per_step"]

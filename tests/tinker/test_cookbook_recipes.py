@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cookbook_runs import SMALL_RL, run_recipe, tiny_options
+from cookbook_runs import SMALL_RL, code_rl_after_sft, run_recipe, tiny_options
 
 from sess.engine import ServiceClient
 from sess.engine.server.keys import KeyStore
 from sess.engine.server.tinker import ids
 
-from cookbook_standins import CODE_TASKS, write_standins
+from cookbook_standins import write_standins
 from helpers import sandbox_server
 from tinker_helpers import make_cookbook_venv, run_client
 
@@ -207,48 +207,10 @@ def test_on_policy_distillation_from_a_teacher_checkpoint(cookbook, workdir, eng
 
 
 def test_code_rl_after_a_short_sft_grades_on_sess_sandbox(cookbook, workdir, engine, sandbox, tmp_path):
-    """The seeds' workload through the cookbook's own code, on smollm2-135m (ChatML, the cookbook's
-    ``qwen3_instruct`` renderer): a short ``chat_sl`` SFT on the stand-in tasks, asked as the code
-    recipe asks them and answered in python code blocks, then ``code_rl`` from that state on those
-    tasks and four it was not taught. Its grader sends each final code block to sess's sandbox: every
-    step's reward is a grade, passed and failed both seen."""
-    _, _, _, svc = engine
-    smol = svc.transport.call("model_info", {"base_model": "smollm2-135m"})["directory"]
-    data = tmp_path / "code_sft.jsonl"
-    spec = {"renderer_name": "qwen3_instruct", "model_name": smol, "path": str(data), "repeats": 4}
-    spec |= {
-        "tasks": [[problem, solution] for problem, _, solution in CODE_TASKS],
-        "out": str(tmp_path / "sft.json"),
-    }
-    run_client(cookbook, "code_sft_data.py", spec, url="", key="")
-    common = [
-        f"model_name={smol}",
-        "renderer_name=qwen3_instruct",
-        "lora_rank=16",
-        "save_every=0",
-        "eval_every=0",
-    ]
-    sft_options = [f"dataset={data}", "batch_size=8", "max_length=1024", "learning_rate=1e-3"]
-    sft_options += ["lr_schedule=constant", "num_epochs=2", "infrequent_eval_every=0"]
-    sft = run_recipe(cookbook, workdir, engine, "chat_sl.train", tmp_path / "code-sft", *common, *sft_options)
-    assert sft["metrics"][-1]["train_mean_nll"] < sft["metrics"][0]["train_mean_nll"] / 2
-    state = json.loads((tmp_path / "code-sft" / "checkpoints.jsonl").read_text().splitlines()[-1])[
-        "state_path"
-    ]
-    # one rollout at a time (the cookbook's tokenizer race, above): one task per step
-    rl_options = [f"load_checkpoint_path={state}", "group_size=1", "groups_per_batch=1", "max_tokens=64"]
-    rl_options += ["learning_rate=1e-5", "max_steps=6"]
-    env = {"SANDBOX_URL": sandbox}
-    rl = run_recipe(
-        cookbook, workdir, engine, "code_rl.train", tmp_path / "code-rl", *common, *rl_options, env=env
-    )
-    steps = [(m["env/all/format"], m["env/all/correct"], m["env/all/reward/total"]) for m in rl["metrics"]]
-    print("\ncode_rl after SFT (format, correct, reward) per step:", steps)
-    # every answer a code block the sandbox graded (reward 1 passed, 0 failed; -0.1 is no code block)
-    assert all(f == 1.0 and r in (0.0, 1.0) and r == c for f, c, r in steps), steps
-    assert any(c == 1.0 for _, c, _ in steps) and any(c == 0.0 for _, c, _ in steps), steps  # both grades
-    TIMES["code_sft"] = round(sft["seconds"] / len(sft["metrics"]), 1)
-    TIMES["code_rl-after-sft"] = round(rl["seconds"] / len(steps), 1)
+    """A short SFT, then code_rl graded by sess's sandbox (:func:`cookbook_runs.code_rl_after_sft`)."""
+    run = code_rl_after_sft(cookbook, workdir, engine, sandbox, tmp_path)
+    TIMES["code_sft"] = run["sft_seconds_per_step"]
+    TIMES["code_rl-after-sft"] = run["rl_seconds_per_step"]
 
 
 def test_sdft_off_policy_distillation_with_top_k_targets(cookbook, workdir, engine, tmp_path):
