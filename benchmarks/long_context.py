@@ -120,7 +120,8 @@ def prefill_rates(args) -> None:
         (fused_ops, "prefill_attend", "attention"),
     )
     print(f"{args.model}, {torch.get_num_threads()} threads, 16 greedy tokens after each prompt")
-    for length in (int(n) for n in args.lengths.split(",")):
+    window = host.max_context
+    for length in (min(int(n), window - 16) for n in args.lengths.split(",")):  # room for 16 more
         prompt = _datum(vocab, length, 10 + length).model_input  # fresh tokens: no prefix cached
         ids = torch.tensor([prompt.to_ints()])
         times.seconds.clear()
