@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16 };
+enum { LANES = 16, BLOCK = 64, WIDEST = 256, MOST_GROUPS = 16, TILE = 4 };
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -353,15 +353,124 @@ int sess_decode_attention(const float *q, int64_t q_stride, const float *k, int6
     return failed ? -2 : 0;
 }
 
+/* weigh_values for two tokens at once (G query heads each): token 0 over columns 0..positions[0],
+   token 1 over 0..positions[1] (positions[0] <= positions[1]), each value read once for both; each
+   token's sums are those weigh_values makes for it alone, in the same order */
+static inline __attribute__((always_inline)) void
+weigh_values_x2(const float *const weights[2], int64_t longest, const int G, const float *row_values,
+                const float *source_values, int64_t shared, size_t block_stride, size_t column_stride,
+                const int64_t positions[2], const int dim, const float *const total[2], float *const out[2])
+{
+    v16 acc[2][2][WIDEST / LANES];
+    for (int t = 0; t < 2; t++)
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < dim / LANES; j++) acc[t][g][j] = splat16(0.0f);
+    for (int64_t c = 0; c <= positions[1]; c++) {
+        const float *value = column_of(row_values, source_values, shared, c, block_stride, column_stride);
+        const int first = c <= positions[0] ? 0 : 1;
+        for (int j = 0; j < dim / LANES; j++) {
+            const v16 entries = load16(value + j * LANES);
+            for (int t = first; t < 2; t++)
+                for (int g = 0; g < G; g++)
+                    acc[t][g][j] = acc[t][g][j] + splat16(weights[t][g * longest + c]) * entries;
+        }
+    }
+    for (int t = 0; t < 2; t++)
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < dim / LANES; j++)
+                store16(out[t] + (size_t)g * dim + j * LANES, acc[t][g][j] / total[t][g]);
+}
+
+/* row_head for `count` <= TILE consecutive tokens of one prompt (positions[i] = positions[0] + i,
+   the same columns below them): each key read once for all of them, each value once a pair, and
+   each token's arithmetic row_head's for it alone, to the bit (a score is its column's dot
+   product, whatever columns share its 8; a row's softmax and sums run over its own columns) */
+static inline __attribute__((always_inline)) void
+tile_head(const float *query_in, int64_t q_stride, const float *q_cos, const float *q_sin, const float *row_keys,
+          const float *row_values, const float *source_keys, const float *source_values, int64_t shared,
+          size_t block_stride, size_t column_stride, const int64_t *positions, int count, int groups, const int dim,
+          float *scores, int64_t longest, float *out, size_t out_stride)
+{
+    float query[TILE][MOST_GROUPS][WIDEST];
+    for (int t = 0; t < count; t++)
+        for (int g = 0; g < groups; g++)
+            rotate(query_in + t * q_stride + (size_t)g * dim, q_cos + (size_t)t * dim, q_sin + (size_t)t * dim, dim,
+                   query[t][g]);
+    const int64_t last = positions[count - 1];
+    for (int64_t first = 0; first <= last; first += 8) {
+        const float *key[8];
+        for (int i = 0; i < 8; i++) /* past the tile: its last column again (those scores are not read) */
+            key[i] = column_of(row_keys, source_keys, shared, first + i <= last ? first + i : last, block_stride,
+                               column_stride);
+        for (int t = 0; t < count; t++) {
+            if (first > positions[t]) continue;
+            for (int g = 0; g < groups; g++) {
+                v16 p[8];
+                for (int i = 0; i < 8; i++) {
+                    v16 sum = load16(query[t][g]) * load16(key[i]);
+                    for (int d = LANES; d < dim; d += LANES) sum = sum + load16(query[t][g] + d) * load16(key[i] + d);
+                    p[i] = sum;
+                }
+                const v8 dots = hsum16_x8(p);
+                memcpy(scores + ((size_t)t * groups + g) * longest + first, &dots, sizeof dots);
+            }
+        }
+    }
+    float total[TILE][MOST_GROUPS];
+    for (int t = 0; t < count; t++) {
+        const int64_t columns = positions[t] + 1, padded = (columns + LANES - 1) / LANES * LANES;
+        for (int g = 0; g < groups; g++) {
+            float *s = scores + ((size_t)t * groups + g) * longest;
+            for (int64_t c = columns; c < padded; c++) s[c] = -INFINITY;
+            v16 top = load16(s);
+            for (int64_t c = LANES; c < padded; c += LANES) {
+                const v16 next = load16(s + c);
+                top = select16(next > top, next, top);
+            }
+            float most = top[0];
+            for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+            v16 sum = splat16(0.0f);
+            for (int64_t c = 0; c < padded; c += LANES) {
+                const v16 weights = exp_neg16(load16(s + c) - most);
+                store16(s + c, weights);
+                sum = sum + weights;
+            }
+            total[t][g] = hsum16(sum);
+        }
+    }
+    const int at_once = dim <= 64 ? 2 : 1; /* two tokens' sums in registers: 2 x at_once x dim / 16 */
+    int t = 0;
+    for (; t + 1 < count; t += 2)
+        for (int g = 0; g < groups; g += at_once) {
+            const int n = groups - g < at_once ? groups - g : at_once;
+            const float *const w[2] = {scores + ((size_t)t * groups + g) * longest,
+                                       scores + ((size_t)(t + 1) * groups + g) * longest};
+            const float *const tot[2] = {total[t] + g, total[t + 1] + g};
+            float *const o[2] = {out + t * out_stride + (size_t)g * dim, out + (t + 1) * out_stride + (size_t)g * dim};
+            if (n == 2)
+                weigh_values_x2(w, longest, 2, row_values, source_values, shared, block_stride, column_stride,
+                                positions + t, dim, tot, o);
+            else
+                weigh_values_x2(w, longest, 1, row_values, source_values, shared, block_stride, column_stride,
+                                positions + t, dim, tot, o);
+        }
+    if (t < count) /* an odd token: on its own, as row_head weighs */
+        for (int g = 0; g < groups; g++)
+            weigh_values(scores + ((size_t)t * groups + g) * longest, longest, 1, row_values, source_values, shared,
+                         block_stride, column_stride, positions[t], dim, total[t] + g,
+                         out + t * out_stride + (size_t)g * dim, NULL);
+}
+
 /* A prefill's attention, one layer: token t's query heads attend over its prompt's columns
-   0..positions[t], the same row_head as a decode step's. keys (rotated) and values are the tokens
-   this prefill computes, [tokens][kv_heads][dim]; a prompt's column c is token lows[t] + c below
-   splits[t] (a prefix it shares with other prompts, computed once) and token highs[t] + c from
-   there on. q [tokens][heads * dim] (row stride q_stride floats), q_cos, q_sin [tokens][dim] (the
-   queries' rotation, carrying their scaling); out [tokens][heads * dim]. A token's result depends
-   only on its query and its prompt's entries, so a prompt's tokens come out the same prefilled
-   alone, beside other prompts or on a prefix shared with them. Returns 0, -1 for a shape not built
-   here, -2 where memory ran out, -3 for columns outside the tokens. */
+   0..positions[t], to the bit as a decode step's row_head would. keys (rotated) and values are the
+   tokens this prefill computes, [tokens][kv_heads][dim]; a prompt's column c is token lows[t] + c
+   below splits[t] (a prefix it shares with other prompts, computed once) and token highs[t] + c
+   from there on. q [tokens][heads * dim] (row stride q_stride floats), q_cos, q_sin [tokens][dim]
+   (the queries' rotation, carrying their scaling); out [tokens][heads * dim]. Consecutive tokens
+   of one prompt go TILE at a time (tile_head: each key read once for them), and a token's result
+   depends only on its query and its prompt's entries, so a prompt's tokens come out the same
+   prefilled alone, beside other prompts or on a prefix shared with them. Returns 0, -1 for a shape
+   not built here, -2 where memory ran out, -3 for columns outside the tokens. */
 int sess_prefill_attention(const float *q, int64_t q_stride, const float *q_cos, const float *q_sin,
                            const float *keys, const float *values, const int64_t *positions,
                            const int64_t *splits, const int64_t *lows, const int64_t *highs, int tokens, int heads,
@@ -378,20 +487,28 @@ int sess_prefill_attention(const float *q, int64_t q_stride, const float *q_cos,
         if (position + 1 > longest) longest = position + 1;
     }
     longest = (longest + LANES - 1) / LANES * LANES;
+    int *starts = malloc(sizeof(int) * ((size_t)tokens + 1)); /* each tile's first token */
+    if (starts == NULL) return -2;
+    int tiles = 0;
+    for (int t = 0; t < tokens; t++)
+        if (tiles == 0 || t - starts[tiles - 1] == TILE || positions[t] != positions[t - 1] + 1
+            || splits[t] != splits[t - 1] || lows[t] != lows[t - 1] || highs[t] != highs[t - 1])
+            starts[tiles++] = t;
+    starts[tiles] = tokens;
     const int groups = heads / kv_heads;
     const size_t column = (size_t)kv_heads * dim, block_stride = (size_t)BLOCK * column;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)groups * (size_t)longest);
+        float *scores = malloc(sizeof(float) * TILE * (size_t)groups * (size_t)longest);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int task = 0; task < tokens * kv_heads; task++) {
+#pragma omp for schedule(dynamic, 4)
+        for (int task = 0; task < tiles * kv_heads; task++) {
             if (scores == NULL) continue;
-            const int t = task / kv_heads, h = task % kv_heads;
+            const int t = starts[task / kv_heads], h = task % kv_heads, count = starts[task / kv_heads + 1] - t;
             const float *own_keys = keys + (size_t)highs[t] * column + (size_t)h * dim;
             const float *own_values = values + (size_t)highs[t] * column + (size_t)h * dim;
             const float *shared_keys = keys + (size_t)lows[t] * column + (size_t)h * dim;
@@ -399,11 +516,17 @@ int sess_prefill_attention(const float *q, int64_t q_stride, const float *q_cos,
             const float *query = q + t * q_stride + (size_t)h * groups * dim;
             const float *qc = q_cos + (size_t)t * dim, *qs = q_sin + (size_t)t * dim;
             float *o = out + ((size_t)t * heads + (size_t)h * groups) * dim;
-            attend_head(query, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t], block_stride,
-                        column, positions[t], groups, dim, scores, longest, o, NULL);
+            const size_t o_stride = (size_t)heads * dim;
+            if (dim == 64)
+                tile_head(query, q_stride, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t],
+                          block_stride, column, positions + t, count, groups, 64, scores, longest, o, o_stride);
+            else
+                tile_head(query, q_stride, qc, qs, own_keys, own_values, shared_keys, shared_values, splits[t],
+                          block_stride, column, positions + t, count, groups, dim, scores, longest, o, o_stride);
         }
         free(scores);
     }
+    free(starts);
     return failed ? -2 : 0;
 }
 

@@ -31,7 +31,11 @@ function of the row alone with these pieces:
   row-invariant (:func:`lora_linear`). Calls of one or two rows against a prepacked copy (a
   request decoding alone) go through :mod:`.few_rows`, which gives each row its 64-row oneDNN bits
   at close to memory speed. Every row
-  count from 1 to CHUNK is calibrated: a decode batch meets them all as its rows finish. A kernel
+  count from 1 to CHUNK is calibrated: a decode batch meets them all as its rows finish. A prefill's
+  many rows go in calls of :data:`WIDE` rows where a call of that many gives each row exactly its
+  CHUNK-row bits (calibrated the first time a call is that wide; oneDNN's kernels block a matmul's
+  rows, not its sums, so they do), which runs a long prompt's projections at the rate of one
+  large matmul rather than of many small ones. A kernel
   whose 64-row result depends on a row's place is reported (:func:`report`): the engine says so
   at start and in ``sess engine status``.
 * Everything else in these models (norms, rotary embeddings, activations, log-softmax) works row by
@@ -48,7 +52,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -99,25 +103,67 @@ def decode_attention(query, key, value, bias):
 COUNTS = tuple(range(1, CHUNK + 1))
 
 
+# row counts of one call beyond CHUNK, widest first, each used where calibration finds it gives every
+# row its CHUNK-row bits; a call's output stays within WIDE_BYTES (an output layer's are wide)
+WIDE = (1024, 512, 256, 128)
+WIDE_BYTES = 64 << 20
+
+
+class WideCalls:
+    """Which of the :data:`WIDE` row counts give each row of a call exactly what it gets in a
+    CHUNK-row call, for one kernel at one shape: each count measured the first time a call of that
+    many rows could be made (``make()`` builds the kernel again on a random weight of the shape, so
+    no weight is held between measurements)."""
+
+    def __init__(self, make: Callable[[], Callable], in_features: int, out_features: int, dtype, device):
+        self._make, self._shape, self._on = make, (in_features, out_features), (dtype, device)
+        self._found: dict[int, bool] = {}
+
+    def widest(self, rows: int) -> int:
+        """The widest count of :data:`WIDE` up to ``rows`` found exact (0: none)."""
+        for wide in WIDE:
+            if wide <= rows and wide * self._shape[1] * 4 <= WIDE_BYTES and self.exact(wide):
+                return wide
+        return 0
+
+    def exact(self, wide: int) -> bool:
+        if wide not in self._found:
+            fn, gen = self._make(), torch.Generator().manual_seed(4)
+            x = torch.randn(wide, self._shape[0], generator=gen).to(device=self._on[1], dtype=self._on[0])
+            chunked = torch.cat([fn(x[start : start + CHUNK]) for start in range(0, wide, CHUNK)])
+            self._found[wide] = torch.equal(fn(x), chunked)
+        return self._found[wide]
+
+
 @dataclass(frozen=True)
 class RowCounts:
     """What calibration found for one kernel at one shape: for m = 1..CHUNK rows, the row count a
-    call of m rows is padded to (``padded[m - 1]``), and whether a row's result in a CHUNK-row
-    call was the same at every place in it (without that no padding helps)."""
+    call of m rows is padded to (``padded[m - 1]``), whether a row's result in a CHUNK-row
+    call was the same at every place in it (without that no padding helps), and which calls
+    wider than CHUNK rows give each row its CHUNK-row bits (:class:`WideCalls`; None: none)."""
 
     padded: tuple[int, ...]
     exact: bool
+    wide: WideCalls | None = field(default=None, compare=False)
 
 
 # (kernel, in features, out features, dtype, device type, bias, threads) -> its RowCounts
 _calibrated: dict[tuple, RowCounts] = {}
 
 
-def calibrate(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype, device) -> RowCounts:
+def calibrate(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+    dtype,
+    device,
+    make: Callable[[], Callable] | None = None,
+) -> RowCounts:
     """Measure ``fn`` (a matmul over rows, on the engine's thread and thread count): which row
     counts give each row exactly what it gets in a CHUNK-row call, first rows and last rows alike,
     and whether rows shifted in a CHUNK-row call come out shifted and otherwise unchanged. The
-    kernels follow the shape, not the values, so one measurement serves every weight of a shape."""
+    kernels follow the shape, not the values, so one measurement serves every weight of a shape.
+    Wider calls are measured when first wanted (:class:`WideCalls`), on ``make()`` (a kernel like
+    ``fn``; without it, ``fn`` itself, held until then)."""
     x = torch.randn(CHUNK, in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(device=device, dtype=dtype)
     reference = fn(x)
@@ -128,7 +174,8 @@ def calibrate(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtyp
         if m == CHUNK
         or (torch.equal(fn(x[:m].clone()), reference[:m]) and torch.equal(fn(x[-m:].clone()), reference[-m:]))
     ]
-    return RowCounts(tuple(next(g for g in good if g >= m) for m in range(1, CHUNK + 1)), exact)
+    wide = WideCalls(make or (lambda: fn), in_features, reference.shape[-1], dtype, device) if exact else None
+    return RowCounts(tuple(next(g for g in good if g >= m) for m in range(1, CHUNK + 1)), exact, wide)
 
 
 def _kernel(kernel: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
@@ -147,10 +194,14 @@ def row_counts(kernel: str, in_features: int, out_features: int, x: torch.Tensor
     key = (kernel, in_features, out_features, x.dtype, x.device.type, bias, torch.get_num_threads())
     found = _calibrated.get(key)
     if found is None:
-        gen = torch.Generator().manual_seed(2)
-        weight = torch.randn(out_features, in_features, generator=gen).to(device=x.device, dtype=x.dtype)
-        b = torch.randn(out_features, generator=gen).to(device=x.device, dtype=x.dtype) if bias else None
-        found = _calibrated[key] = calibrate(_kernel(kernel, weight, b), in_features, x.dtype, x.device)
+
+        def make() -> Callable:
+            gen = torch.Generator().manual_seed(2)
+            weight = torch.randn(out_features, in_features, generator=gen).to(device=x.device, dtype=x.dtype)
+            b = torch.randn(out_features, generator=gen).to(device=x.device, dtype=x.dtype) if bias else None
+            return _kernel(kernel, weight, b)
+
+        found = _calibrated[key] = calibrate(make(), in_features, x.dtype, x.device, make)
     return found
 
 
@@ -189,7 +240,8 @@ def rowwise(
     fn, x: torch.Tensor, counts: RowCounts, out_features: int, few: few_rows.FewRows | None = None
 ) -> torch.Tensor:
     """``fn`` over the rows of ``x`` [..., in] in calls of CHUNK rows and one of the rest, padded
-    with zero rows to a calibrated count: each row gets its result in a CHUNK-row call. With
+    with zero rows to a calibrated count: each row gets its result in a CHUNK-row call. Many rows
+    go first in calls of the widest count of :data:`WIDE` that gives each row those bits. With
     ``few`` (the same packed weight's few-row kernel), fp32 calls of up to few_rows.FEW rows go
     through it instead: the same bits, faster."""
     flat_in = x.dim() == 2  # a decoder's rows (no reshaping either way)
@@ -202,8 +254,14 @@ def rowwise(
     if 0 < rows <= CHUNK and counts.padded[rows - 1] == rows:  # one call as it is (most decode steps)
         out = fn(flat)
         return out if flat_in else out.reshape(*x.shape[:-1], out_features)
-    outs = []
-    for start in range(0, rows, CHUNK):
+    outs, done = [], 0
+    while counts.wide is not None and rows - done >= 2 * CHUNK:  # a prefill's rows: wide calls
+        wide = counts.wide.widest(rows - done)
+        if not wide:
+            break
+        outs.append(fn(flat[done : done + wide]))
+        done += wide
+    for start in range(done, rows, CHUNK):
         part = flat[start : start + CHUNK]
         n = part.shape[0]
         target = counts.padded[n - 1]

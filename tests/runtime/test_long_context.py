@@ -72,6 +72,69 @@ def test_every_registry_loss_chunked_equals_unchunked(tc, runtime, monkeypatch, 
     clear_grads(runtime, tc.name)
 
 
+def test_a_custom_loss_gets_the_same_logprobs_and_gradients_chunked(tc, runtime, monkeypatch):
+    """``forward_backward_custom``: the logprobs a client's loss sees and the gradients its loss
+    sends back through the output layer are those of one unchunked pass, to 1e-5."""
+    vocab = runtime.hosts["tiny-llama"].vocab_size
+    tc.forward_backward(_data(vocab, [9], 0), "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    data = _data(vocab, [37, 21, 30], 5)
+
+    def pairwise(datums, logprobs):  # a DPO-like margin between sequences: not a per-token loss
+        seq = torch.stack(
+            [(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(datums, logprobs)]
+        )
+        seen.append([lp.detach().clone() for lp in logprobs])
+        return -torch.nn.functional.logsigmoid(0.1 * (seq[0] - seq[1]) + 0.05 * seq[2]), {}
+
+    answers = []
+    for chunk_logits, value in [(None, 1 << 40), (5 * vocab, 4 << 20)]:
+        monkeypatch.setattr(output_layer, "CHUNK_LOGITS", chunk_logits)
+        monkeypatch.setattr(output_layer, "MIN_CHUNK_ROWS", 1 if chunk_logits else 64)
+        clear_grads(runtime, tc.name)
+        seen = []
+        with budget(runtime, value):
+            out = tc.forward_backward_custom(data, pairwise).result()
+        answers.append((out.metrics["loss:sum"], seen[0], engine_grads(runtime, tc.name)))
+    (whole, whole_lp, whole_grads), (chunked, chunked_lp, chunked_grads) = answers
+    assert abs(chunked - whole) <= 1e-5 * max(1.0, abs(whole))
+    assert max(float((a - b).abs().max()) for a, b in zip(whole_lp, chunked_lp)) < 1e-5
+    assert max_diff(chunked_grads, whole_grads) < 1e-5
+    model = reference_model(runtime, tc.name)
+    for d, got in zip(data, chunked_lp):
+        assert (got - reference_logprobs(model, d).detach()).abs().max() < 1e-5
+    clear_grads(runtime, tc.name)
+
+
+@pytest.mark.slow  # a 4,000-token reference forward besides the engine's
+def test_a_sequence_whose_logits_exceed_the_budget_trains_within_it(tc, runtime, monkeypatch):
+    """One 4,000-token datum on tiny-llama whose whole logits (fp32 and their gradient) are more
+    than the engine's memory budget leaves them trains under that budget (checkpointed: its
+    activations take the rest): no output-layer chunk holds more than the logits' share, and the
+    logprobs are torch's unchunked ones."""
+    host = runtime.hosts["tiny-llama"]
+    vocab, length = host.vocab_size, 4000
+    cost = host.activation_cost(host.peft)
+    value = int(1.2 * length * cost.checkpointed / (1 - output_layer.LOGITS_SHARE))
+    assert length * vocab * output_layer.BYTES_PER_LOGIT > output_layer.chunk_bytes(value)
+    seen = []
+    real = output_layer.logits_of
+
+    def recorded(head, hidden, cap):
+        seen.append(hidden.shape[0])
+        return real(head, hidden, cap)
+
+    monkeypatch.setattr(output_layer, "logits_of", recorded)
+    data = _data(vocab, [length], 6)
+    with budget(runtime, value):
+        out = tc.forward_backward(data, "cross_entropy").result()
+    assert max(seen) * vocab * output_layer.BYTES_PER_LOGIT <= output_layer.chunk_bytes(value)
+    assert sum(seen) >= length and len(seen) > 1
+    plain = reference_logprobs(reference_model(runtime, tc.name), data[0]).detach()
+    assert (out.loss_fn_outputs[0]["logprobs"].to_torch() - plain).abs().max() < 1e-5
+    clear_grads(runtime, tc.name)
+
+
 def test_logprobs_of_a_sequence_whose_logits_exceed_the_budget_stay_within_its_chunks(monkeypatch):
     """2,000 positions over a 20,000-token vocabulary: 160 MB of fp32 logits; under a 64 MB budget
     no chunk holds more than its share (16 MB), and the logprobs and both gradients equal torch's

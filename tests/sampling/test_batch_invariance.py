@@ -39,6 +39,34 @@ def test_calibration_finds_the_exact_row_counts_and_every_batch_gives_each_row_i
     assert not torch.equal(odd_counts_sum_otherwise(x[:3]), reference[:3])
 
 
+def _in_float64(rows: torch.Tensor) -> torch.Tensor:
+    return (rows.double() @ WEIGHT.double().T).float()
+
+
+def test_many_rows_go_in_wide_calls_only_where_those_give_each_row_its_chunk_bits():
+    """A prefill's rows: a kernel whose wide calls give each row its CHUNK-row bits runs them in
+    calls of the widest such count; one that sums wider calls in another order (here: more than
+    CHUNK rows in float32, fewer in float64) keeps CHUNK-row calls. Either way every row gets its
+    CHUNK-row bits."""
+    x = torch.randn(5 * CHUNK + 37, 40, generator=torch.Generator().manual_seed(9))
+    reference = torch.cat([_in_float64(x[i : i + CHUNK]) for i in range(0, len(x), CHUNK)])
+
+    def other_order_when_wide(rows: torch.Tensor) -> torch.Tensor:
+        return rows @ WEIGHT.T if rows.shape[0] > CHUNK else _in_float64(rows)
+
+    for kernel, wide_calls in [(_in_float64, [256]), (other_order_when_wide, [])]:
+        calls = []
+
+        def counted(rows: torch.Tensor, kernel=kernel, calls=calls) -> torch.Tensor:
+            calls.append(rows.shape[0])
+            return kernel(rows)
+
+        counts = calibrate(kernel, 40, torch.float32, torch.device("cpu"))
+        assert torch.equal(rowwise(counted, x, counts, 24), reference)
+        assert [n for n in calls if n > CHUNK] == wide_calls and sum(calls) >= len(x), calls
+    assert not torch.equal(other_order_when_wide(x[:256]), reference[:256])  # the order shows
+
+
 def test_a_kernel_whose_rows_depend_on_their_place_is_reported(monkeypatch):
     def by_place(x: torch.Tensor) -> torch.Tensor:
         out = x @ WEIGHT.T

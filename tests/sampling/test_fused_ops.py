@@ -63,7 +63,9 @@ def test_the_kernel_writes_the_cache_as_the_torch_ops_and_attends_to_rounding(he
     keys, values, pos, q, k, v, rotation = _step(len(positions), heads, kv_heads, dim, positions, blocks=2)
     _, cache = _torch_ops(keys.clone(), values.clone(), pos, q, k, v, rotation)
     wide_keys, wide_values, wide_q, wide_k, wide_v = (t.double() for t in (keys, values, q, k, v))
-    expected, _ = _torch_ops(wide_keys, wide_values, pos, wide_q, wide_k, wide_v, tuple(t.double() for t in rotation))
+    expected, _ = _torch_ops(
+        wide_keys, wide_values, pos, wide_q, wide_k, wide_v, tuple(t.double() for t in rotation)
+    )
     got = _kernel(keys, values, pos, q, k, v, rotation)
     assert torch.equal(keys, cache.keys[0]) and torch.equal(values, cache.values[0])
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
@@ -140,7 +142,9 @@ def test_decode_attention_is_the_arithmetic_its_source_states_to_the_bit(heads, 
     next row's entries fetched ahead: none of it may change a bit)."""
     _built()
     positions = [0, 7, 8, 63, 64, 100, 127]
-    keys, values, pos, q, k, v, rotation = _step(len(positions), heads, kv_heads, dim, positions, blocks=2, seed=7)
+    keys, values, pos, q, k, v, rotation = _step(
+        len(positions), heads, kv_heads, dim, positions, blocks=2, seed=7
+    )
     got = _kernel(keys, values, pos, q, k, v, rotation)  # writes the step's entries into the cache
     assert torch.equal(got, _stated_attention(keys, values, pos, q, rotation))
 
@@ -245,7 +249,9 @@ def test_a_prompts_samples_read_its_entries_from_its_first_row_and_the_next_one_
         entries[1:] = float("nan")
 
     def attends(rows: list[int], seed: int) -> None:
-        _, _, _, q, k, v, rotation = _step(len(rows), heads, kv_heads, dim, [0] * len(rows), blocks=1, seed=seed)
+        _, _, _, q, k, v, rotation = _step(
+            len(rows), heads, kv_heads, dim, [0] * len(rows), blocks=1, seed=seed
+        )
         pos = torch.tensor([lengths[row] for row in rows])  # each row's first step after its prompt
         expected = fused_ops.attend(*own.layer(0), pos, q, k, v, rotation)
         got = fused_ops.attend(*read.layer(0), pos, q, k, v, rotation, read.sharing(), read.places)
@@ -254,7 +260,10 @@ def test_a_prompts_samples_read_its_entries_from_its_first_row_and_the_next_one_
     attends([0, 1, 2, 3, 4, 5], seed=1)
     for cache in (own, read):  # each prompt's first row leaves: 4 of 6 stay, in place where read by place
         cache.keep(torch.tensor([1, 2, 4, 5]), width=8)
-    assert read.places.tolist() == [1, 2, 4, 5] and [t.tolist() for t in read.sharing()] == [[0, 0, 2, 2], [6, 6, 4, 4]]
+    assert read.places.tolist() == [1, 2, 4, 5] and [t.tolist() for t in read.sharing()] == [
+        [0, 0, 2, 2],
+        [6, 6, 4, 4],
+    ]
     attends([1, 2, 4, 5], seed=2)
     for cache in (own, read):  # 2 of 6 held rows stay: compacted
         cache.keep(torch.tensor([1, 3]), width=8)
@@ -288,7 +297,10 @@ def test_the_prefill_kernel_attends_as_causal_attention_to_rounding():
     queries rotated and the keys given (already rotated), grouped query heads included."""
     _built()
     gen = torch.Generator().manual_seed(3)
-    prompts = {tuple(range(i * 100, i * 100 + n)): torch.randn(n, 15, 64, generator=gen) for i, n in enumerate((7, 70))}
+    prompts = {
+        tuple(range(i * 100, i * 100 + n)): torch.randn(n, 15, 64, generator=gen)
+        for i, n in enumerate((7, 70))
+    }
     got, _ = _prefill(prompts, share=True)
     for out, qkv in zip(got, prompts.values()):
         q, k, v = qkv.split([9, 3, 3], dim=1)
@@ -318,6 +330,20 @@ def test_a_prompts_prefill_has_the_same_bits_alone_beside_others_and_on_a_shared
     for i, (ids, qkv) in enumerate(prompts.items()):
         (alone,), _ = _prefill({ids: qkv}, share=True)
         assert torch.equal(alone, together[i]) and torch.equal(alone, unshared[i]), i
+
+
+def test_a_prefill_token_has_the_same_bits_whatever_tokens_share_its_tile():
+    """The kernel attends consecutive tokens a few at a time (each key read once for them): a
+    token's bits are those it gets as its prompt's last token, alone in its tile, at every place
+    in a tile and for head sizes 64 and 128."""
+    _built()
+    for dim in (64, 128):
+        gen = torch.Generator().manual_seed(6)
+        qkv = torch.randn(23, 15, dim, generator=gen)
+        (whole,), _ = _prefill({tuple(range(23)): qkv}, share=False)
+        for n in range(1, 24):
+            (part,), _ = _prefill({tuple(range(n)): qkv[:n]}, share=False)
+            assert torch.equal(part, whole[:n]), (dim, n)
 
 
 def test_a_prefill_reading_outside_its_tokens_is_refused():
@@ -479,7 +505,9 @@ def test_logprobs_refuse_a_token_outside_the_vocabulary_and_leave_a_nan_row_nan(
     logits[1, 7] = float("nan")
     got = fused_ops.logprobs(logits, torch.tensor([0, 1, 2]))
     assert got[1].isnan() and not got[[0, 2]].isnan().any()
-    _, drawn = fused_ops.draw(logits, torch.tensor([1.0, 0.7, 1.0]), torch.full((3,), 0.5, dtype=torch.float64))
+    _, drawn = fused_ops.draw(
+        logits, torch.tensor([1.0, 0.7, 1.0]), torch.full((3,), 0.5, dtype=torch.float64)
+    )
     assert drawn[1].isnan() and not drawn[[0, 2]].isnan().any()
 
 
