@@ -788,3 +788,17 @@ def test_no_import_cycle_between_the_runtime_rooms():
     finally:
         path.unlink()
     assert "sess.engine.runtime.ops.table" in found and "sess.engine.runtime.executor" not in found
+
+
+def test_every_package_is_installed():
+    """pyproject's package list names every folder with an ``__init__.py``: an editable install finds
+    a folder left out, a wheel does not ship it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        _module_name(init.parent / "__init__.py")
+        for package in PACKAGES
+        for init in (ROOT / package).rglob("__init__.py")
+    }
+    assert found - listed == set() and listed - found == set()
