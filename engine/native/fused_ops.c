@@ -192,6 +192,26 @@ weigh_values(const float *weights, int64_t longest, const int G, const float *ro
         for (int j = 0; j < dim / LANES; j++) store16(out + (size_t)g * dim + j * LANES, acc[g][j] / total[g]);
 }
 
+/* A row of scores in place to e^(score - max) over its padded width (columns past the row: e^-inf = 0);
+   returns their sum. The max is exact in any order; the sum runs in lane order. */
+static inline __attribute__((always_inline)) float softmax_row(float *s, int64_t columns, int64_t padded) {
+    for (int64_t c = columns; c < padded; c++) s[c] = -INFINITY;
+    v16 top = load16(s);
+    for (int64_t c = LANES; c < padded; c += LANES) {
+        const v16 next = load16(s + c);
+        top = select16(next > top, next, top);
+    }
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    v16 sum = splat16(0.0f);
+    for (int64_t c = 0; c < padded; c += LANES) {
+        const v16 weights = exp_neg16(load16(s + c) - most);
+        store16(s + c, weights);
+        sum = sum + weights;
+    }
+    return hsum16(sum);
+}
+
 /* one row's attention for key/value head h: its groups of query heads over columns 0..position.
    Scores are taken 8 columns at a time, each column's dot product in its own vector of partial
    sums, the 8 reduced together (hsum16_x8: each the bits of its own hsum16) */
@@ -223,22 +243,7 @@ row_head(const float *query_in, const float *q_cos, const float *q_sin, const fl
     float total[MOST_GROUPS];
     const int64_t columns = position + 1, padded = (columns + LANES - 1) / LANES * LANES;
     for (int g = 0; g < groups; g++) {
-        float *s = scores + g * longest;
-        for (int64_t c = columns; c < padded; c++) s[c] = -INFINITY; /* past the row: e^-inf = 0 */
-        v16 top = load16(s);
-        for (int64_t c = LANES; c < padded; c += LANES) {
-            const v16 next = load16(s + c);
-            top = select16(next > top, next, top); /* exact in any order */
-        }
-        float most = top[0];
-        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-        v16 sum = splat16(0.0f);
-        for (int64_t c = 0; c < padded; c += LANES) {
-            const v16 weights = exp_neg16(load16(s + c) - most);
-            store16(s + c, weights);
-            sum = sum + weights;
-        }
-        total[g] = hsum16(sum);
+        total[g] = softmax_row(scores + g * longest, columns, padded);
     }
     /* the groups a few at a time (their sums stay in registers), each value read once for them */
     const int most_at_once = dim <= 64 ? 4 : dim <= 128 ? 2 : 1;
@@ -420,22 +425,7 @@ tile_head(const float *query_in, int64_t q_stride, const float *q_cos, const flo
     for (int t = 0; t < count; t++) {
         const int64_t columns = positions[t] + 1, padded = (columns + LANES - 1) / LANES * LANES;
         for (int g = 0; g < groups; g++) {
-            float *s = scores + ((size_t)t * groups + g) * longest;
-            for (int64_t c = columns; c < padded; c++) s[c] = -INFINITY;
-            v16 top = load16(s);
-            for (int64_t c = LANES; c < padded; c += LANES) {
-                const v16 next = load16(s + c);
-                top = select16(next > top, next, top);
-            }
-            float most = top[0];
-            for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-            v16 sum = splat16(0.0f);
-            for (int64_t c = 0; c < padded; c += LANES) {
-                const v16 weights = exp_neg16(load16(s + c) - most);
-                store16(s + c, weights);
-                sum = sum + weights;
-            }
-            total[t][g] = hsum16(sum);
+            total[t][g] = softmax_row(scores + ((size_t)t * groups + g) * longest, columns, padded);
         }
     }
     const int at_once = dim <= 64 ? 2 : 1; /* two tokens' sums in registers: 2 x at_once x dim / 16 */
