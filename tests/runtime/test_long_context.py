@@ -43,6 +43,19 @@ def _data(vocab: int, lengths: list[int], seed: int) -> list[Datum]:
 
 
 @pytest.mark.parametrize("loss_fn", sorted(LOSSES))
+
+def _chunk_rows(monkeypatch) -> list[int]:
+    """The rows of each chunk of logits the output layer computes from now on, in order."""
+    seen: list[int] = []
+    real = output_layer.logits_of
+
+    def recorded(head, hidden, cap):
+        seen.append(hidden.shape[0])
+        return real(head, hidden, cap)
+
+    monkeypatch.setattr(output_layer, "logits_of", recorded)
+    return seen
+
 def test_every_registry_loss_chunked_equals_unchunked(tc, runtime, monkeypatch, loss_fn):
     """Output-layer chunks of 5 rows in micro-batches of about two datums give the loss, logprobs
     and gradients of one unchunked pass (a budget no batch comes near), to 1e-5."""
@@ -117,14 +130,7 @@ def test_a_sequence_whose_logits_exceed_the_budget_trains_within_it(tc, runtime,
     cost = host.activation_cost(host.peft)
     value = int(1.2 * length * cost.checkpointed / (1 - output_layer.LOGITS_SHARE))
     assert length * vocab * output_layer.BYTES_PER_LOGIT > output_layer.chunk_bytes(value)
-    seen = []
-    real = output_layer.logits_of
-
-    def recorded(head, hidden, cap):
-        seen.append(hidden.shape[0])
-        return real(head, hidden, cap)
-
-    monkeypatch.setattr(output_layer, "logits_of", recorded)
+    seen = _chunk_rows(monkeypatch)
     data = _data(vocab, [length], 6)
     with budget(runtime, value):
         out = tc.forward_backward(data, "cross_entropy").result()
@@ -145,14 +151,7 @@ def test_logprobs_of_a_sequence_whose_logits_exceed_the_budget_stay_within_its_c
     hidden = torch.randn(rows, width, requires_grad=True)
     targets = torch.randint(0, vocab, (rows,))
     grad = torch.randn(rows)
-    seen = []
-    real = output_layer.logits_of
-
-    def recorded(head, hidden, cap):
-        seen.append(hidden.shape[0])
-        return real(head, hidden, cap)
-
-    monkeypatch.setattr(output_layer, "logits_of", recorded)
+    seen = _chunk_rows(monkeypatch)
     pairs = output_layer.Pairs(hidden, torch.arange(rows), targets, [slice(0, rows)])
     got, hidden_grad = output_layer.logprobs(head, None, pairs, value, grad=grad)
     head_grad = head.weight.grad.clone()
