@@ -42,8 +42,6 @@ def _data(vocab: int, lengths: list[int], seed: int) -> list[Datum]:
     return data
 
 
-@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
-
 def _chunk_rows(monkeypatch) -> list[int]:
     """The rows of each chunk of logits the output layer computes from now on, in order."""
     seen: list[int] = []
@@ -56,6 +54,8 @@ def _chunk_rows(monkeypatch) -> list[int]:
     monkeypatch.setattr(output_layer, "logits_of", recorded)
     return seen
 
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
 def test_every_registry_loss_chunked_equals_unchunked(tc, runtime, monkeypatch, loss_fn):
     """Output-layer chunks of 5 rows in micro-batches of about two datums give the loss, logprobs
     and gradients of one unchunked pass (a budget no batch comes near), to 1e-5."""
