@@ -62,7 +62,11 @@ def one_length(args) -> dict:
     out = tc.forward_backward([_datum(vocab, args.length, 1)], "cross_entropy").result()
     seconds = time.perf_counter() - started
     assert np.isfinite(out.metrics["loss:sum"])
-    return {"length": args.length, "seconds": seconds, "peak_rss": memory_status()["VmHWM"]}
+    peak = memory_status()["VmHWM"]  # before the floor's own matrices
+    config = svc.transport.engine.runtime.hosts[args.model].model.config
+    rate = mm_rate(min(args.length, 2048), config.hidden_size, config.intermediate_size)
+    floor = training_flops(config, args.length) / rate
+    return {"length": args.length, "seconds": seconds, "peak_rss": peak, "floor": floor, "rate": rate}
 
 
 def mm_rate(rows: int, inner: int, outer: int, repeats: int = 5) -> float:
@@ -91,6 +95,20 @@ def prefill_flops(config, length: int) -> float:
     per_layer = hidden * (heads * dim) * 2 + 2 * hidden * kv_heads * dim + 3 * hidden * inter
     attention = 4 * heads * dim * length * (length + 1) / 2
     return layers * (2 * per_layer * length + attention) + 2 * hidden * config.vocab_size
+
+
+def training_flops(config, length: int) -> float:
+    """FLOPs of one ``forward_backward`` of ``length`` tokens at its least: the forward (every
+    projection, causal attention and the output layer on every token) and the backward's input
+    gradients (as many FLOPs as the forward's matmuls; attention's backward twice its forward); the
+    LoRA weights' own gradients (rank 8) and any recomputation left out."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = layers * 4 * heads * dim * length * (length + 1) / 2
+    output = 2 * hidden * config.vocab_size * length
+    matmuls = prefill_flops(config, length) - attention - 2 * hidden * config.vocab_size + output
+    return 2 * matmuls + 3 * attention
 
 
 def prefill_rates(args) -> None:
@@ -184,7 +202,9 @@ def main() -> None:
             sys.exit(f"length {length}: {answer.stderr.strip().splitlines()[-1]}")
         rows.append(json.loads(answer.stdout.strip().splitlines()[-1]))
     print(f"{args.model}, memory budget {args.memory_budget or 'default'}")
-    print(f"{'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'peak RSS':>10} {'MB per 1K more':>15}")
+    print(
+        f"{'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'peak RSS':>10} {'MB per 1K more':>15} {'floor s':>8} {'of floor':>8}"
+    )
     for i, row in enumerate(rows):
         slope = ""
         if i:
@@ -193,7 +213,11 @@ def main() -> None:
         rate = row["length"] / row["seconds"]
         print(
             f"{row['length']:>7} {row['seconds']:>8.2f} {rate:>9.0f} {row['peak_rss'] / 2**30:>8.2f}GB {slope:>15}"
+            f" {row['floor']:>8.2f} {row['floor'] / row['seconds']:>8.2f}"
         )
+    print(
+        "floor: the FLOPs of a forward and its input gradients at the rate torch.mm reached in the same process"
+    )
 
 
 if __name__ == "__main__":
