@@ -119,6 +119,7 @@ def test_config_composes_with_its_knobs():
         config_mod.compose(["data=needle", "data.context_tokenz=2048"])
 
 
+@pytest.mark.slow  # about 15 s a loop on an idle machine, minutes on a shared one
 @pytest.mark.parametrize("loop", ["grpo", "sft"])
 def test_sess_run_trains_on_haystacks(sess_home, tmp_path, loop):
     group = ["loop.group_size=2"] if loop == "grpo" else []
@@ -127,8 +128,14 @@ def test_sess_run_trains_on_haystacks(sess_home, tmp_path, loop):
     assert meta["status"] == "completed"
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("eval", 1)]
-    assert "eval/accuracy" in rows[0] and 0 <= rows[0]["eval/accuracy"] <= 1
-    assert json.loads((run_dir / "usage.json").read_text())["training_tokens"] > 2 * 300
+    assert 0 <= rows[0]["eval/accuracy"] <= 1
+    usage = json.loads((run_dir / "usage.json").read_text())
+    # every prompt the engine saw is a haystack of 384 tokens at most, not much less: 4 held-out
+    # prompts at each of the two evaluations, and (grpo) the 2 training prompts
+    prompts = 8 + (2 if loop == "grpo" else 0)
+    assert prompts * 300 <= usage["prefill_tokens"] <= prompts * 384
+    if loop == "sft":
+        assert 2 * 300 <= usage["training_tokens"] <= 2 * 400
 
 
 def test_sess_run_refuses_a_haystack_longer_than_the_window(sess_home, tmp_path):
