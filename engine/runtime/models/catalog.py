@@ -61,14 +61,7 @@ CATALOG: dict[str, ModelSpec] = {
     for s in [
         ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests", max_context=4096),
         ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests", max_context=4096),
-        ModelSpec(
-            "tiny-qwen3-32k",
-            "random",
-            None,
-            "qwen3",
-            "tiny-qwen3's weights with a 32,768-token window (long-context benchmarks)",
-            max_context=32768,
-        ),
+        ModelSpec("tiny-qwen3-32k", "random", None, "qwen3", "tiny-qwen3, 32K window", max_context=32768),
         ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE", max_context=131072),
         ModelSpec(
             "smollm2-135m",
