@@ -163,9 +163,11 @@ class Haystacks:
         sentences = [*filler[:at], NEEDLE.format(code=code), *filler[at:]]
         return Haystack(" ".join(sentences), code, depth, self.instruction)
 
+    def _length(self, haystack: Haystack) -> int:
+        return len(rendering.prompt_tokens(self._tok, haystack.prompt()))
+
     def _fill(self, rng: random.Random, code: str, depth: float) -> Haystack:
-        length = lambda hay: len(rendering.prompt_tokens(self._tok, hay.prompt()))  # noqa: E731
-        room = self.context_tokens - length(self._haystack([], code, depth))
+        room = self.context_tokens - self._length(self._haystack([], code, depth))
         filler: list[str] = []
         while True:  # sentence by sentence, while the next one fits by its own count
             pick = rng.randrange(len(FILLER))
@@ -174,7 +176,7 @@ class Haystacks:
             filler.append(FILLER[pick])
             room -= self._costs[pick]
         haystack = self._haystack(filler, code, depth)
-        while length(haystack) > self.context_tokens:  # tokens merge across sentences: trim to fit
+        while self._length(haystack) > self.context_tokens:  # tokens merge across sentences: trim to fit
             filler.pop()
             haystack = self._haystack(filler, code, depth)
         return haystack
