@@ -101,9 +101,8 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
     if loop.get("max_requeues") is not None:
         check_requeue_limit(loop.max_requeues)
     data = data or sources.load(cfg.data, int(cfg.seed), cfg.grader)
-    if (
-        data.fit is not None
-    ):  # prompts sized to the model: by this tokenizer (the window is the engine's to check)
+    # prompts sized to the model (data=needle): by this tokenizer; the window is the engine's to check
+    if data.fit is not None:
         data.fit(PromptRoom(tok, cfg.model.base_model, None, int(loop.max_tokens)))
     fc = Forecast()
     steps, batch = int(loop.steps), int(loop.batch_size)
