@@ -10,6 +10,7 @@ micro-batches runs with activation checkpointing (docs/engine.md, Memory).
 
     python benchmarks/long_context.py                              # smollm2-135m, 1K 2K 4K 8K
     python benchmarks/long_context.py --model tiny-llama --lengths 256,512
+    python benchmarks/long_context.py --model tiny-qwen3-32k --lengths 8192,16384,32768
     python benchmarks/long_context.py --memory-budget 1500M
     python benchmarks/long_context.py --prefill                    # smollm2-135m, 2K and 8K prompts
 

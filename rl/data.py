@@ -4,13 +4,17 @@ A task gives up to three kinds of data, each a :class:`Dataset` (item k of a see
 and a fixed held-out list): *envs* (environment factories, for the RL loops and greedy evaluation),
 *chats* (``messages`` for SFT) and *feedback* (prompt, completion, desirable? for KTO). The types live
 here, below the loops and the tasks, so both sides name them without importing each other.
+
+A task whose prompts are sized to the model (a haystack of ``context_tokens`` of the model's tokens)
+gives ``fit``: the runner calls it with a :class:`PromptRoom` (the model's tokenizer and context
+window) once the session is open and before any item is drawn; it refuses a size the window cannot hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .env import EnvFactory, Messages
 
@@ -24,6 +28,17 @@ class Feedback:
     prompt: Messages
     completion: str
     desirable: bool
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """What a task sizing its prompts needs to know of the model: its tokenizer, its context window
+    (None where the engine does not state one), and how many tokens the answer may take."""
+
+    tokenizer: Any
+    model: str  # the base model's name, for messages
+    window: int | None
+    answer_tokens: int  # the loop's max_tokens
 
 
 @dataclass
@@ -41,6 +56,7 @@ class Data:
     envs: Dataset[EnvFactory] | None = None
     chats: Dataset[Messages] | None = None
     feedback: Dataset[Feedback] | None = None
+    fit: Callable[[PromptRoom], None] | None = None  # prompts sized to the model: call before drawing items
 
     def need(self, kind: str, loop: str) -> Dataset:
         """The dataset of ``kind`` (envs, chats, feedback), or an error that says which data= gives it."""

@@ -75,6 +75,14 @@ class ServiceClient(CheckpointAdmin):
             Their names (``smollm2-135m``, ``tiny-llama``, ...), for ``create_lora_training_client``."""
         return self._call("list_base_models", rq.NoArgs())
 
+    def get_context_windows(self) -> dict[str, int | None]:
+        """Each base model's context window: the most tokens a sequence (prompt and answer) may hold.
+
+        Returns:
+            ``{name: tokens}`` for every model of :meth:`list_base_models`; None where the engine
+            would know only by loading the model (a hub id it has not loaded)."""
+        return self._call("model_windows", rq.NoArgs())
+
     def create_lora_training_client(
         self,
         base_model: str,

@@ -57,12 +57,15 @@ def test_every_option_composes(group, option):
 
 def test_all_groups_have_their_options():
     assert set(_options("loop")) == {"sft", "grpo", "ppo", "importance_sampling", "kto", "code_rl"}
-    assert {"smollm2-135m", "gpt-oss-20b", "qwen3-0.6b", "tiny-llama"} <= set(_options("model"))
+    assert {"smollm2-135m", "gpt-oss-20b", "qwen3-0.6b", "tiny-llama", "tiny-qwen3-32k"} <= set(
+        _options("model")
+    )
     assert set(_options("data")) == {
         "arithmetic",
         "gsm8k",
         "chat_jsonl",
         "feedback_jsonl",
+        "needle",
         "env",
         "code_tasks",
         "code_jsonl",

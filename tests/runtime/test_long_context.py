@@ -193,12 +193,15 @@ def test_catalog_windows_are_the_loaded_models_configs(runtime, svc):
     for name in ("tiny-llama", "tiny-qwen3"):
         assert context_window(name) == CATALOG[name].max_context == runtime.host(name).max_context
     assert context_window("smollm2-135m") == 8192
+    windows = svc.get_context_windows()  # the SDK's view: every served model, loaded or not
+    assert windows["tiny-llama"] == 4096 and windows["smollm2-135m"] == 8192
+    assert windows["tiny-qwen3-32k"] == context_window("tiny-qwen3-32k") == 32768
 
 
 def test_a_request_over_the_window_is_refused_naming_the_prompt_length(svc, tc):
     """tiny-llama's window is 4,096 tokens: a longer datum or prompt is refused as too long; a
     prompt that fits but not with max_tokens is refused naming both; the session carries on."""
-    assert svc.transport.call("model_windows", {})["tiny-llama"] == 4096
+    assert svc.get_context_windows()["tiny-llama"] == 4096  # over each transport
     vocab = len(tc.get_tokenizer())
     over = _data(vocab, [4097], 3)
     with pytest.raises(InvalidRequest, match=r"data\[0\]: the datum is too long: 4097 tokens.* 4096"):

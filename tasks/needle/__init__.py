@@ -1,0 +1,1 @@
+"""The needle-in-a-haystack task (see README.md beside this file)."""
