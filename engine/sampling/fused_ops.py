@@ -91,7 +91,7 @@ def attend(
         places = _int64(places)
         if places.shape != (rows,):
             raise ValueError(f"decode attention kernel: cache places for {tuple(places.shape)} rows, not {rows}")
-    _check(
+    check(
         lib.sess_decode_attention(
             *(query, query.stride(0), key, key.stride(0), value, value.stride(0), cos, sin, q_cos, q_sin),
             *(keys, values, positions, *((sources, lengths) if shared is not None else (None, None))),
@@ -124,7 +124,7 @@ def prefill_attend(
     if any(t.shape != (tokens,) for t in (positions, splits, lows, highs)) or keys.shape[0] != tokens:
         raise ValueError(f"prefill attention kernel: columns for {tuple(positions.shape)} tokens, not {tokens}")
     out = query.new_empty(tokens, heads, dim)
-    _check(
+    check(
         lib.sess_prefill_attention(
             *(query, query.stride(0), q_cos, q_sin, keys, values, positions, splits, lows, highs),
             *(tokens, heads, keys.shape[1], dim, out, torch.get_num_threads()),
@@ -152,7 +152,7 @@ def rms_norm(
     total = _into(into[0], x, (rows, n)) if residual is not None else x
     if residual is not None:
         residual = _last_dense(residual)
-    _check(
+    check(
         lib.sess_rms_norm(
             *(x, x.stride(0), *((residual, residual.stride(0)) if residual is not None else (None, 0))),
             *(weight, eps, rows, n, total if residual is not None else None, out, torch.get_num_threads()),
@@ -169,7 +169,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     gate, up = _last_dense(gate), _last_dense(up)
     rows, n = gate.shape
     out = _into(out, gate, (rows, n))
-    _check(
+    check(
         lib.sess_silu_mul(
             gate, gate.stride(0), up, up.stride(0), rows, n, out, torch.get_num_threads()
         ),
@@ -191,7 +191,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tu
     tiles = torch.empty(rows, -(-vocab // 256), dtype=torch.float64)
     tokens = torch.empty(rows, dtype=torch.int64)
     chosen = torch.empty(rows, dtype=torch.float32)
-    _check(
+    check(
         lib.sess_draw(
             *(logits, logits.stride(0), rows, vocab, temperature, u, tiles, tokens, chosen, torch.get_num_threads()),
         ),
@@ -209,7 +209,7 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     tokens = tokens.to(torch.int64).contiguous()
     out = torch.empty(rows, dtype=torch.float32)
-    _check(
+    check(
         lib.sess_logprobs(
             logits, logits.stride(0), rows, vocab, tokens, out, torch.get_num_threads()
         ),
@@ -225,7 +225,8 @@ def _lib():
     return lib
 
 
-def _check(failed: int, what: str) -> None:
+def check(failed: int, what: str) -> None:
+    """Raise for a kernel's negative status, naming ``what`` and the cause."""
     if failed == -3:
         raise ValueError(f"{what} kernel: a position outside the cache or the prefill's tokens")
     if failed == -4:

@@ -1,0 +1,212 @@
+"""A decode step of one or two rows as a fixed list of C calls: batch-1 decoding at the speed its weights stream.
+
+At one row a decode step is one pass over every weight (538 MB of fp32 on smollm2) through the
+few-row kernel (:mod:`.few_rows`), and ~240 other C calls (norms, attention, activation) between
+them. Each call made through the lean decoder's general step goes through Python that finds the
+adapter's plan for the rows, looks up and checks every tensor, allocates the output and splits
+it: ~20 us a call, a sixth of a step, during which no weight streams from memory. A
+:class:`FewRowStep` does that work once for a batch shape (its rows, their adapter, the thread
+count): it holds each layer's kernels, their blocks of output (the residual stream alternates
+between two), and each call's arguments with their addresses already checked, so a step is the
+same C calls on the same inputs in the same order (the same bits: the parity and batch-invariance
+tests run through it) with only the per-step inputs (the embedding, rotary tables, positions and
+the cache's layers) filled in.
+
+The decoder makes one where it covers a step (:func:`make`: fp32 on CPU with the C kernels, a
+llama model without q/k norms, every row through one merged plan or the base model, every matmul
+with a few-row kernel) and drops it whenever a weight it reads could change: an adapter's plan
+made again or dropped, the base copies released (:class:`~.llama_plans.LlamaPlans` and
+:class:`~.row_invariant.RowInvariantLinears` call the decoder's hook first, so no freed weight is
+ever read and no copy is held past its plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sess.engine.native import kernels as native
+from sess.engine.sampling import few_rows, fused_ops
+from sess.engine.sampling.lora_plans import Fused, base_of
+from sess.engine.sampling.row_invariant import BLOCK
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One few-row call: ``x`` [rows, in] (dense) times ``kernel``'s weight into ``out`` [rows,
+    width], whose first columns hold the projections of ``sizes`` (views of them: ``parts``)."""
+
+    kernel: few_rows.FewRows
+    args: tuple
+    parts: tuple[torch.Tensor, ...]
+
+
+def bundle_kernels(linear, parent, names, merged) -> list[tuple[few_rows.FewRows, tuple[int, ...]]] | None:
+    """The few-row kernels that compute the projections ``names`` of ``parent`` for rows of one
+    merged plan's bundle (``merged``: a :class:`~.lora_plans.Fused`, a list per projection, or
+    None for the base model) as the general step computes them, each with the sizes of the
+    projections its output holds; None where one has no few-row kernel."""
+    if isinstance(merged, Fused):
+        few = merged.matmul.few
+        return None if few is None else [(few, merged.sizes)]
+    found = []
+    for index, name in enumerate(names):
+        fn = merged[index] if merged is not None else None
+        if fn is None:
+            base = base_of(getattr(parent, name))
+            few = linear.few_of(base.weight) if base.bias is None else None
+        else:
+            few = getattr(fn, "few", None)
+        if few is None:
+            return None
+        found.append((few, (few.out_features,)))
+    return found
+
+
+class FewRowStep:
+    """One batch shape's decode step as C calls (see the module docstring): ``self(cache, tokens,
+    positions)`` gives the logits the lean decoder's general step gives, to the bit."""
+
+    def __init__(self, decoder, model, kernels: list, rows: int):
+        """``kernels``: per layer its four bundles' :func:`bundle_kernels`, then the lm_head's."""
+        self.decoder, self.rows = decoder, rows
+        self.threads = torch.get_num_threads()
+        lib, _ = native.library()
+        self.few, self.norm = lib.sess_few_rows.c_function, lib.sess_rms_norm.c_function
+        self.attention, self.silu = lib.sess_decode_attention.c_function, lib.sess_silu_mul.c_function
+        inner = model.model
+        hidden = inner.embed_tokens.weight.shape[1]
+        self.sums = [torch.empty(rows, hidden) for _ in range(2)]  # the residual stream, alternating
+        self.normed = torch.empty(rows, hidden)
+        self.attended = torch.empty(rows, decoder.heads * decoder.head_dim)
+        self.acts: dict[int, torch.Tensor] = {}  # the activation's block, by its width
+        self.layers = []
+        for layer, bundles in zip(inner.layers, kernels[:-1]):
+            width = sum(sum(sizes) for _, sizes in bundles[2]) // 2
+            act = self.acts.setdefault(width, torch.empty(rows, width))
+            inputs = (self.normed, self.attended, self.normed, act)
+            qkv, o, gate_up, down = (self._matmuls(b, x) for b, x in zip(bundles, inputs))
+            self.layers.append((layer, qkv, o, gate_up, act, down))
+        self.head = kernels[-1]
+        self.final = inner.norm
+
+    def _matmuls(self, kernels, x: torch.Tensor) -> list[Matmul]:
+        made = []
+        for kernel, sizes in kernels:
+            out = torch.empty(self.rows, kernel.order.width)
+            parts = tuple(out[:, : sum(sizes)].split(sizes, dim=-1))
+            o = kernel.order
+            args = (x.data_ptr(), self.rows, x.shape[1], kernel.address, o.width, o.tile, o.block)
+            made.append(Matmul(kernel, (*args, out.data_ptr(), self.threads), parts))
+        return made
+
+    def _run(self, matmuls: list[Matmul]) -> list[torch.Tensor]:
+        parts = []
+        for m in matmuls:
+            if self.few(*m.args):
+                raise RuntimeError(f"few-row kernel: tile width {m.kernel.order.tile} not built")
+            parts.extend(m.parts)
+        return parts
+
+    def _norm(self, module, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None):
+        """:func:`.fused_ops.rms_norm` of ``x`` (+ ``residual``) into ``total`` and :attr:`normed`."""
+        fused_ops.check(
+            self.norm(
+                *(
+                    x.data_ptr(),
+                    x.stride(0),
+                    *((residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)),
+                ),
+                *(module.weight.data_ptr(), module.variance_epsilon, self.rows, x.shape[1]),
+                *(total.data_ptr() if total is not None else None, self.normed.data_ptr(), self.threads),
+            ),
+            "rms norm",
+        )
+        return total if total is not None else x
+
+    @torch.no_grad()
+    def __call__(self, cache, h: torch.Tensor, rotation, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the embedded tokens ``h`` [rows, hidden] at ``positions`` (the
+        cache's :meth:`~.block_cache.BlockCache.set_positions` made for this step), with the
+        step's ``rotation`` (cos, sin, q_cos, q_sin [rows, 1, dim])."""
+        d = self.decoder
+        rows, threads = self.rows, self.threads
+        cos, sin, q_cos, q_sin = (t.contiguous().data_ptr() for t in rotation)
+        positions = positions.to(torch.int64).contiguous()
+        shared = cache.sharing()
+        if any(t.shape != (rows,) for t in shared):
+            raise ValueError(
+                f"decode attention kernel: shared prefixes for {tuple(shared[0].shape)} rows, not {rows}"
+            )
+        sources, lengths = (t.data_ptr() for t in shared)
+        places = cache.places.data_ptr() if cache.places is not None else None
+        held = cache.held if cache.places is not None else rows
+        if cache.places is not None and cache.places.shape != (rows,):
+            raise ValueError(
+                f"decode attention kernel: cache places for {tuple(cache.places.shape)} rows, not {rows}"
+            )
+        h = h.contiguous()
+        pending, which = None, 0
+        for index, (layer, qkv, o, gate_up, act, down) in enumerate(self.layers):
+            total = self.sums[which] if pending is not None else None
+            h = self._norm(layer.input_layernorm, h, pending, total)
+            which ^= pending is not None
+            q, k, v = self._run(qkv)
+            keys, values = cache.layer(index)
+            if keys.shape[1:] != (held, d.kv_heads, BLOCK, d.head_dim):
+                raise ValueError(
+                    f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows"
+                )
+            fused_ops.check(
+                self.attention(
+                    *(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)),
+                    *(cos, sin, q_cos, q_sin, keys.data_ptr(), values.data_ptr(), positions.data_ptr()),
+                    *(sources, lengths, places, held, keys.shape[0] * BLOCK, rows, d.heads, d.kv_heads),
+                    *(d.head_dim, self.attended.data_ptr(), threads),
+                ),
+                "decode attention",
+            )
+            (attended,) = self._run(o)
+            h = self._norm(layer.post_attention_layernorm, h, attended, self.sums[which])
+            which ^= 1
+            gate, up = self._run(gate_up)
+            fused_ops.check(
+                self.silu(
+                    *(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0)),
+                    *(rows, gate.shape[1], act.data_ptr(), threads),
+                ),
+                "silu",
+            )
+            (pending,) = self._run(down)
+        self._norm(self.final, h, pending, self.sums[which])
+        ((head, sizes),) = self.head
+        logits = torch.empty(rows, head.order.width)
+        o = head.order
+        args = (self.normed.data_ptr(), rows, self.normed.shape[1], head.address, o.width, o.tile, o.block)
+        if self.few(*args, logits.data_ptr(), threads):
+            raise RuntimeError(f"few-row kernel: tile width {o.tile} not built")
+        return logits if o.width == head.out_features else logits[:, : head.out_features].contiguous()
+
+
+def make(decoder, model, plans: list, rows: int) -> FewRowStep | None:
+    """The :class:`FewRowStep` for ``rows`` rows that all run through the one plan of ``plans``
+    (:meth:`.LlamaPlans.group_plans`; empty or a None plan: the base model), or None where it does
+    not cover the step (more rows, plans as LoRA terms, a matmul without a few-row kernel)."""
+    if rows > few_rows.FEW or decoder.qk_norm or len(plans) > 1:
+        return None
+    plan = plans[0][1] if plans else None
+    if plan is not None and not decoder.merges_lora():
+        return None
+    bundles = decoder.plans.bundles(model)
+    found = []
+    for index, (parent, names) in enumerate(bundles):
+        merged = None
+        if plan is not None:
+            merged = plan[-1] if index == len(bundles) - 1 else plan[index // 4][index % 4]
+        kernels = bundle_kernels(decoder.linear, parent, names, merged)
+        if kernels is None:
+            return None
+        found.append(kernels)
+    layers = [found[i : i + 4] for i in range(0, len(found) - 1, 4)]
+    return FewRowStep(decoder, model, [*layers, found[-1]], rows)
