@@ -16,9 +16,13 @@ wrapping the decoder's calls in this process:
   embedding, Python between ops), and of it the number of tensor ops a step dispatches;
 - padding: matmul calls run on zero rows added to reach a calibrated row count.
 
+A step of one or two rows runs as made-ready C calls (``engine/sampling/few_row_step.py``); its
+few-row calls, lm_head and attention are timed the same way.
+
 Beside them, measured in the same process: the matmul floor (the base linears alone over the same
 rows, as in ``sampling.py``), the memory bandwidth (a large read and a large copy), and for each
-batch size the bytes of weights a step must read and the GB/s the step achieves.
+batch size the bytes of weights a step must read and the GB/s the step achieves, and the share
+of the read bandwidth a step reaches: (weights + the KV entries it reads) / bandwidth / step time.
 
     python benchmarks/decode_profile.py                    # smollm2-135m, 1 and 64 rows
     python benchmarks/decode_profile.py --rows 1,16,64 --steps 6
@@ -49,6 +53,7 @@ from sess.engine.sampling import (  # noqa: E402
     lora_plans,
     row_invariant,
 )
+from sess.engine.sampling.few_row_step import FewRowStep  # noqa: E402
 from sess.engine.sampling.token_choice import choose  # noqa: E402
 
 from common import (  # noqa: E402
@@ -115,6 +120,10 @@ def instrument(decoder, vocab: int, timers: Timers):
             (block_cache.BlockCache, "update", timers.wrap("attention", block_cache.BlockCache.update)),
             (fused_ops, "attend", timers.wrap("attention", fused_ops.attend)),
             (row_invariant, "rowwise", counted_rowwise),
+            # a step of one or two rows runs as made-ready C calls (few_row_step.py)
+            (FewRowStep, "_run", timers.wrap("projections", FewRowStep._run)),
+            (FewRowStep, "_head", timers.wrap("projections", FewRowStep._head, ("lm_head", lambda *a: True))),
+            (FewRowStep, "_attend", timers.wrap("attention", FewRowStep._attend)),
         ]
     )
 
@@ -171,8 +180,15 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     per_step["token choice"] = statistics.mean(choosing)
     step = statistics.mean(walls)
     per_step["other"] = step - per_step["projections"] - per_step["LoRA terms"] - per_step["attention"]
+    config = host.model.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # KV entries a step reads: each prompt's columns once (its samples share them), each row's own
+    column_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * dim * 4
+    own = rows * (warmup + steps / 2)
     return {
         "rows": rows,
+        "kv_bytes": column_bytes * (sum(len(p) for p in prompts) + own),
+        "ready": timers.calls["projections"] > 0 and not timers.matmuls,
         "step": step + per_step["token choice"],
         "parts": per_step,
         "ops": ops,
@@ -244,6 +260,7 @@ def main() -> None:
         "padding: matmul calls padded, rows added",
         *(f"{r['padded_calls']:.0f} of {r['calls']:.0f}, {r['padded_rows']:.0f}" for r in results),
     )
+    table.add_row("step as made-ready C calls", *("yes" if r["ready"] else "no" for r in results))
     table.add_row("prepacked base weights", *("yes" if r["packed"] else "no" for r in results))
     table.add_row("adapter plans", *("merged" if r["merged"] else "LoRA terms" for r in results))
     table.add_row("matmul floor (base linears alone)", *(f"{r['floor'] * 1e3:.1f}" for r in results))
@@ -254,6 +271,10 @@ def main() -> None:
     table.add_row(
         "bandwidth limit (weights / read bandwidth)",
         *(f"{(base + lora) / read * 1e3:.1f}" for _ in results),
+    )
+    table.add_row(
+        "weights + KV read a step / read bandwidth / step",
+        *(f"{(base + lora + r['kv_bytes']) / read / r['step']:.2f}" for r in results),
     )
     console.print(table)
     console.print(f"memory bandwidth, same process: read {read / 1e9:.1f} GB/s, copy {copy / 1e9:.1f} GB/s")

@@ -64,9 +64,24 @@ def bundle_kernels(linear, parent, names, merged) -> list[tuple[few_rows.FewRows
     return found
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's calls: its two norms, its four bundles' matmuls, and the fixed
+    arguments of its attention (the q/k/v views' addresses and strides) and activation (all but
+    the thread count)."""
+
+    norms: tuple[torch.nn.Module, torch.nn.Module]
+    qkv: list[Matmul]
+    o: list[Matmul]
+    gate_up: list[Matmul]
+    down: list[Matmul]
+    attend: tuple
+    silu: tuple
+
+
 class FewRowStep:
-    """One batch shape's decode step as C calls (see the module docstring): ``self(cache, tokens,
-    positions)`` gives the logits the lean decoder's general step gives, to the bit."""
+    """One batch shape's decode step as C calls (see the module docstring): ``self(cache, h,
+    rotation, positions)`` gives the logits the lean decoder's general step gives, to the bit."""
 
     def __init__(self, decoder, model, kernels: list, rows: int):
         """``kernels``: per layer its four bundles' :func:`bundle_kernels`, then the lm_head's."""
@@ -87,8 +102,25 @@ class FewRowStep:
             act = self.acts.setdefault(width, torch.empty(rows, width))
             inputs = (self.normed, self.attended, self.normed, act)
             qkv, o, gate_up, down = (self._matmuls(b, x) for b, x in zip(bundles, inputs))
-            self.layers.append((layer, qkv, o, gate_up, act, down))
-        self.head = kernels[-1]
+            q, k, v = (part for m in qkv for part in m.parts)
+            gate, up = (part for m in gate_up for part in m.parts)
+            self.layers.append(
+                Layer(
+                    (layer.input_layernorm, layer.post_attention_layernorm),
+                    *(qkv, o, gate_up, down),
+                    attend=(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)),
+                    silu=(
+                        gate.data_ptr(),
+                        gate.stride(0),
+                        up.data_ptr(),
+                        up.stride(0),
+                        rows,
+                        width,
+                        act.data_ptr(),
+                    ),
+                )
+            )
+        (self.head,) = self._matmuls(kernels[-1], self.normed)
         self.final = inner.norm
 
     def _matmuls(self, kernels, x: torch.Tensor) -> list[Matmul]:
@@ -101,92 +133,89 @@ class FewRowStep:
             made.append(Matmul(kernel, (*args, out.data_ptr(), self.threads), parts))
         return made
 
-    def _run(self, matmuls: list[Matmul]) -> list[torch.Tensor]:
-        parts = []
+    def _run(self, matmuls: list[Matmul]) -> None:
+        """The few-row calls of one bundle (their outputs are the blocks :attr:`Matmul.parts` view)."""
         for m in matmuls:
             if self.few(*m.args):
                 raise RuntimeError(f"few-row kernel: tile width {m.kernel.order.tile} not built")
-            parts.extend(m.parts)
-        return parts
 
     def _norm(self, module, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None):
         """:func:`.fused_ops.rms_norm` of ``x`` (+ ``residual``) into ``total`` and :attr:`normed`."""
+        added = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
         fused_ops.check(
             self.norm(
-                *(
-                    x.data_ptr(),
-                    x.stride(0),
-                    *((residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)),
-                ),
-                *(module.weight.data_ptr(), module.variance_epsilon, self.rows, x.shape[1]),
-                *(total.data_ptr() if total is not None else None, self.normed.data_ptr(), self.threads),
+                *(x.data_ptr(), x.stride(0), *added, module.weight.data_ptr(), module.variance_epsilon),
+                *(self.rows, x.shape[1], total.data_ptr() if total is not None else None),
+                *(self.normed.data_ptr(), self.threads),
             ),
             "rms norm",
         )
         return total if total is not None else x
+
+    def _attend(self, layer: Layer, common: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The layer's decode attention (:func:`.fused_ops.attend`) into :attr:`attended`."""
+        positions, q_tables, shared, held, rows = common
+        d = self.decoder
+        fused_ops.check(
+            self.attention(
+                *(*layer.attend, *q_tables, keys.data_ptr(), values.data_ptr(), positions, *shared, held),
+                *(keys.shape[0] * BLOCK, rows, d.heads, d.kv_heads, d.head_dim),
+                *(self.attended.data_ptr(), self.threads),
+            ),
+            "decode attention",
+        )
+
+    def _head(self) -> torch.Tensor:
+        """The lm_head's logits of :attr:`normed`, in a new tensor."""
+        head = self.head
+        order = head.kernel.order
+        logits = torch.empty(self.rows, order.width)
+        if self.few(*head.args[:-2], logits.data_ptr(), self.threads):
+            raise RuntimeError(f"few-row kernel: tile width {order.tile} not built")
+        width = head.kernel.out_features
+        return logits if order.width == width else logits[:, :width].contiguous()
 
     @torch.no_grad()
     def __call__(self, cache, h: torch.Tensor, rotation, positions: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of the embedded tokens ``h`` [rows, hidden] at ``positions`` (the
         cache's :meth:`~.block_cache.BlockCache.set_positions` made for this step), with the
         step's ``rotation`` (cos, sin, q_cos, q_sin [rows, 1, dim])."""
-        d = self.decoder
-        rows, threads = self.rows, self.threads
-        cos, sin, q_cos, q_sin = (t.contiguous().data_ptr() for t in rotation)
+        d, rows = self.decoder, self.rows
+        rotation = [t.contiguous() for t in rotation]  # held until the step ends
         positions = positions.to(torch.int64).contiguous()
         shared = cache.sharing()
-        if any(t.shape != (rows,) for t in shared):
-            raise ValueError(
-                f"decode attention kernel: shared prefixes for {tuple(shared[0].shape)} rows, not {rows}"
-            )
-        sources, lengths = (t.data_ptr() for t in shared)
-        places = cache.places.data_ptr() if cache.places is not None else None
-        held = cache.held if cache.places is not None else rows
-        if cache.places is not None and cache.places.shape != (rows,):
-            raise ValueError(
-                f"decode attention kernel: cache places for {tuple(cache.places.shape)} rows, not {rows}"
-            )
+        places = cache.places
+        if any(t.shape != (rows,) for t in (*shared, *([places] if places is not None else []))):
+            raise ValueError(f"decode attention kernel: sharing or places of a cache not of {rows} rows")
+        held = cache.held if places is not None else rows
+        common = (
+            positions.data_ptr(),
+            tuple(t.data_ptr() for t in rotation),
+            (*(t.data_ptr() for t in shared), places.data_ptr() if places is not None else None),
+            held,
+            rows,
+        )
         h = h.contiguous()
         pending, which = None, 0
-        for index, (layer, qkv, o, gate_up, act, down) in enumerate(self.layers):
+        for index, layer in enumerate(self.layers):
+            first, second = layer.norms
             total = self.sums[which] if pending is not None else None
-            h = self._norm(layer.input_layernorm, h, pending, total)
+            h = self._norm(first, h, pending, total)
             which ^= pending is not None
-            q, k, v = self._run(qkv)
+            self._run(layer.qkv)
             keys, values = cache.layer(index)
             if keys.shape[1:] != (held, d.kv_heads, BLOCK, d.head_dim):
-                raise ValueError(
-                    f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows"
-                )
-            fused_ops.check(
-                self.attention(
-                    *(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)),
-                    *(cos, sin, q_cos, q_sin, keys.data_ptr(), values.data_ptr(), positions.data_ptr()),
-                    *(sources, lengths, places, held, keys.shape[0] * BLOCK, rows, d.heads, d.kv_heads),
-                    *(d.head_dim, self.attended.data_ptr(), threads),
-                ),
-                "decode attention",
-            )
-            (attended,) = self._run(o)
-            h = self._norm(layer.post_attention_layernorm, h, attended, self.sums[which])
+                raise ValueError(f"decode attention kernel: a cache layer of shape {tuple(keys.shape)}")
+            self._attend(layer, common, keys, values)
+            self._run(layer.o)
+            h = self._norm(second, h, layer.o[0].parts[0], self.sums[which])
             which ^= 1
-            gate, up = self._run(gate_up)
-            fused_ops.check(
-                self.silu(
-                    *(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0)),
-                    *(rows, gate.shape[1], act.data_ptr(), threads),
-                ),
-                "silu",
-            )
-            (pending,) = self._run(down)
+            self._run(layer.gate_up)
+            fused_ops.check(self.silu(*layer.silu, self.threads), "silu")
+            self._run(layer.down)
+            pending = layer.down[0].parts[0]
         self._norm(self.final, h, pending, self.sums[which])
-        ((head, sizes),) = self.head
-        logits = torch.empty(rows, head.order.width)
-        o = head.order
-        args = (self.normed.data_ptr(), rows, self.normed.shape[1], head.address, o.width, o.tile, o.block)
-        if self.few(*args, logits.data_ptr(), threads):
-            raise RuntimeError(f"few-row kernel: tile width {o.tile} not built")
-        return logits if o.width == head.out_features else logits[:, : head.out_features].contiguous()
+        return self._head()
 
 
 def make(decoder, model, plans: list, rows: int) -> FewRowStep | None:
