@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -60,10 +59,12 @@ from common import (  # noqa: E402
     CallTimes,
     add_device_options,
     as_engine_process,
+    clock,
     in_process_client,
     memory_bandwidth,
     on_engine,
     patched,
+    use_cpu_time,
     weight_bytes,
 )
 
@@ -157,14 +158,14 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
 
     def one_step():
         nonlocal tokens, positions
-        start = time.perf_counter()
+        start = clock()
         logits = decoder.step(cache, adapters, tokens, positions)
-        mid = time.perf_counter()
+        mid = clock()
         tokens, _ = choose(
             logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64)
         )
         positions = positions + 1
-        return mid - start, time.perf_counter() - mid
+        return mid - start, clock() - mid
 
     with sampling_heap():  # as the engine runs its decode steps
         for _ in range(warmup):
@@ -228,9 +229,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--home", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the engine thread's CPU time (with --threads 1: for a machine other work shares)",
+    )
     add_device_options(parser)
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time counts the engine thread's work only: run it with --threads 1")
     svc, tc, prompts, host, adapter = trained_adapter(args)
+    if args.threads:
+        on_engine(svc, torch.set_num_threads, args.threads)
+    if args.cpu_time:
+        use_cpu_time()
     read, copy = on_engine(svc, memory_bandwidth)
     base, lora = weight_bytes(host, adapter)
     results = []
@@ -239,6 +252,12 @@ def main() -> None:
         use = prompts[: max(1, rows // samples)]
         result = on_engine(svc, profile, host, adapter, use, samples, args.steps, args.warmup)
         result["floor"] = on_engine(svc, matmul_floor, host, result["rows"], 3)
+        if result["ready"]:  # the same rows through the general step, for comparison
+            general = (llama_decoder.LlamaDecoder, "_few_step_for", lambda self, *args: None)
+            with patched([general]):
+                result["general"] = on_engine(svc, profile, host, adapter, use, samples, args.steps, 2)[
+                    "step"
+                ]
         results.append(result)
     console = Console()
     table = Table(
@@ -261,6 +280,10 @@ def main() -> None:
         *(f"{r['padded_calls']:.0f} of {r['calls']:.0f}, {r['padded_rows']:.0f}" for r in results),
     )
     table.add_row("step as made-ready C calls", *("yes" if r["ready"] else "no" for r in results))
+    table.add_row(
+        "the general step instead (same rows, same process)",
+        *(f"{r['general'] * 1e3:.1f}" if "general" in r else "-" for r in results),
+    )
     table.add_row("prepacked base weights", *("yes" if r["packed"] else "no" for r in results))
     table.add_row("adapter plans", *("merged" if r["merged"] else "LoRA terms" for r in results))
     table.add_row("matmul floor (base linears alone)", *(f"{r['floor'] * 1e3:.1f}" for r in results))
