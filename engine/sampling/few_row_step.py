@@ -1,10 +1,11 @@
 """A decode step of one or two rows as a fixed list of C calls: batch-1 decoding at the speed its weights stream.
 
 At one row a decode step is one pass over every weight (538 MB of fp32 on smollm2) through the
-few-row kernel (:mod:`.few_rows`), and ~240 other C calls (norms, attention, activation) between
+few-row kernel (:mod:`.few_rows`), with ~120 other C calls (norms, attention, activation) between
 them. Each call made through the lean decoder's general step goes through Python that finds the
 adapter's plan for the rows, looks up and checks every tensor, allocates the output and splits
-it: ~20 us a call, a sixth of a step, during which no weight streams from memory. A
+it: together about a third of a one-row step's time, during which no weight streams from memory
+(benchmarks/README.md, ``decode_profile.py``). A
 :class:`FewRowStep` does that work once for a batch shape (its rows, their adapter, the thread
 count): it holds each layer's kernels, their blocks of output (the residual stream alternates
 between two), and each call's arguments with their addresses already checked, so a step is the
@@ -34,8 +35,9 @@ from sess.engine.sampling.row_invariant import BLOCK
 
 @dataclass(frozen=True)
 class Matmul:
-    """One few-row call: ``x`` [rows, in] (dense) times ``kernel``'s weight into ``out`` [rows,
-    width], whose first columns hold the projections of ``sizes`` (views of them: ``parts``)."""
+    """One few-row call: ``args`` for the kernel's C function (the input block, its weight, the
+    output block [rows, width]), and ``parts``, views of the output's first columns, one for each
+    projection the call computes."""
 
     kernel: few_rows.FewRows
     args: tuple
