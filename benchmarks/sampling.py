@@ -190,7 +190,9 @@ def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     return statistics.median(times[1:])
 
 
-def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, repeats: int = 7) -> dict[str, float]:
+def prefill_forms(
+    host, adapter: str, prompts: list[list[int]], samples: int, repeats: int = 7
+) -> dict[str, float]:
     """Median seconds of one prefill of ``prompts`` (``samples`` each), the engine's three forms
     alternated in this process: each prompt whole through torch's attention (where the C kernels
     are not built), each prompt whole through the attention kernel, and the engine's default, a
@@ -199,13 +201,17 @@ def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, re
     if not (decoder.uses_kernels() and decoder.attention_kernel):
         return {}
     jobs = [
-        SimpleNamespace(prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams())
+        SimpleNamespace(
+            prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams()
+        )
         for p in prompts
     ]
     layout = prefill_layout.Layout.of
     forms = {
         "torch attention, each prompt whole": [(decoder, "attention_kernel", False)],
-        "attention kernel, each prompt whole": [(prefill_layout.Layout, "of", lambda jobs, share: layout(jobs, False))],
+        "attention kernel, each prompt whole": [
+            (prefill_layout.Layout, "of", lambda jobs, share: layout(jobs, False))
+        ],
         "attention kernel, shared prefix once": [],
     }
     times = {name: [] for name in forms}
