@@ -16,9 +16,13 @@ wrapping the decoder's calls in this process:
   embedding, Python between ops), and of it the number of tensor ops a step dispatches;
 - padding: matmul calls run on zero rows added to reach a calibrated row count.
 
+A step of one or two rows runs as made-ready C calls (``engine/sampling/few_row_step.py``); its
+few-row calls, lm_head and attention are timed the same way.
+
 Beside them, measured in the same process: the matmul floor (the base linears alone over the same
 rows, as in ``sampling.py``), the memory bandwidth (a large read and a large copy), and for each
-batch size the bytes of weights a step must read and the GB/s the step achieves.
+batch size the bytes of weights a step must read and the GB/s the step achieves, and the share
+of the read bandwidth a step reaches: (weights + the KV entries it reads) / bandwidth / step time.
 
     python benchmarks/decode_profile.py                    # smollm2-135m, 1 and 64 rows
     python benchmarks/decode_profile.py --rows 1,16,64 --steps 6
@@ -30,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -49,16 +52,19 @@ from sess.engine.sampling import (  # noqa: E402
     lora_plans,
     row_invariant,
 )
+from sess.engine.sampling.few_row_step import FewRowStep  # noqa: E402
 from sess.engine.sampling.token_choice import choose  # noqa: E402
 
 from common import (  # noqa: E402
     CallTimes,
     add_device_options,
     as_engine_process,
+    clock,
     in_process_client,
     memory_bandwidth,
     on_engine,
     patched,
+    use_cpu_time,
     weight_bytes,
 )
 
@@ -115,6 +121,10 @@ def instrument(decoder, vocab: int, timers: Timers):
             (block_cache.BlockCache, "update", timers.wrap("attention", block_cache.BlockCache.update)),
             (fused_ops, "attend", timers.wrap("attention", fused_ops.attend)),
             (row_invariant, "rowwise", counted_rowwise),
+            # a step of one or two rows runs as made-ready C calls (few_row_step.py)
+            (FewRowStep, "_run", timers.wrap("projections", FewRowStep._run)),
+            (FewRowStep, "_head", timers.wrap("projections", FewRowStep._head, ("lm_head", lambda *a: True))),
+            (FewRowStep, "_attend", timers.wrap("attention", FewRowStep._attend)),
         ]
     )
 
@@ -148,14 +158,14 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
 
     def one_step():
         nonlocal tokens, positions
-        start = time.perf_counter()
+        start = clock()
         logits = decoder.step(cache, adapters, tokens, positions)
-        mid = time.perf_counter()
+        mid = clock()
         tokens, _ = choose(
             logits, temperature, top_k, top_p, torch.rand(rows, generator=gen, dtype=torch.float64)
         )
         positions = positions + 1
-        return mid - start, time.perf_counter() - mid
+        return mid - start, clock() - mid
 
     with sampling_heap():  # as the engine runs its decode steps
         for _ in range(warmup):
@@ -171,8 +181,15 @@ def profile(host, adapter, prompts, samples: int, steps: int, warmup: int) -> di
     per_step["token choice"] = statistics.mean(choosing)
     step = statistics.mean(walls)
     per_step["other"] = step - per_step["projections"] - per_step["LoRA terms"] - per_step["attention"]
+    config = host.model.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # KV entries a step reads: each prompt's columns once (its samples share them), each row's own
+    column_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * dim * 4
+    own = rows * (warmup + steps / 2)
     return {
         "rows": rows,
+        "kv_bytes": column_bytes * (sum(len(p) for p in prompts) + own),
+        "ready": timers.calls["projections"] > 0 and not timers.matmuls,
         "step": step + per_step["token choice"],
         "parts": per_step,
         "ops": ops,
@@ -212,9 +229,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--home", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the engine thread's CPU time (with --threads 1: for a machine other work shares)",
+    )
     add_device_options(parser)
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time counts the engine thread's work only: run it with --threads 1")
     svc, tc, prompts, host, adapter = trained_adapter(args)
+    if args.threads:
+        on_engine(svc, torch.set_num_threads, args.threads)
+    if args.cpu_time:
+        use_cpu_time()
     read, copy = on_engine(svc, memory_bandwidth)
     base, lora = weight_bytes(host, adapter)
     results = []
@@ -223,6 +252,12 @@ def main() -> None:
         use = prompts[: max(1, rows // samples)]
         result = on_engine(svc, profile, host, adapter, use, samples, args.steps, args.warmup)
         result["floor"] = on_engine(svc, matmul_floor, host, result["rows"], 3)
+        if result["ready"]:  # the same rows through the general step, for comparison
+            general = (llama_decoder.LlamaDecoder, "_few_step_for", lambda self, *args: None)
+            with patched([general]):
+                result["general"] = on_engine(svc, profile, host, adapter, use, samples, args.steps, 2)[
+                    "step"
+                ]
         results.append(result)
     console = Console()
     table = Table(
@@ -244,6 +279,11 @@ def main() -> None:
         "padding: matmul calls padded, rows added",
         *(f"{r['padded_calls']:.0f} of {r['calls']:.0f}, {r['padded_rows']:.0f}" for r in results),
     )
+    table.add_row("step as made-ready C calls", *("yes" if r["ready"] else "no" for r in results))
+    table.add_row(
+        "the general step instead (same rows, same process)",
+        *(f"{r['general'] * 1e3:.1f}" if "general" in r else "-" for r in results),
+    )
     table.add_row("prepacked base weights", *("yes" if r["packed"] else "no" for r in results))
     table.add_row("adapter plans", *("merged" if r["merged"] else "LoRA terms" for r in results))
     table.add_row("matmul floor (base linears alone)", *(f"{r['floor'] * 1e3:.1f}" for r in results))
@@ -254,6 +294,10 @@ def main() -> None:
     table.add_row(
         "bandwidth limit (weights / read bandwidth)",
         *(f"{(base + lora) / read * 1e3:.1f}" for _ in results),
+    )
+    table.add_row(
+        "weights + KV read a step / read bandwidth / step",
+        *(f"{(base + lora + r['kv_bytes']) / read / r['step']:.2f}" for r in results),
     )
     console.print(table)
     console.print(f"memory bandwidth, same process: read {read / 1e9:.1f} GB/s, copy {copy / 1e9:.1f} GB/s")

@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     CallTimes,
     add_device_options,
     as_engine_process,
+    clock,
     in_process_client,
     memory_bandwidth,
     on_engine,
@@ -182,14 +183,16 @@ def matmul_floor(host, rows: int, repeats: int = 7) -> float:
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first pass packs any weight not yet packed
-            start = time.perf_counter()
+            start = clock()
             for m in layers:
                 linear(inputs[m.in_features], m.weight, m.bias)
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times[1:])
 
 
-def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, repeats: int = 7) -> dict[str, float]:
+def prefill_forms(
+    host, adapter: str, prompts: list[list[int]], samples: int, repeats: int = 7
+) -> dict[str, float]:
     """Median seconds of one prefill of ``prompts`` (``samples`` each), the engine's three forms
     alternated in this process: each prompt whole through torch's attention (where the C kernels
     are not built), each prompt whole through the attention kernel, and the engine's default, a
@@ -198,13 +201,17 @@ def prefill_forms(host, adapter: str, prompts: list[list[int]], samples: int, re
     if not (decoder.uses_kernels() and decoder.attention_kernel):
         return {}
     jobs = [
-        SimpleNamespace(prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams())
+        SimpleNamespace(
+            prompt=p, num_samples=samples, adapter=adapter, prompt_logprobs=False, params=SamplingParams()
+        )
         for p in prompts
     ]
     layout = prefill_layout.Layout.of
     forms = {
         "torch attention, each prompt whole": [(decoder, "attention_kernel", False)],
-        "attention kernel, each prompt whole": [(prefill_layout.Layout, "of", lambda jobs, share: layout(jobs, False))],
+        "attention kernel, each prompt whole": [
+            (prefill_layout.Layout, "of", lambda jobs, share: layout(jobs, False))
+        ],
         "attention kernel, shared prefix once": [],
     }
     times = {name: [] for name in forms}

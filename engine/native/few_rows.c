@@ -7,18 +7,22 @@
    of fused multiply-adds from zero in column order, and the blocks' sums added left to right.
    That is the order oneDNN's packed kernel sums a row in at the shapes where few_rows.py finds it
    equal to the bit, and it depends on nothing but the row, so a row gets the same result alone
-   as among 64 others. Rows are independent; tiles are shared out between threads. */
+   as among 64 others. Rows are independent; tiles are shared out between threads, in halves. */
 
 #include "kernels.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <string.h>
 
 enum { WIDEST = 64 };
 
+/* Columns [0, cols) of one tile: w and y point at the tile's first column to compute, w's rows
+   `tile` floats apart. */
 static inline __attribute__((always_inline)) void
-tile_rows(const float *x, int rows, int k_total, const float *w, int block, float *y, int n_total, const int tile)
+tile_rows(const float *x, int rows, int k_total, const float *w, int block, float *y, int n_total, const int tile,
+          const int cols)
 {
     for (int r = 0; r < rows; r++) {
         const float *row = x + (size_t)r * k_total;
@@ -26,29 +30,51 @@ tile_rows(const float *x, int rows, int k_total, const float *w, int block, floa
         for (int lo = 0; lo < k_total; lo += block) {
             const int hi = lo + block < k_total ? lo + block : k_total;
             float acc[WIDEST];
-            for (int j = 0; j < tile; j++) acc[j] = 0.0f;
+            for (int j = 0; j < cols; j++) acc[j] = 0.0f;
             for (int k = lo; k < hi; k++) {
                 const float xk = row[k];
                 const float *wk = w + (size_t)k * tile;
-                for (int j = 0; j < tile; j++) acc[j] = fmaf(xk, wk[j], acc[j]);
+                for (int j = 0; j < cols; j++) acc[j] = fmaf(xk, wk[j], acc[j]);
             }
             if (lo == 0) {
-                for (int j = 0; j < tile; j++) total[j] = acc[j];
+                for (int j = 0; j < cols; j++) total[j] = acc[j];
             } else {
-                for (int j = 0; j < tile; j++) total[j] = total[j] + acc[j];
+                for (int j = 0; j < cols; j++) total[j] = total[j] + acc[j];
             }
         }
-        memcpy(y + (size_t)r * n_total, total, sizeof(float) * tile);
+        memcpy(y + (size_t)r * n_total, total, sizeof(float) * cols);
     }
 }
 
-#define TILES_OF(T)                                                                           \
-    static void tiles_##T(const float *x, int rows, int k, const float *w, int n, int block,  \
-                          float *y, int threads)                                              \
-    {                                                                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                     \
-        for (int t = 0; t < n / T; t++)                                                       \
-            tile_rows(x, rows, k, w + (size_t)t * k * T, block, y + (size_t)t * T, n, T);     \
+/* The threads share the tiles out in halves, each thread a contiguous run of them: a weight of an
+   odd number of tiles (9 of 64 features for a 576-wide output) keeps both threads busy to the end
+   instead of one thread reading a tile more. Each output's sum is the same whichever thread takes
+   it. */
+#define TILES_OF(T)                                                                                   \
+    static void tiles_##T(const float *x, int rows, int k, const float *w, int n, int block,          \
+                          float *y, int threads)                                                      \
+    {                                                                                                 \
+        const int halves = 2 * (n / T);                                                               \
+        _Pragma("omp parallel num_threads(threads)")                                                  \
+        {                                                                                             \
+            const int team = omp_get_num_threads(), me = omp_get_thread_num();                        \
+            int half = (int)((long)halves * me / team);                                               \
+            const int end = (int)((long)halves * (me + 1) / team);                                    \
+            if (half < end && half % 2) { /* a tile's second half */                                  \
+                const int t = half / 2;                                                               \
+                tile_rows(x, rows, k, w + (size_t)t * k * T + T / 2, block, y + (size_t)t * T + T / 2, \
+                          n, T, T / 2);                                                               \
+                half++;                                                                               \
+            }                                                                                         \
+            for (; half + 1 < end; half += 2) {                                                       \
+                const int t = half / 2;                                                               \
+                tile_rows(x, rows, k, w + (size_t)t * k * T, block, y + (size_t)t * T, n, T, T);      \
+            }                                                                                         \
+            if (half < end) { /* a tile's first half */                                               \
+                const int t = half / 2;                                                               \
+                tile_rows(x, rows, k, w + (size_t)t * k * T, block, y + (size_t)t * T, n, T, T / 2);  \
+            }                                                                                         \
+        }                                                                                             \
     }
 
 TILES_OF(8)

@@ -77,8 +77,15 @@ def attend(
     rows, heads, dim = query.shape
     kv_heads = key.shape[1]
     held = keys.shape[1] if places is not None else rows
-    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (held, kv_heads, BLOCK, dim):
-        raise ValueError(f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows")
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (
+        held,
+        kv_heads,
+        BLOCK,
+        dim,
+    ):
+        raise ValueError(
+            f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows"
+        )
     query, key, value = (_rows_dense(t) for t in (query, key, value))
     cos, sin, q_cos, q_sin = (t.contiguous() for t in rotation)
     positions = _int64(positions)
@@ -86,12 +93,16 @@ def attend(
     if shared is not None:
         sources, lengths = (_int64(t) for t in shared)
         if sources.shape != (rows,) or lengths.shape != (rows,):
-            raise ValueError(f"decode attention kernel: shared prefixes for {tuple(sources.shape)} rows, not {rows}")
+            raise ValueError(
+                f"decode attention kernel: shared prefixes for {tuple(sources.shape)} rows, not {rows}"
+            )
     if places is not None:
         places = _int64(places)
         if places.shape != (rows,):
-            raise ValueError(f"decode attention kernel: cache places for {tuple(places.shape)} rows, not {rows}")
-    _check(
+            raise ValueError(
+                f"decode attention kernel: cache places for {tuple(places.shape)} rows, not {rows}"
+            )
+    check(
         lib.sess_decode_attention(
             *(query, query.stride(0), key, key.stride(0), value, value.stride(0), cos, sin, q_cos, q_sin),
             *(keys, values, positions, *((sources, lengths) if shared is not None else (None, None))),
@@ -122,9 +133,11 @@ def prefill_attend(
     keys, values, q_cos, q_sin = (t.contiguous() for t in (keys, values, q_cos, q_sin))
     positions, splits, lows, highs = (_int64(t) for t in columns)
     if any(t.shape != (tokens,) for t in (positions, splits, lows, highs)) or keys.shape[0] != tokens:
-        raise ValueError(f"prefill attention kernel: columns for {tuple(positions.shape)} tokens, not {tokens}")
+        raise ValueError(
+            f"prefill attention kernel: columns for {tuple(positions.shape)} tokens, not {tokens}"
+        )
     out = query.new_empty(tokens, heads, dim)
-    _check(
+    check(
         lib.sess_prefill_attention(
             *(query, query.stride(0), q_cos, q_sin, keys, values, positions, splits, lows, highs),
             *(tokens, heads, keys.shape[1], dim, out, torch.get_num_threads()),
@@ -152,7 +165,7 @@ def rms_norm(
     total = _into(into[0], x, (rows, n)) if residual is not None else x
     if residual is not None:
         residual = _last_dense(residual)
-    _check(
+    check(
         lib.sess_rms_norm(
             *(x, x.stride(0), *((residual, residual.stride(0)) if residual is not None else (None, 0))),
             *(weight, eps, rows, n, total if residual is not None else None, out, torch.get_num_threads()),
@@ -169,16 +182,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     gate, up = _last_dense(gate), _last_dense(up)
     rows, n = gate.shape
     out = _into(out, gate, (rows, n))
-    _check(
-        lib.sess_silu_mul(
-            gate, gate.stride(0), up, up.stride(0), rows, n, out, torch.get_num_threads()
-        ),
+    check(
+        lib.sess_silu_mul(gate, gate.stride(0), up, up.stride(0), rows, n, out, torch.get_num_threads()),
         "silu",
     )
     return out
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [rows, vocab] from softmax(logits / temperature) (every
     temperature > 0, no truncation), by inverse CDF at ``u`` (float64 in [0, 1)) in the two levels
     of :func:`.token_choice.inverse_cdf`, and its logprob as :func:`logprobs` gives it (taken in the
@@ -191,9 +204,20 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tu
     tiles = torch.empty(rows, -(-vocab // 256), dtype=torch.float64)
     tokens = torch.empty(rows, dtype=torch.int64)
     chosen = torch.empty(rows, dtype=torch.float32)
-    _check(
+    check(
         lib.sess_draw(
-            *(logits, logits.stride(0), rows, vocab, temperature, u, tiles, tokens, chosen, torch.get_num_threads()),
+            *(
+                logits,
+                logits.stride(0),
+                rows,
+                vocab,
+                temperature,
+                u,
+                tiles,
+                tokens,
+                chosen,
+                torch.get_num_threads(),
+            ),
         ),
         "token draw",
     )
@@ -209,10 +233,8 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     tokens = tokens.to(torch.int64).contiguous()
     out = torch.empty(rows, dtype=torch.float32)
-    _check(
-        lib.sess_logprobs(
-            logits, logits.stride(0), rows, vocab, tokens, out, torch.get_num_threads()
-        ),
+    check(
+        lib.sess_logprobs(logits, logits.stride(0), rows, vocab, tokens, out, torch.get_num_threads()),
         "logprob",
     )
     return out
@@ -225,7 +247,8 @@ def _lib():
     return lib
 
 
-def _check(failed: int, what: str) -> None:
+def check(failed: int, what: str) -> None:
+    """Raise for a kernel's negative status, naming ``what`` and the cause."""
     if failed == -3:
         raise ValueError(f"{what} kernel: a position outside the cache or the prefill's tokens")
     if failed == -4:
@@ -275,7 +298,9 @@ def _into(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) 
     if out is None:
         return like.new_empty(shape)
     if tuple(out.shape) != shape or out.dtype != like.dtype or not out.is_contiguous():
-        raise ValueError(f"an output block of {tuple(out.shape)} {out.dtype}, not a dense {shape} {like.dtype}")
+        raise ValueError(
+            f"an output block of {tuple(out.shape)} {out.dtype}, not a dense {shape} {like.dtype}"
+        )
     return out
 
 

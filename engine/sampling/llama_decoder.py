@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sess.engine.libraries import torch_internals
-from sess.engine.sampling import fused_ops, prefix_cache
+from sess.engine.sampling import few_row_step, fused_ops, prefix_cache
 from sess.engine.sampling.block_cache import BlockCache
 from sess.engine.sampling.decoder import Prefill, full_attention_only
 from sess.engine.sampling.llama_plans import BUNDLES, LlamaPlans
@@ -94,6 +94,10 @@ class LlamaDecoder:
         self.attention_kernel = fused_ops.covers_attention(self.heads, self.kv_heads, self.head_dim)
         self.linear = RowInvariantLinears()
         self.prefix = prefix_cache.PrefixCache(prefix_cache.budget_of(pack_budget))  # prompts' entries
+        # (batch shape, its few-row step or None where one does not cover it), dropped before any
+        # weight it reads could change (:mod:`.few_row_step`)
+        self._few_step: tuple | None = None
+        self.plans.on_change = self.linear.on_change = self._drop_few_step
 
     # which weights each row runs through (:mod:`.llama_plans`) -------------------------------------
     @property
@@ -256,8 +260,23 @@ class LlamaDecoder:
             return decode_attention(q[:, :, None], keys, values, step.bias(self.kv_heads)).view(q.shape)
 
         plans = self.plans.group_plans(model, groups_of(adapters, tokens.device))
+        few = self._few_step_for(model, plans, adapters) if fused else None
+        if few is not None:  # one or two rows: the same C calls, made ready once
+            return few(cache, *self._embedded(model, tokens, positions, scale_queries=True), step.positions)
         h = self._layers(model, plans, tokens, positions, attend, scale_queries=True, blocks=blocks)
         return self._output(model, h, plans)
+
+    def _few_step_for(self, model, plans: list, adapters: list[str | None]):
+        """The :class:`~.few_row_step.FewRowStep` for this batch shape (made on first use), or None."""
+        key = (tuple(adapters), torch.get_num_threads(), self.linear.pack)
+        if self._few_step is None or self._few_step[0] != key:
+            self._few_step = None
+            made = few_row_step.make(self, model, plans, len(adapters))
+            self._few_step = (key, made)
+        return self._few_step[1]
+
+    def _drop_few_step(self) -> None:
+        self._few_step = None
 
     def _layers(
         self, model, plans: list, tokens, positions, attend, *, scale_queries: bool, blocks=None
@@ -271,13 +290,7 @@ class LlamaDecoder:
         states too."""
         inner = model.model
         count = tokens.shape[0]
-        h = inner.embed_tokens(tokens)  # [rows, hidden]
-        cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
-        half = self.head_dim // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
-        # decode attention takes its queries scaled, so the rotation scales them on the way
-        q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
-        rotation = (cos, sin, q_cos, q_sin)
+        h, rotation = self._embedded(model, tokens, positions, scale_queries)
         kernels = self.uses_kernels()
         if kernels and blocks is None:
             blocks = fused_ops.Blocks()
@@ -303,6 +316,18 @@ class LlamaDecoder:
             )
             (pending,) = self._project(mlp, BUNDLES[3], act, lora, 3)
         return norm(inner.norm, h, pending)[1]
+
+    def _embedded(self, model, tokens, positions, scale_queries: bool) -> tuple[torch.Tensor, tuple]:
+        """``(h, rotation)``: the embedded ``tokens`` [rows, hidden] and the rotary tables at
+        ``positions`` for :func:`_rotate` (the queries' scaled where ``scale_queries``)."""
+        inner = model.model
+        h = inner.embed_tokens(tokens)  # [rows, hidden]
+        cos, sin = inner.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs
+        # decode attention takes its queries scaled, so the rotation scales them on the way
+        q_cos, q_sin = (cos * self.scaling, sin * self.scaling) if scale_queries else (cos, sin)
+        return h, (cos, sin, q_cos, q_sin)
 
     def _project(self, parent, names, x: torch.Tensor, lora, bundle: int) -> list[torch.Tensor]:
         """The projections ``names`` of ``parent`` on ``x``, each group of rows with its adapter's."""

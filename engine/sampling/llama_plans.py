@@ -32,6 +32,7 @@ class LlamaPlans:
         self._copy_bytes: int | None = None
         self.merge_lora: bool | None = None  # adapters' plans merged or as terms (None: decided on first use)
         self._plans: dict[str, Kept] = {}  # adapter -> its plan and what it was made from
+        self.on_change: Callable[[], None] | None = None  # called before any plan is dropped or made
 
     def packs(self) -> bool:
         """Whether the base projections run through prepacked copies: where their bytes (as many as
@@ -55,10 +56,12 @@ class LlamaPlans:
 
     def keep_only(self, keep: set[str]) -> None:
         """Drop the plans of adapters not in ``keep``."""
+        self._changing()
         self._plans = {adapter: plan for adapter, plan in self._plans.items() if adapter in keep}
 
     def forget(self, adapter: str) -> None:
         """Drop ``adapter``'s plan."""
+        self._changing()
         self._plans.pop(adapter, None)
 
     def merges_lora(self) -> bool:
@@ -107,6 +110,7 @@ class LlamaPlans:
             self._plans[adapter] = cached  # the most recently used last (threads included)
             return cached.plan
         cached = None  # its copies go before the new ones are made
+        self._changing()
         modules = [m for m in model.modules() if hasattr(m, "lora_A") and adapter in m.lora_A]
         live = {a for m in modules[:1] for a in m.lora_A}
         self._plans = {a: p for a, p in self._plans.items() if a in live}
@@ -130,6 +134,10 @@ class LlamaPlans:
         layers = lora_layers(modules, adapter)
         self._plans[adapter] = Kept(plan, first, anchor, layers, (self.merges_lora(), versions(layers)))
         return plan
+
+    def _changing(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     @staticmethod
     def bundles(model) -> list:

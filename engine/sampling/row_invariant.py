@@ -355,6 +355,7 @@ class RowInvariantLinears:
         self._threads = torch.get_num_threads()  # the thread count the copies' calibrations hold for
         # id(weight) -> its copy; tensors compare element-wise, so they cannot be dictionary keys
         self._packed: dict[int, _PackedCopy] = {}
+        self.on_change: Callable[[], None] | None = None  # called before any copy is dropped or made
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -370,8 +371,19 @@ class RowInvariantLinears:
         """Bytes the packed copies held now take."""
         return sum(copy.packed.numel() * copy.packed.element_size() for copy in self._packed.values())
 
+    def few_of(self, weight: torch.Tensor) -> few_rows.FewRows | None:
+        """The few-row kernel over ``weight``'s prepacked copy (made now if it is not held), where
+        the copies are on and the kernel matches oneDNN at its shape; else None."""
+        if not (self.pack and weight.device.type == "cpu" and weight.dtype == torch.float32):
+            return None
+        if not onednn.available():
+            return None
+        return self._copy(weight, None, weight[:1]).few
+
     def release(self) -> None:
         """Drop the packed copies (made again on next use)."""
+        if self.on_change is not None:
+            self.on_change()
         self._packed.clear()
 
     def packing(self, on: bool) -> None:
@@ -386,6 +398,8 @@ class RowInvariantLinears:
         key = id(weight)
         copy = self._packed.get(key)
         if copy is None or copy.weight() is not weight or copy.version != torch_internals.version_of(weight):
+            if self.on_change is not None:
+                self.on_change()
             gone = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
             packed = onednn.pack_weight(weight)
             counts = row_counts("onednn packed", weight.shape[1], weight.shape[0], x, bias is not None)
