@@ -13,6 +13,7 @@ micro-batches runs with activation checkpointing (docs/engine.md, Memory).
     python benchmarks/long_context.py --model tiny-qwen3-32k --lengths 8192,16384,32768
     python benchmarks/long_context.py --memory-budget 1500M
     python benchmarks/long_context.py --prefill                    # smollm2-135m, 2K and 8K prompts
+    python benchmarks/long_context.py --all       # smollm2 1K-8K, tiny-qwen3-32k 8K-32K, then --prefill
 
 ``--prefill``: in one process, a 16-token greedy sample after a prompt of each length (the
 prompt's prefill timed apart, and where it went: projections, attention, the rest), the floor
@@ -183,8 +184,23 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="SESS_HOME (default: the usual)")
     parser.add_argument("--length", type=int, default=None, help=argparse.SUPPRESS)  # one length, as JSON
     parser.add_argument("--prefill", action="store_true", help="the sampler's prefill (lengths: 2048,8192)")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="the section's three runs: smollm2 1K-8K, tiny-qwen3-32k 8K-32K, --prefill",
+    )
     add_device_options(parser)
     args = parser.parse_args()
+    if args.all:
+        rest = [a for a in sys.argv[1:] if a != "--all"]
+        for extra in (
+            ["--model", "smollm2-135m"],
+            ["--model", "tiny-qwen3-32k", "--lengths", "8192,16384,32768"],
+            ["--prefill"],
+        ):
+            sys.stdout.flush()
+            subprocess.run([sys.executable, __file__, *rest, *extra], check=True)
+        return
     if args.prefill:
         as_engine_process(args.device)
         if "--lengths" not in sys.argv:
