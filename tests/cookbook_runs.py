@@ -84,7 +84,8 @@ def code_rl_after_sft(cookbook, workdir, engine, sandbox_url: str, tmp_path: Pat
         "tasks": [[problem, solution] for problem, _, solution in CODE_TASKS],
         "out": str(tmp_path / "sft.json"),
     }
-    run_client(cookbook, "code_sft_data.py", spec, url="", key="")
+    # the script imports the cookbook (transformers, datasets, sympy): minutes on a loaded machine
+    run_client(cookbook, "code_sft_data.py", spec, url="", key="", timeout=1200)
     common = [
         f"model_name={smol}",
         "renderer_name=qwen3_instruct",

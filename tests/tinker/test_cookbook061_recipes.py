@@ -74,9 +74,10 @@ def engine(http_engine, sess_home):
 
 def _rl_steps(metrics: list[dict], steps: int) -> None:
     """0.6.1's RL trainer logs a row per step with its tokens as its cost estimator counts them
-    (sampled, trained, prompt tokens cached and uncached: every one uncached, the engine keeping no
-    prefix cache and saying so in each ``prompt_cache_hit_tokens``), then a closing row at step
-    ``steps`` with the cumulative counts, each the sum of the steps' (counted once)."""
+    (sampled, trained, prompt tokens cached and uncached: the cached ones are what each
+    ``prompt_cache_hit_tokens`` reports, the sampler's prefix cache serving a group's repeated
+    prompt), then a closing row at step ``steps`` with the cumulative counts, each the sum of the
+    steps' (counted once)."""
     *rows, closing = metrics
     assert [m["step"] for m in rows] == list(range(steps)) and closing["step"] == steps
     for row in rows:
