@@ -605,6 +605,19 @@ def _defined_privates(tree: ast.AST) -> set[str]:
     return {name for name in names if _private(name)}
 
 
+def _named_attribute(node: ast.AST) -> str | None:
+    """The attribute name a ``getattr``/``setattr``/``hasattr`` call names as a string constant."""
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") in ("getattr", "setattr", "hasattr")
+        and len(node.args) > 1
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
+
+
 def _reaches(trees: dict[str, ast.AST]) -> list[str]:
     """``from sess.x import _y`` anywhere, and ``obj._y`` / ``getattr(obj, "_y")`` where ``_y`` is a
     private name of another sess module and ``obj`` is not ``self`` or ``cls``."""
@@ -620,14 +633,8 @@ def _reaches(trees: dict[str, ast.AST]) -> list[str]:
             elif isinstance(node, ast.Attribute) and node.attr in foreign:
                 if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                     reached = node.attr
-            elif (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", "") in ("getattr", "setattr", "hasattr")
-                and len(node.args) > 1
-                and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in foreign
-            ):
-                reached = node.args[1].value
+            elif (attr := _named_attribute(node)) in foreign:
+                reached = attr
             if reached:
                 found.append(f"{name}:{node.lineno}: {reached}")
     return found
@@ -679,14 +686,7 @@ def _library_reaches(trees: dict[str, ast.AST]) -> list[str]:
                     reached = f"sets {node.attr}"
                 elif _private(node.attr) and node.attr not in ours and node.attr not in STDLIB_PRIVATES:
                     reached = node.attr
-            elif (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", "") in ("getattr", "setattr", "hasattr")
-                and len(node.args) > 1
-                and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str)
-            ):
-                attr = node.args[1].value
+            elif (attr := _named_attribute(node)) is not None:
                 if attr == "forward" and node.func.id == "setattr" or attr.startswith("_sess"):
                     reached = f"{node.func.id} {attr}"
                 elif _private(attr) and attr not in ours:
