@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sess.rl.data import Data, PromptRoom
+from sess.rl.data import Data
 from sess.tasks import sources
 
 from . import config as config_mod
@@ -152,7 +152,7 @@ def _execute(cfg, loop_cfg, data: Data, record: RunRecord, *, resume, on_step, s
             if data.fit is not None:  # prompts sized to the model (data=needle): before anything is drawn
                 model = cfg.model.base_model
                 window = svc.get_context_windows().get(model)
-                data.fit(PromptRoom(tc.get_tokenizer(), model, window, int(cfg.loop.max_tokens)))
+                data.fit_to(tc.get_tokenizer(), model, window, int(cfg.loop.max_tokens))
             sessions = [*(n for n in record.meta.get("sessions", []) if n != tc.name), tc.name]
             record.update_meta(
                 session=tc.name, sessions=sessions, engine={"kind": cfg.engine.kind, "url": svc.url}

@@ -58,6 +58,12 @@ class Data:
     feedback: Dataset[Feedback] | None = None
     fit: Callable[[PromptRoom], None] | None = None  # prompts sized to the model: call before drawing items
 
+    def fit_to(self, tokenizer, model: str, window: int | None, answer_tokens: int) -> None:
+        """Size prompts sized to the model (``fit``) by ``tokenizer`` within ``window``; nothing for
+        data whose prompts are fixed."""
+        if self.fit is not None and tokenizer is not None:
+            self.fit(PromptRoom(tokenizer, model, window, answer_tokens))
+
     def need(self, kind: str, loop: str) -> Dataset:
         """The dataset of ``kind`` (envs, chats, feedback), or an error that says which data= gives it."""
         kinds = {"envs": self.envs, "chats": self.chats, "feedback": self.feedback}

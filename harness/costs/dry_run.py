@@ -22,7 +22,6 @@ from omegaconf import DictConfig
 from sess.engine.protocol.home import models_dir
 from sess.engine.protocol.prices import PriceError, format_cost
 from sess.engine.sdk.local_engine import engine_info
-from sess.rl.data import PromptRoom
 from sess.tasks import sources
 
 from .. import config as config_mod
@@ -36,12 +35,6 @@ def _cached_tokenizer(base_model: str):
 
     path = models_dir() / base_model
     return load_tokenizer(path) if (path / "tokenizer.json").exists() else None
-
-
-def fit(data, cfg, tok) -> None:
-    """Size ``data``'s prompts by ``tok`` where they are sized to the model (``data=needle``)."""
-    if data.fit is not None and tok is not None:
-        data.fit(PromptRoom(tok, cfg.model.base_model, None, int(cfg.loop.max_tokens)))
 
 
 def _loaded_models(cfg) -> tuple[str | None, list[str] | None]:
@@ -121,14 +114,14 @@ def forecast_run(
             )
         return budget.plan(cfg, tok, data, *_prices(svc))
     prices, note = _prices(svc)
-    fit(data, cfg, tok)
+    data.fit_to(tok, cfg.model.base_model, None, int(cfg.loop.max_tokens))
     notify(pilot_notice(cfg, tok, data, pilot, prices))
     if svc is None:
         from ..runner import service_client
 
         svc = service_client(cfg.engine)
     tok = svc.get_tokenizer(model)
-    fit(data, cfg, tok)
+    data.fit_to(tok, cfg.model.base_model, None, int(cfg.loop.max_tokens))
     measured = run_pilot(cfg, svc.create_sampling_client(base_model=model), tok, data, pilot)
     found = budget.plan(cfg, tok, data, *_prices(svc), pilot=measured)
     found.saved = budget.save_for_run(cfg, found)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sess.rl import rendering
-from sess.rl.data import Data, PromptRoom
+from sess.rl.data import Data
 from sess.rl.rollout_workers import check_requeue_limit
 from sess.rl.rollouts import DEFAULT_MAX_TURNS, MAX_OBSERVATION_TOKENS, check_observation_cap
 from sess.tasks import sources
@@ -102,8 +102,7 @@ def forecast(cfg, tok, data: Data | None = None) -> Forecast:
         check_requeue_limit(loop.max_requeues)
     data = data or sources.load(cfg.data, int(cfg.seed), cfg.grader)
     # prompts sized to the model (data=needle): by this tokenizer; the window is the engine's to check
-    if data.fit is not None:
-        data.fit(PromptRoom(tok, cfg.model.base_model, None, int(loop.max_tokens)))
+    data.fit_to(tok, cfg.model.base_model, None, int(loop.max_tokens))
     fc = Forecast()
     steps, batch = int(loop.steps), int(loop.batch_size)
     evals = evaluations(steps, int(cfg.get("eval_every") or 0))
