@@ -60,7 +60,31 @@ def test_a_record_lasts_a_day_unused_and_each_use_restarts_it():
     assert records.tokens + other.tokens <= 12 and other.get("t.0") is not None
 
 
+def test_a_sessions_record_set_stays_while_its_samples_run_and_goes_a_day_after_its_last_use():
+    """The sweep that drops an exited client's records drops only stale sets: one made for a sample
+    request whose samples are still running is empty, yet kept."""
+    now = [0.0]
+    records = SequenceRecords(clock=lambda: now[0])  # made for a request; its samples still running
+    now[0] += LIFETIME_S - 1
+    assert not records.stale()
+    records.touch()  # another request of the session
+    now[0] += LIFETIME_S - 1
+    assert not records.stale()
+    records.add("r.0", [1], [2], [-1.0])
+    now[0] += LIFETIME_S + 1  # the record's day is over and nothing sampled into the set since
+    assert records.stale() and len(records) == 0
+
+
 def _sampled(a: TinkerHttp, session: str, prompt: list[int], record: bool, n: int = 2):
+    started = _start_sample(a, session, prompt, record, n)
+    out = schema.SampleResponse()
+    out.ParseFromString(a.result(started["request_id"]))
+    return started["sample_sequence_ids"], [np.frombuffer(s.tokens, "<i4").tolist() for s in out.sequences]
+
+
+def _start_sample(
+    a: TinkerHttp, session: str, prompt: list[int], record: bool, n: int, tokens: int = 6
+) -> dict:
     sampler = a.ok(
         "/create_sampling_session",
         {"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny-llama"},
@@ -70,13 +94,10 @@ def _sampled(a: TinkerHttp, session: str, prompt: list[int], record: bool, n: in
         "seq_id": 0,
         "num_samples": n,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-        "sampling_params": {"max_tokens": 6, "seed": 3, "stop": []},
+        "sampling_params": {"max_tokens": tokens, "seed": 3, "stop": []},
         "record_stability_info": record,
     }
-    started = a.ok("/asample", body)
-    out = schema.SampleResponse()
-    out.ParseFromString(a.result(started["request_id"]))
-    return started["sample_sequence_ids"], [np.frombuffer(s.tokens, "<i4").tolist() for s in out.sequences]
+    return a.ok("/asample", body)
 
 
 def _request(model: str, seq: int, loss_fn: str, datums: list[dict], config: dict | None = None) -> bytes:
@@ -180,6 +201,28 @@ def test_spans_that_contradict_the_datum_are_400s_naming_datum_and_span(a, tok):
     assert refused.status_code == 400 and "is not a sequence" in refused.json()["detail"]
     answer = a.result(a.forward_backward(_request(model, len(cases) + 1, "ppo", [good])).json()["request_id"])
     assert len(read_fb_output(answer)[0]) == 1
+
+
+def test_two_clients_sampling_at_once_each_keep_their_records(http_engine, sess_home, a, tok):
+    """Two recipes at once (here on two keys): B's sample request is still running when A's comes
+    in; B's sequences are recorded all the same, and its datums' spans train."""
+    b = TinkerHttp(http_engine["url"], KeyStore(sess_home).add("tinker-provenance-b")["key"])
+    try:
+        prompt = tok.encode(SENTENCES[2])[:6]
+        mine, theirs = a.session(), b.session()
+        running = _start_sample(b, theirs, prompt, record=False, n=8, tokens=96)
+        other = _start_sample(a, mine, prompt, record=True, n=2)  # lands while B's samples run
+        a.result(other["request_id"])
+        out = schema.SampleResponse()
+        out.ParseFromString(b.result(running["request_id"]))
+        sampled = [np.frombuffer(s.tokens, "<i4").tolist() for s in out.sequences]
+        model = b.create_model(theirs)
+        datums = [_rl_datum(prompt, s, t) for s, t in zip(running["sample_sequence_ids"], sampled)]
+        started = b.forward_backward(_request(model, 1, "ppo", datums))
+        assert started.status_code == 200, started.text[:300]
+        assert len(read_fb_output(b.result(started.json()["request_id"]))[0]) == 8
+    finally:
+        b.close()
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ and ``stable_reinforce`` reads the recorded logprobs instead of trusting the cli
 
 A record lasts :data:`LIFETIME_S` (one day, as Tinker documents) after it was made or last used; each
 use restarts its day. Records live in memory only (never on disk), per Tinker session, and go with
-it; a session keeps at most :data:`MAX_TOKENS` tokens of records and a key :data:`MAX_KEY_TOKENS`
+it (or, for a client that exited without finishing its session, a day after the session's last
+sample or use: :meth:`SequenceRecords.stale`; an empty set whose samples are still running is not
+stale); a session keeps at most :data:`MAX_TOKENS` tokens of records and a key :data:`MAX_KEY_TOKENS`
 over all its sessions (:func:`bound_key`), dropping the least recently used first. The clock is a parameter so that tests can move it.
 """
 
@@ -48,6 +50,17 @@ class SequenceRecords:
         self.clock, self.max_tokens = clock, max_tokens
         self._records: OrderedDict[str, SequenceRecord] = OrderedDict()
         self.tokens = 0
+        self.touched = clock()  # made, or last sampled into or read
+
+    def touch(self) -> None:
+        """A sample request of the session is on its way here: keep the set for another day."""
+        self.touched = self.clock()
+
+    def stale(self) -> bool:
+        """Empty and untouched for a day: its records expired and nothing samples into it any more.
+        (A set made for a request whose samples are still running is empty but fresh.)"""
+        self.expire()
+        return not self._records and self.clock() - self.touched > LIFETIME_S
 
     def __len__(self) -> int:
         return len(self._records)
@@ -63,6 +76,7 @@ class SequenceRecords:
         self._drop(sequence_id)
         self._records[sequence_id] = record
         self.tokens += record.size
+        self.touched = record.used
         while self.tokens > self.max_tokens and len(self._records) > 1:
             self._drop(next(iter(self._records)))
 
@@ -72,7 +86,7 @@ class SequenceRecords:
         self.expire()
         record = self._records.get(sequence_id)
         if record is not None:
-            record.used = self.clock()
+            record.used = self.touched = self.clock()
             self._records.move_to_end(sequence_id)
         return record
 

@@ -270,14 +270,13 @@ class Tinker:
     def records_of(self, owner: str, session_id: str | None, create: bool = False) -> SequenceRecords | None:
         """The recorded sequences of ``owner``'s Tinker session ``session_id`` (made if ``create``)."""
         for other, kept in list(self.records.items()):  # an exited client's records go after their day
-            kept.expire()
-            if not len(kept) and other != session_id:
+            if other != session_id and kept.stale():  # not one whose samples are still running
                 del self.records[other]
         session = self.sessions.get(session_id) if session_id else None
         if session is None or session.owner != owner or session.finished:
             return None
-        if create and session_id not in self.records:
-            self.records[session_id] = SequenceRecords()
+        if create:  # a sample request records into it when its samples are done
+            self.records.setdefault(session_id, SequenceRecords()).touch()
         return self.records.get(session_id)
 
     def bound_records(self, owner: str) -> None:
