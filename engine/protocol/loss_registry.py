@@ -24,19 +24,29 @@ class Loss:
     multi_target: tuple[str, ...] = ()  # inputs that may be (N, K): K targets per position
     per_token: bool = True  # its gradient at a token depends on that token's logprob and inputs alone
     policy_gradient: bool = True  # weighs sampled tokens by advantages, with the sampler's logprobs
+    # inputs whose zeros leave a position out of the loss, value and gradient: where every one of
+    # them the datum sends is 0, its target token is not read (a placeholder); () for a loss that
+    # reads every position's target (dro's penalty)
+    masked_by: tuple[str, ...] = ("advantages",)
 
 
 LOSSES: dict[str, Loss] = {
     "cross_entropy": Loss(
-        ("target_tokens", "weights"), multi_target=("target_tokens", "weights"), policy_gradient=False
+        ("target_tokens", "weights"),
+        multi_target=("target_tokens", "weights"),
+        policy_gradient=False,
+        masked_by=("weights",),
     ),
     "importance_sampling": Loss(_POLICY_INPUTS),
     "ppo": Loss(_POLICY_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": Loss(_POLICY_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    "dro": Loss(_POLICY_INPUTS, {"beta": 0.05}),
+    "dro": Loss(_POLICY_INPUTS, {"beta": 0.05}, masked_by=()),
     # optional input: sequence_ratio_mask; clip range: the GSPO paper's; one ratio per sequence
     "gspo": Loss(
-        _POLICY_INPUTS, {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}, per_token=False
+        _POLICY_INPUTS,
+        {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+        per_token=False,
+        masked_by=("advantages", "sequence_ratio_mask"),
     ),
     # sess's own formula (Tinker's is not public); logprobs: the recorded sampler's, where spans name them
     "stable_reinforce": Loss(_POLICY_INPUTS, {"kl_coeff": 0.0, "weight_cap": 2.0}),

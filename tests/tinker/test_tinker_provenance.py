@@ -225,6 +225,34 @@ def test_two_clients_sampling_at_once_each_keep_their_records(http_engine, sess_
         b.close()
 
 
+def test_placeholder_targets_on_a_prompt_run_train_where_the_loss_leaves_them_out(a, tok):
+    """cookbook 0.6.1's rl_loop sends target 0 at every prompt position, with advantage 0 there,
+    under a prompt span: a placeholder the policy losses do not read, so it trains. Where the loss
+    reads it (an advantage that is not 0; dro, whose penalty reads every target) it is refused."""
+    session = a.session()
+    prompt = tok.encode(SENTENCES[3])[:6]
+    (recorded, *_), (sampled, *_) = _sampled(a, session, prompt, record=True)
+    model = a.create_model(session)
+    placeholders = _rl_datum(prompt, recorded, sampled)
+    placeholders["inputs"]["target_tokens"][: len(prompt) - 1] = 0  # rl_loop: [0] * ob_len + sampled
+    assert 0 not in prompt[1:]
+    read = {**placeholders, "inputs": {**placeholders["inputs"]}}
+    read["inputs"]["advantages"] = np.ones(len(prompt) + len(sampled) - 1, "<f4")
+    cases = [
+        ("stable_reinforce", placeholders, None),
+        ("ppo", placeholders, None),
+        ("dro", placeholders, "data[0].loss_fn_input_spans[0]: target_tokens[0] is token 0"),
+        ("stable_reinforce", read, "data[0].loss_fn_input_spans[0]: target_tokens[0] is token 0"),
+    ]
+    for seq, (loss_fn, datum, refusal) in enumerate(cases, start=1):
+        answer = a.forward_backward(_request(model, seq, loss_fn, [datum]))
+        if refusal is None:
+            assert answer.status_code == 200, (loss_fn, answer.text[:300])
+            assert len(read_fb_output(a.result(answer.json()["request_id"]))[0]) == 1
+        else:
+            assert answer.status_code == 400 and refusal in answer.json()["detail"], answer.text[:300]
+
+
 @pytest.mark.slow
 def test_the_tinker_sdk_sends_spans_that_train_and_a_contradiction_is_refused(
     http_engine, key, tok, tmp_path

@@ -7,7 +7,10 @@ its positions are positions ``[offset, offset + length)`` of a recorded sequence
 every claim (the runs add up to the field they tile, each offset is in range, each ``sequence_id``
 is one this Tinker session sampled and still holds (:mod:`.sequence_records`) and the
 tokens are the ones sampled) and refuses a datum whose spans contradict it with a 400 naming the
-datum and the span. A loss that needs the sampler's logprobs from the record (``stable_reinforce``)
+datum and the span. A target on a prompt run that the loss leaves out (every input of its
+``masked_by`` in :mod:`sess.engine.protocol.loss_registry` that the datum sends is 0 there) is a
+placeholder and is not compared: cookbook 0.6.1's ``rl_loop`` sends 0 for every prompt target,
+under a zero advantage. A loss that needs the sampler's logprobs from the record (``stable_reinforce``)
 gets them: the rows on sampled runs take the recorded logprobs, the other rows keep the datum's
 ``logprobs`` (zero where it has none). Any other loss trains on the datum as sent.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sess.engine.protocol.errors import InvalidRequest
+from sess.engine.protocol.loss_registry import LOSSES
 from sess.engine.protocol.types import Datum, TensorData
 from sess.engine.server.tinker.sequence_records import SequenceRecords
 
@@ -73,13 +77,29 @@ def apply(
                 "datum lacks or has as (N, K); send (N,) target_tokens with provenance spans"
             )
         where = f"data[{i}].loss_fn_input_spans"
-        _check(target_ids.astype(np.int64), loss_spans, records, where, "target_tokens")
+        unweighted = _unweighted(datum, loss_fn, len(target_ids))
+        _check(target_ids.astype(np.int64), loss_spans, records, where, "target_tokens", unweighted)
         if loss_fn in RECORDED_LOGPROBS_LOSSES:
             datum.loss_fn_inputs["logprobs"] = _sampler_logprobs(datum, loss_spans, records, len(target_ids))
 
 
+def _unweighted(datum: Datum, loss_fn: str, n: int) -> np.ndarray | None:
+    """The target positions ``loss_fn`` leaves out: where every input of its ``masked_by`` that the
+    datum sends with ``n`` values is 0 (None: it sends none of them)."""
+    loss = LOSSES.get(loss_fn)
+    masks = [datum.loss_fn_inputs.get(name) for name in (loss.masked_by if loss else ())]
+    masks = [np.asarray(m.to_numpy()) for m in masks if m is not None]
+    masks = [m for m in masks if m.shape == (n,)]
+    return np.logical_and.reduce([m == 0 for m in masks]) if masks else None
+
+
 def _check(
-    tokens: np.ndarray, spans: list[Span], records: SequenceRecords | None, where: str, field: str
+    tokens: np.ndarray,
+    spans: list[Span],
+    records: SequenceRecords | None,
+    where: str,
+    field: str,
+    unweighted: np.ndarray | None = None,
 ) -> None:
     covered = sum(s.length for s in spans)
     if covered != len(tokens):
@@ -103,7 +123,10 @@ def _check(
                 f"{span.sequence_id[:80]!r}'s {kind} ({len(source)} tokens)"
             )
         claimed = source[span.offset : span.offset + span.length]
-        mismatch = np.flatnonzero(tokens[position : position + span.length] != claimed)
+        differs = tokens[position : position + span.length] != claimed
+        if unweighted is not None and not span.sampled:  # a prompt target the loss leaves out
+            differs &= ~unweighted[position : position + span.length]
+        mismatch = np.flatnonzero(differs)
         if mismatch.size:
             k = int(mismatch[0])
             raise InvalidRequest(
