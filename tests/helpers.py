@@ -1,9 +1,11 @@
-"""Test helpers: small batches, and a plain-torch reference copy of a session's model."""
+"""Test helpers: small batches, a plain-torch reference copy of a session's model, and a Hugging
+Face hub cache filled with a local model."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import signal
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -216,3 +219,23 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def fill_hub_cache(cache: Path, hub_id: str, model_dir: Path) -> Path:
+    """Put the model files of ``model_dir`` (its top-level files but sess's own markers) into the
+    Hugging Face hub cache ``cache`` as ``hub_id``'s ``main``, in the layout a download leaves:
+    ``models--Org--Name/blobs/<sha256>``, ``snapshots/<commit>/<file>`` linking to its blob and
+    ``refs/main`` naming the commit. Its snapshot directory."""
+    repo = cache / f"models--{hub_id.replace('/', '--')}"
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith("sess"))
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    commit = hashlib.sha1(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for path in files:
+        (repo / "blobs" / digests[path.name]).write_bytes(path.read_bytes())
+        (snapshot / path.name).symlink_to(Path("..", "..", "blobs", digests[path.name]))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

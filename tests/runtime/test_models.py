@@ -20,6 +20,10 @@ from sess.engine.runtime.models.catalog import (
     prepare,
     resolve,
 )
+from sess.engine.runtime.models.model_policy import model_name
+from sess.engine.runtime.models.registered import register
+
+from helpers import fill_hub_cache
 
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-gpt-oss"]
 TEXTS = [
@@ -61,6 +65,25 @@ def test_hf_unavailable_offline(monkeypatch, tmp_path):
         with pytest.raises(ModelNotAvailable, match="Hugging Face hub"):
             prepare(name, home=tmp_path)
     assert time.monotonic() - t < 10
+
+
+def test_hub_id_served_offline_from_a_filled_cache(monkeypatch, tmp_path, home):
+    """A hub id the operator registered (`sess engine models add NAME HUB_ID`) loads from a filled
+    HF cache with HF_HUB_OFFLINE=1, and a request may name it by that id."""
+    import huggingface_hub.constants
+
+    hub_id = "Qwen/Qwen3-4B-Instruct-2507"
+    snapshot = fill_hub_cache(tmp_path / "hub", hub_id, prepare("tiny-qwen3", home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    register(tmp_path, "qwen3-4b-instruct", hub_id, reserved=set(CATALOG))
+    assert prepare("qwen3-4b-instruct", tmp_path) == snapshot
+    assert model_name(tmp_path, "a-key", hub_id) == "qwen3-4b-instruct"
+    model, tok, _ = load_model("qwen3-4b-instruct", tmp_path)
+    tiny, tiny_tok, _ = load_model("tiny-qwen3", home)
+    ids = torch.tensor([tok.encode("What is 17 + 25? 42.")])
+    assert ids.tolist() == [tiny_tok.encode("What is 17 + 25? 42.")]
+    assert torch.equal(model(ids).logits, tiny(ids).logits)
 
 
 def test_pypi_failure_says_what_to_do(monkeypatch, tmp_path):
