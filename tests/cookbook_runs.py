@@ -33,10 +33,11 @@ SMALL_RL = [
 
 
 def run_recipe(
-    cookbook, workdir, engine, module: str, log: Path, *options: str, env=None, timeout=1800
+    cookbook, workdir, engine, module: str, log: Path, *options: str, env=None, timeout=1800, fresh_log=True
 ) -> dict:
     """Run ``python -m tinker_cookbook.recipes.MODULE`` in the stand-ins' directory; assert it exits 0,
-    writes metrics and makes no failed API call. Its metrics rows, output and seconds."""
+    writes metrics and makes no failed API call. Its metrics rows, output and seconds. ``fresh_log``:
+    pass ``behavior_if_log_dir_exists=delete`` (a recipe without that option, rl_loop, gets False)."""
     url, key, _, _ = engine
     environment = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "SESS_"))},
@@ -50,7 +51,7 @@ def run_recipe(
         **(env or {}),
     }
     command = [str(cookbook), "-m", f"tinker_cookbook.recipes.{module}", *options]
-    command += [f"log_path={log}", "behavior_if_log_dir_exists=delete"]
+    command += [f"log_path={log}", *(["behavior_if_log_dir_exists=delete"] if fresh_log else [])]
     started = time.monotonic()
     done = subprocess.run(
         command, cwd=workdir, capture_output=True, text=True, env=environment, timeout=timeout
