@@ -77,12 +77,8 @@ def attend(
     rows, heads, dim = query.shape
     kv_heads = key.shape[1]
     held = keys.shape[1] if places is not None else rows
-    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != (
-        held,
-        kv_heads,
-        BLOCK,
-        dim,
-    ):
+    layer = (held, kv_heads, BLOCK, dim)
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape[1:] != layer:
         raise ValueError(
             f"decode attention kernel: a cache layer of shape {tuple(keys.shape)} for {rows} rows"
         )
@@ -206,18 +202,8 @@ def draw(
     chosen = torch.empty(rows, dtype=torch.float32)
     check(
         lib.sess_draw(
-            *(
-                logits,
-                logits.stride(0),
-                rows,
-                vocab,
-                temperature,
-                u,
-                tiles,
-                tokens,
-                chosen,
-                torch.get_num_threads(),
-            ),
+            *(logits, logits.stride(0), rows, vocab, temperature, u, tiles, tokens, chosen),
+            torch.get_num_threads(),
         ),
         "token draw",
     )
